@@ -1,0 +1,317 @@
+"""Per-sequence block tables over a BlockPool: prefix match, allocate, commit (hash), fork, CoW, free.
+
+Pure bookkeeping in plain ints and lists: it never touches KV tensors. Copy-on-write only records
+`CopyOp(src, dst)`; the runner executes a step's copies in one batched call. See docs/kv-cache.md.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from chatserve.core.block_pool import BlockPool
+from chatserve.core.outputs import CopyOp
+from chatserve.core.prefix_hash import ROOT_HASH, BlockHash, PrefixHasher
+
+# Slot mapping (block_size 4 shown). Position p of a sequence lives in
+# physical block table[p // block_size] at offset p % block_size:
+#
+#   positions   0 1 2 3 | 4 5 6 7 | 8 9 . .        computed = 10, granted = 12
+#   table       [  7    ,    2    ,    9   ]       block 9 = the "write block" (holds position 10)
+#               full,hashed full,hashed partial → must have ref 1 before anything writes into it
+#
+# Write grant: allocate_slots(seq, n) makes every block covering positions [computed, n) exclusive
+# (ref 1, copy-on-write if shared) and sets granted = n. commit() may only advance computed up to
+# granted. fork() revokes the grant of both parent and child (granted = computed), so neither may
+# write again before its next allocate_slots, which performs the CoW. check_integrity() verifies
+# that every block covering [computed, granted) of every live sequence has ref 1 — so no two live
+# sequences can ever write the same block.
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    free_blocks: int             # ref 0, no hash
+    used_blocks: int             # ref > 0
+    cached_blocks: int           # ref 0 but holds a hash (evictable)
+    usage: float                 # used_blocks / num_blocks (0..1)
+    prefix_queries: int          # tokens looked up (sum of len(token_ids) passed to add_seq)
+    prefix_hits: int             # tokens served from cache
+    evictions: int
+    cow_copies: int
+    allocated_slots: int         # Σ over live seqs of len(block_table) * block_size
+    filled_slots: int            # Σ over live seqs of computed tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def waste_slots(self) -> int:
+        return self.allocated_slots - self.filled_slots
+
+
+class _Seq:
+    __slots__ = ("table", "computed", "granted", "hashes", "extra")
+
+    def __init__(self, extra: bytes) -> None:
+        self.table: list[int] = []
+        self.computed = 0            # positions [0, computed) hold K/V
+        self.granted = 0             # positions [computed, granted) may be written (exclusive blocks)
+        self.hashes: list[BlockHash] = []   # chained hash of each full block (prefix caching only)
+        self.extra = extra           # digest of (cache_salt, model_key)
+
+
+class KVCacheManager:
+    """Block tables for every live sequence, backed by one BlockPool. Not thread-safe: the
+    scheduler owns it and calls it from one thread."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True,
+                 watermark: float = 0.01, hash_seed: int | None = None, model_key: str = "") -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = watermark
+        self.watermark_blocks = math.ceil(watermark * num_blocks)
+        self.model_key = model_key
+        self.pool = BlockPool(num_blocks)
+        self.hasher = PrefixHasher(block_size, hash_seed)
+        self._seqs: dict[str, _Seq] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.cow_copies = 0
+
+    # ── counts ────────────────────────────────────────────────────────────────────────────────
+    @property
+    def num_free_blocks(self) -> int:
+        """Allocatable now: clean free blocks + evictable cached blocks."""
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used / self.num_blocks
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._seqs)
+
+    def has_seq(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def get_block_table(self, seq_id: str) -> list[int]:
+        """A copy of the seq's block table (safe to hand to the runner)."""
+        return list(self._seqs[seq_id].table)
+
+    def num_computed_tokens(self, seq_id: str) -> int:
+        return self._seqs[seq_id].computed
+
+    # ── lifecycle ─────────────────────────────────────────────────────────────────────────────
+    def add_seq(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Register a sequence and take refs on its longest cached chain of full blocks.
+
+        The match is capped so at least one token remains to compute. Returns the number of cached
+        tokens (a multiple of block_size); the seq's computed count starts there."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        seq = _Seq(self.hasher.extra_key(cache_salt, self.model_key))
+        self._seqs[seq_id] = seq
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        n = len(token_ids)
+        max_blocks = (n - 1) // bs if n > 0 else 0
+        pool, lookup = self.pool, self.pool.hash_to_block.get
+        hash_block, extra = self.hasher.hash_block, seq.extra
+        parent = ROOT_HASH
+        table, hashes = seq.table, seq.hashes
+        for i in range(max_blocks):
+            h = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra)
+            b = lookup(h)
+            if b is None:
+                break
+            pool.take(b)
+            table.append(b)
+            hashes.append(h)
+            parent = h
+        hits = len(table) * bs
+        seq.computed = seq.granted = hits
+        self.prefix_queries += n
+        self.prefix_hits += hits
+        return hits
+
+    def _plan(self, seq: _Seq, num_tokens: int) -> tuple[int, list[int]]:
+        """(new blocks to append, table indices to copy-on-write) for covering num_tokens slots."""
+        bs = self.block_size
+        table = seq.table
+        need = -(-num_tokens // bs) - len(table)
+        cow: list[int] = []
+        c = seq.computed
+        if num_tokens > c:
+            refs = self.pool.ref_counts
+            last = min(len(table), -(-num_tokens // bs))
+            for j in range(c // bs, last):
+                if refs[table[j]] > 1:
+                    cow.append(j)
+        return (need if need > 0 else 0), cow
+
+    def _fits(self, num_needed: int, reserve_watermark: bool) -> bool:
+        free = self.pool.num_free - num_needed
+        if free < 0:
+            return False
+        return not reserve_watermark or free >= self.watermark_blocks
+
+    def can_allocate(self, seq_id: str, num_tokens: int, *, reserve_watermark: bool = False) -> bool:
+        seq = self._seqs[seq_id]
+        if num_tokens <= seq.granted:
+            return True
+        need, cow = self._plan(seq, num_tokens)
+        return self._fits(need + len(cow), reserve_watermark)
+
+    def allocate_slots(self, seq_id: str, num_tokens: int, *,
+                       reserve_watermark: bool = False) -> list[CopyOp] | None:
+        """Make the table cover num_tokens slots and grant writes to [computed, num_tokens).
+
+        Shared blocks in that range are copied on write: a fresh block replaces the shared one
+        (which loses one ref) and CopyOp(src=old, dst=new) is recorded when the old block holds
+        positions this seq has computed. Returns the CopyOps, or None (nothing changed) if there
+        are not enough free blocks — or, with reserve_watermark, if fewer than
+        ceil(watermark * num_blocks) would remain."""
+        seq = self._seqs[seq_id]
+        if num_tokens <= seq.granted:           # fast path: already covered and exclusive
+            return []
+        need, cow = self._plan(seq, num_tokens)
+        if not self._fits(need + len(cow), reserve_watermark):
+            return None
+        pool, table = self.pool, seq.table
+        ops: list[CopyOp] = []
+        if cow:
+            bs, c = self.block_size, seq.computed
+            refs = pool.ref_counts
+            for j in cow:
+                old = table[j]
+                new = pool.allocate()
+                refs[old] -= 1                  # was > 1, so it stays owned by someone else
+                table[j] = new
+                if j * bs < c:                  # old holds positions we computed: copy them
+                    ops.append(CopyOp(src=old, dst=new))
+            self.cow_copies += len(ops)
+        for _ in range(need):
+            table.append(pool.allocate())
+        seq.granted = num_tokens
+        return ops
+
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Positions [0, num_computed) now hold K/V: hash and register every block that became full.
+
+        token_ids are the seq's tokens (prompt + generated), at least num_computed of them. If a
+        block's hash already maps to another block, ours stays unregistered (no dedup). Raises
+        ValueError when num_computed goes backwards or past the slots granted by allocate_slots."""
+        seq = self._seqs[seq_id]
+        if num_computed > seq.granted or num_computed < seq.computed:
+            raise ValueError(f"commit({seq_id!r}, {num_computed}): must lie in [computed "
+                             f"{seq.computed}, granted {seq.granted}] (call allocate_slots first)")
+        if len(token_ids) < num_computed:
+            raise ValueError(f"commit({seq_id!r}): {len(token_ids)} token ids < {num_computed}")
+        seq.computed = num_computed
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = num_computed // bs
+        hashes = seq.hashes
+        k = len(hashes)
+        if full <= k:
+            return
+        pool, table, extra = self.pool, seq.table, seq.extra
+        hash_block = self.hasher.hash_block
+        block_hash, hash_to_block = pool.block_hash, pool.hash_to_block
+        parent = hashes[-1] if k else ROOT_HASH
+        for j in range(k, full):
+            parent = hash_block(parent, token_ids[j * bs:(j + 1) * bs], extra)
+            hashes.append(parent)
+            b = table[j]
+            if block_hash[b] is None and parent not in hash_to_block:
+                block_hash[b] = parent
+                hash_to_block[parent] = b
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every parent block (ref +1) and its computed count. Both lose their write
+        grant: each must call allocate_slots (which copies on write) before writing again."""
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        p = self._seqs[parent_id]
+        c = _Seq(p.extra)
+        take = self.pool.take
+        for b in p.table:
+            take(b)
+        c.table = list(p.table)
+        c.hashes = list(p.hashes)
+        c.computed = c.granted = p.granted = p.computed
+        self._seqs[child_id] = c
+
+    def free(self, seq_id: str, *, keep_warm: bool = False) -> None:
+        """Drop the seq's refs (unknown ids are ignored, so aborts may race finishes).
+
+        Blocks reaching ref 0 are released in reverse table order: hashed ones join the LRU tail
+        (a chain's tail is evicted before its head), unhashed ones the head of the free queue.
+        keep_warm puts hashed blocks in the protected tier, evicted only when the normal tier is
+        empty (a live chat's next turn still hits under pressure)."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.pool.release(reversed(seq.table), keep_warm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the hashes of all ref-0 blocks. True if the cache is now empty; False if live
+        sequences still hold hashed blocks (those keep their hashes)."""
+        return self.pool.reset_hashes()
+
+    # ── observability ─────────────────────────────────────────────────────────────────────────
+    def stats(self) -> KVCacheStats:
+        pool = self.pool
+        used = pool.num_used
+        alloc = filled = 0
+        for s in self._seqs.values():
+            alloc += len(s.table)
+            filled += s.computed
+        return KVCacheStats(
+            num_blocks=self.num_blocks, free_blocks=pool.num_clean, used_blocks=used,
+            cached_blocks=pool.num_cached, usage=used / self.num_blocks,
+            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
+            evictions=pool.evictions, cow_copies=self.cow_copies,
+            allocated_slots=alloc * self.block_size, filled_slots=filled)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError (with a message) if any invariant is broken. O(blocks + table sizes).
+
+        Pool: free + cached + used == total, refs >= 0, no block both free and referenced, every
+        hashed block findable. Tables: each block's ref count equals the number of tables holding
+        it; no table holds a block twice; computed <= granted <= table capacity; every block
+        covering a seq's write grant [computed, granted) has ref 1 (no two live seqs can write the
+        same block); the seq's hash chain matches the hashes its blocks are registered under."""
+        pool = self.pool
+        pool.check_integrity()
+        bs = self.block_size
+        counts = [0] * self.num_blocks
+        for sid, s in self._seqs.items():
+            t = s.table
+            assert len(set(t)) == len(t), f"seq {sid!r} holds a block twice: {t}"
+            for b in t:
+                counts[b] += 1
+            assert 0 <= s.computed <= s.granted <= len(t) * bs, \
+                f"seq {sid!r}: computed {s.computed}, granted {s.granted}, capacity {len(t) * bs}"
+            write_blocks = range(s.computed // bs, -(-s.granted // bs)) if s.granted > s.computed else ()
+            for j in write_blocks:
+                assert pool.ref_counts[t[j]] == 1, \
+                    f"seq {sid!r} may write block {t[j]} (index {j}) but its ref is {pool.ref_counts[t[j]]}"
+            if self.enable_prefix_caching:
+                assert len(s.hashes) == s.computed // bs, \
+                    f"seq {sid!r}: {len(s.hashes)} hashes for {s.computed // bs} full blocks"
+                for j, h in enumerate(s.hashes):
+                    bh = pool.block_hash[t[j]]
+                    assert bh is None or bh == h, f"seq {sid!r}: block {t[j]} registered under another hash"
+        for b in range(self.num_blocks):
+            assert counts[b] == pool.ref_counts[b], \
+                f"block {b}: ref count {pool.ref_counts[b]} but held by {counts[b]} tables"
