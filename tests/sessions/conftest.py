@@ -1,0 +1,24 @@
+"""Fixtures for session tests: a real redis-server (skipped with a hint when it is not installed)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from session_fakes import RedisServer, redis_binary  # noqa: E402
+
+
+@pytest.fixture
+def redis_server():
+    binary = redis_binary()
+    if binary is None:
+        pytest.skip("redis-server not found: apt-get install -y redis-server (or set PATH)")
+    srv = RedisServer(binary)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

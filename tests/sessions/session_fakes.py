@@ -1,0 +1,144 @@
+"""Test doubles for session tests: a scripted chat backend, a minimal app, and a real redis-server.
+
+The backend stands in for chat_service (parse_chat_body + stream_chat) through the documented hook
+`app.state.session_chat_backend`; it is not a model and tests nothing about generation itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from chatserve.config import EngineConfig, ServerConfig
+from chatserve.server import session_routes
+
+
+class ScriptedChat:
+    """Says `reply(messages)` word by word, `delay_s` apart; `active` counts running generations."""
+
+    def __init__(self, reply: Callable[[list[dict]], str] | None = None, delay_s: float = 0.0) -> None:
+        self.reply = reply or (lambda msgs: f"echo: {msgs[-1]['content']}")
+        self.delay_s = delay_s
+        self.active = 0
+        self.started = 0
+        self.aborted = 0
+        self.requests: list[dict] = []
+        self._seen: dict[str, list[list[str]]] = {}
+
+    def parse(self, body: dict, state: Any) -> dict:
+        msgs = body.get("messages")
+        assert isinstance(msgs, list) and msgs and msgs[-1]["role"] == "user", body
+        if body.get("max_tokens", 1) < 1:
+            raise session_routes.HTTPError(400, "max_tokens must be >= 1")
+        return body
+
+    async def stream(self, state: Any, req: dict, *, owner: str, keep_warm: bool,
+                     request_id: str | None) -> AsyncIterator[dict]:
+        self.requests.append({"req": req, "owner": owner, "keep_warm": keep_warm})
+        self.active += 1
+        self.started += 1
+        finished = False
+        try:
+            words = " ".join(m["content"] for m in req["messages"]).split()
+            prev = self._seen.setdefault(owner, [])
+            cached = max((_common(p, words) for p in prev), default=0)
+            prev.append(words)
+            text = self.reply(req["messages"])
+            pieces = re.findall(r"\s*\S+|\s+", text) or [""]
+            base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": req.get("model", "fake")}
+            yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            for piece in pieces[: req.get("max_tokens", 10_000)]:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                yield {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+            yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            yield {**base, "choices": [], "usage": {
+                "prompt_tokens": len(words), "completion_tokens": len(pieces), "total_tokens": len(words) + len(pieces),
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "chatserve": {"ttft_s": 0.012, "tokens_per_s": 42.0, "queue_s": 0.001}}}
+            finished = True
+        finally:
+            self.active -= 1
+            if not finished:
+                self.aborted += 1
+
+
+def _common(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None) -> Starlette:
+    """The smallest app that serves the session routes and a /metrics with the KV usage gauge."""
+    cfg = EngineConfig(server=ServerConfig(redis_url=redis_url))
+    state = SimpleNamespace(config=cfg, model_name="fake-model", sessions=store, engine=None)
+
+    async def metrics(request: Any) -> PlainTextResponse:
+        usage = 0.25 * backend.active
+        return PlainTextResponse(f"chatserve:kv_cache_usage_perc {usage}\n")
+
+    app = Starlette(routes=[*session_routes.routes, Route("/metrics", metrics)])
+    app.state.chatserve = state
+    app.state.session_chat_backend = backend
+    session_routes.install(app, state)
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisServer:
+    """A throwaway redis-server on a free port, without persistence (a restart loses its data)."""
+
+    binary: str
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+def redis_binary() -> str | None:
+    return shutil.which("redis-server")
