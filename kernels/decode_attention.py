@@ -1,0 +1,244 @@
+"""Paged decode attention: one query token per sequence against its paged K/V, split-K over the context.
+
+All query heads that share a KV head run in one program (the GQA group, padded to 16 rows for tl.dot);
+long contexts are cut into splits merged by log-sum-exp. Not for prefill chunks (extend_attention is).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from chatserve_kernels.dispatch import compute_dtype, device_sms, jit, next_pow2, tl, use_triton
+from chatserve_kernels.quant import SCALE_TOKEN, dequantize_torch, scale_mode
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------- Triton kernels
+@jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                   block_tables_ptr, seq_lens_ptr, qsl_ptr,
+                   sm_scale_log2, window, tokens_per_split, num_splits,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh, stride_bt,
+                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SCALE_MODE: tl.constexpr, COMPUTE: tl.constexpr,
+                   PRECISION: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr):
+    # grid: (batch, kv_heads, splits). Program (b, kvh, s) covers tokens [lo, hi) of sequence b.
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.where(q_len == 1, seq_len, 0)          # rows that are not decode rows do nothing
+    lo = s * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    if WINDOW:
+        lo = tl.maximum(lo, seq_len - window)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kvh * GROUP + g                                                   # [GROUP_PAD]
+    q = tl.load(q_ptr + q_start * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)   # q: [GROUP_PAD, D_PAD]
+    qk_scale = sm_scale_log2
+    if SCALE_MODE == 2:
+        qk_scale = qk_scale * tl.load(ks_ptr)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    table = block_tables_ptr + b * stride_bt
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)                                  # token positions
+        n_ok = (offs >= lo) & (offs < hi)
+        blk = tl.load(table + offs // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        tok = offs % BLOCK_SIZE
+        kv_off = blk * stride_cb + tok * stride_ct + kvh * stride_ch          # [BLOCK_N]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        qk = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)   # [GROUP_PAD, BLOCK_N]
+        if SCALE_MODE == 1:
+            sc_off = blk * stride_sb + tok * stride_st + kvh * stride_sh
+            qk = qk * tl.load(ks_ptr + sc_off, mask=n_ok, other=0.0)[None, :]
+        qk = tl.where(n_ok[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if SCALE_MODE == 1:
+            p = p * tl.load(vs_ptr + sc_off, mask=n_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=PRECISION)
+        m_i = m_new
+    if SCALE_MODE == 2:
+        acc = acc * tl.load(vs_ptr)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        # partials: o [B, NUM_Q_HEADS, num_splits, D_PAD], lse (log2 domain) [B, NUM_Q_HEADS, num_splits]
+        row = (b * NUM_Q_HEADS + heads) * num_splits + s                      # [GROUP_PAD]
+        tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], o, mask=g_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+    else:
+        row_ok = g_ok & ((g * 0 + q_len) == 1)
+        tl.store(out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@jit
+def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride_ot, stride_oh,
+                  NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  S_PAD: tl.constexpr):
+    # grid: (batch, q_heads). out = Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < num_splits
+    row = (b * NUM_Q_HEADS + h) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))        # [S_PAD]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    den = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)    # [D_PAD]
+    ok = (d < HEAD_DIM) & ((d * 0 + q_len) == 1)
+    tl.store(out_ptr + q_start * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------- launcher
+def decode_config(head_dim: int, device: torch.device) -> dict:
+    """Tile sizes for the decode kernel (BLOCK_N tokens per iteration, warps, pipeline stages)."""
+    if device.type != "cuda":
+        return {"block_n": 32, "num_warps": 4, "num_stages": 1}
+    return {"block_n": 64 if head_dim > 64 else 128, "num_warps": 4, "num_stages": 2}
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device,
+                      min_tokens: int = 256, max_splits: int = 64) -> int:
+    """Enough splits for ~2 programs per SM, none shorter than `min_tokens` tokens."""
+    programs = batch * kv_heads
+    want = -(-2 * device_sms(device) // max(programs, 1))
+    return max(1, min(want, -(-max_seq_len // min_tokens), max_splits))
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
+                            out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                            num_splits: int | None = None, block_n: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    # q, out: [T, q_heads, head_dim]; k_cache, v_cache: [NB, BS, kv_heads, head_dim]
+    # block_tables: [B, max_blocks] int32; seq_lens: [B] int32; query_start_loc: [B+1] int32.
+    # Writes out[query_start_loc[b]] for every b with exactly one query token; other rows are untouched.
+    T, hq, D = q.shape
+    nb, bs, hkv, dc = k_cache.shape
+    B = seq_lens.shape[0]
+    assert dc == D and hq % hkv == 0 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
+    assert q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches need one dense layout"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.stride(1) == 1
+    assert query_start_loc.shape == (B + 1,) and bs & (bs - 1) == 0, (query_start_loc.shape, bs)
+    mode = scale_mode(k_cache, k_scale)
+    assert scale_mode(v_cache, v_scale) == mode
+    sstr = k_scale.stride() if mode == SCALE_TOKEN else (0, 0, 0)
+    if mode == SCALE_TOKEN:
+        assert v_scale.stride() == k_scale.stride()
+    if B == 0 or max_seq_len == 0:
+        return out
+    cfg = decode_config(D, q.device)
+    block_n = block_n or cfg["block_n"]
+    splits = num_splits or choose_num_splits(B, hkv, max_seq_len, q.device)
+    tps = -(-(-(-max_seq_len // splits)) // block_n) * block_n               # tokens per split
+    splits = -(-max_seq_len // tps)
+    group = hq // hkv
+    d_pad = next_pow2(D)
+    split = splits > 1
+    if split:
+        part_o = torch.empty((B, hq, splits, d_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out                                               # unused
+    dummy = k_cache
+    _decode_kernel[(B, hkv, splits)](
+        q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy, out, part_o, part_lse,
+        block_tables, seq_lens, query_start_loc,
+        scale * LOG2E, int(sliding_window or 0), tps, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
+        block_tables.stride(0),
+        NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, D_PAD=d_pad,
+        BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute_dtype(q.dtype, q.device),
+        PRECISION="ieee", SPLIT=split, WINDOW=bool(sliding_window),
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+    )
+    if split:
+        _merge_kernel[(B, hq)](
+            out, part_o, part_lse, query_start_loc, splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=next_pow2(splits), num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- torch twin
+def gather_dequant(cache: torch.Tensor, scale: torch.Tensor | None, table: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """cache [NB, BS, H, D] at table [..., n] → [..., n*BS, H, D] of `dtype` (dequantized if needed)."""
+    blocks = cache[table]                                                     # [..., n, BS, H, D]
+    if scale is not None and scale.dim() == 3:
+        vals = dequantize_torch(blocks, scale[table], dtype)
+    else:
+        vals = dequantize_torch(blocks, scale, dtype)
+    return vals.flatten(-4, -3)
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                           scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    # q: [B, q_heads, D] (one token per sequence) → [B, q_heads, D]
+    # Every sequence's blocks are gathered, padded to the longest, and the tail masked: one SDPA call.
+    B, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    nblk = (max_seq_len + bs - 1) // bs
+    table = block_tables[:, :nblk].long()                                     # [B, nblk]
+    k = gather_dequant(k_cache, k_scale, table, q.dtype).transpose(1, 2)      # [B, hkv, nblk*bs, d]
+    v = gather_dequant(v_cache, v_scale, table, q.dtype).transpose(1, 2)
+    pos = torch.arange(nblk * bs, device=q.device)[None, :]
+    lens = seq_lens.to(device=q.device, dtype=pos.dtype)[:, None]
+    mask = pos < lens                                                         # [B, S]
+    if sliding_window:
+        mask &= pos >= lens - sliding_window
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=hq != hkv)   # [B, hq, 1, d]
+    return out[:, :, 0, :]
+
+
+# --------------------------------------------------------------------------- public
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v for one query per sequence. q: [B, q_heads, D] → [B, q_heads, D]."""
+    assert q.dim() == 3 and k_cache.dim() == 4 and q.shape[0] == seq_lens.shape[0]
+    if use_triton(q):
+        qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, qsl, max_seq_len,
+                                       scale, torch.empty_like(q), k_scale, v_scale, sliding_window,
+                                       num_splits)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale,
+                                  k_scale, v_scale, sliding_window)

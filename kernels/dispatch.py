@@ -1,0 +1,80 @@
+"""Backend choice shared by every kernel file: Triton on CUDA tensors, the torch twin elsewhere.
+
+CHATSERVE_FORCE_TRITON=1 runs the Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1 set before
+triton is first imported); the tests use it. Not a kernel itself; triton stays optional.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # triton is an optional dependency (the CPU install does not need it)
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+FORCE_ENV = "CHATSERVE_FORCE_TRITON"
+
+
+def jit(fn):
+    """`triton.jit` when triton is installed; otherwise the plain function (never launched)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+def interpreting() -> bool:
+    """True when triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    if not HAS_TRITON:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # pragma: no cover - older triton
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Pick the Triton path for this tensor: CUDA, or any tensor when forced (CPU via the interpreter)."""
+    if not HAS_TRITON:
+        return False
+    if t.is_cuda:
+        return True
+    if os.environ.get(FORCE_ENV, "0") == "1":
+        if not interpreting():
+            raise RuntimeError(
+                f"{FORCE_ENV}=1 on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+        return True
+    return False
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device):
+    """The tl dtype the attention dots run in, for a query of `dtype`.
+
+    fp16/bf16 dots accumulate in fp32 on the GPU. The CPU interpreter's bf16 dot is wrong (numpy has
+    no bf16), so there bf16 operands are widened to fp32, which gives the same products exactly.
+    """
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16 and device.type == "cuda":
+        return tl.bfloat16
+    return tl.float32
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a nominal 4 on CPU so the interpreter splits too."""
+    if device.type != "cuda":
+        return 4
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,200 @@
+"""Prefix-aware prefill ("extend") attention: a chunk of new tokens against its cached prefix and itself.
+
+The chunk's own K/V are already in the paged cache (store_kv runs first), so each query tile streams
+its sequence's blocks with an online softmax (FlashAttention style) under a causal mask. Not for decode.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from chatserve_kernels.decode_attention import LOG2E, gather_dequant
+from chatserve_kernels.dispatch import compute_dtype, jit, next_pow2, tl, use_triton
+from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
+
+
+# --------------------------------------------------------------------------- Triton kernel
+@jit
+def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+                   sm_scale_log2, window,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh, stride_bt,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SCALE_MODE: tl.constexpr, COMPUTE: tl.constexpr,
+                   PRECISION: tl.constexpr, WINDOW: tl.constexpr, SKIP_DECODE: tl.constexpr):
+    # grid: (batch, kv_heads, query tiles). One program: BLOCK_M new tokens × the GROUP query heads of
+    # one kv head, as ROWS = BLOCK_M * GROUP_PAD rows (row r = token r // GROUP_PAD, head r % GROUP_PAD).
+    #
+    #   keys:  0 ............ ctx-1 | ctx ........ seq_len-1      (ctx = cached prefix length)
+    #   query i of the chunk sits at position ctx + i and sees keys 0 .. ctx + i
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    mt = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+    if SKIP_DECODE:
+        q_len = tl.where(q_len == 1, 0, q_len)          # decode rows are the decode kernel's job
+
+    ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
+    r = tl.arange(0, ROWS)
+    m = mt * BLOCK_M + r // GROUP_PAD                                         # token index in chunk
+    g = r % GROUP_PAD
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    row_ok = (m < q_len) & (g < GROUP)
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)  # q: [ROWS, D_PAD]
+    qpos = ctx + m                                                            # [ROWS]
+    first = mt * BLOCK_M
+    last = tl.minimum(q_len, first + BLOCK_M) - 1
+    hi = tl.where(first < q_len, ctx + last + 1, 0)                          # keys [lo, hi) are needed
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(ctx + first - window + 1, 0)
+    qk_scale = sm_scale_log2
+    if SCALE_MODE == 2:
+        qk_scale = qk_scale * tl.load(ks_ptr)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    table = block_tables_ptr + b * stride_bt
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        n_ok = offs < hi
+        blk = tl.load(table + offs // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        tok = offs % BLOCK_SIZE
+        kv_off = blk * stride_cb + tok * stride_ct + kvh * stride_ch          # [BLOCK_N]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)   # [ROWS, BLOCK_N]
+        if SCALE_MODE == 1:
+            sc_off = blk * stride_sb + tok * stride_st + kvh * stride_sh
+            qk = qk * tl.load(ks_ptr + sc_off, mask=n_ok, other=0.0)[None, :]
+        visible = n_ok[None, :] & (offs[None, :] <= qpos[:, None])
+        if WINDOW:
+            visible = visible & ((qpos[:, None] - offs[None, :]) < window)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if SCALE_MODE == 1:
+            p = p * tl.load(vs_ptr + sc_off, mask=n_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=PRECISION)
+        m_i = m_new
+    if SCALE_MODE == 2:
+        acc = acc * tl.load(vs_ptr)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------- launcher
+def extend_config(head_dim: int, group_pad: int, device: torch.device) -> dict:
+    """Tile sizes: BLOCK_M query tokens (so BLOCK_M × padded group ≈ 64–128 rows), BLOCK_N keys."""
+    rows = 128 if device.type == "cuda" else 32
+    block_m = max(1, min(64, rows // group_pad))
+    if block_m * group_pad < 16:
+        block_m = 16 // group_pad
+    if device.type != "cuda":
+        return {"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 1}
+    return {"block_m": block_m, "block_n": 64, "num_warps": 4 if head_dim <= 64 else 8,
+            "num_stages": 2}
+
+
+def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                            out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                            skip_decode: bool = False, block_m: int | None = None,
+                            block_n: int | None = None) -> torch.Tensor:
+    # q, out: [T, q_heads, D]; k_cache, v_cache: [NB, BS, kv_heads, D]; block_tables: [B, max_blocks];
+    # seq_lens: [B]; query_start_loc: [B+1]. skip_decode leaves rows of 1-token sequences untouched.
+    T, hq, D = q.shape
+    nb, bs, hkv, dc = k_cache.shape
+    B = seq_lens.shape[0]
+    assert dc == D and hq % hkv == 0 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
+    assert q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches need one dense layout"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.stride(1) == 1
+    assert query_start_loc.shape == (B + 1,) and bs & (bs - 1) == 0, (query_start_loc.shape, bs)
+    mode = scale_mode(k_cache, k_scale)
+    assert scale_mode(v_cache, v_scale) == mode
+    sstr = k_scale.stride() if mode == SCALE_TOKEN else (0, 0, 0)
+    if B == 0 or max_query_len == 0:
+        return out
+    group = hq // hkv
+    group_pad = next_pow2(group)
+    cfg = extend_config(D, group_pad, q.device)
+    block_m = block_m or cfg["block_m"]
+    block_n = block_n or cfg["block_n"]
+    assert block_m * group_pad >= 16, "tl.dot needs at least 16 rows"
+    dummy = k_cache
+    grid = (B, hkv, -(-max_query_len // block_m))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy, out, block_tables, seq_lens, query_start_loc,
+        scale * LOG2E, int(sliding_window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=D, D_PAD=next_pow2(D),
+        BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute_dtype(q.dtype, q.device),
+        PRECISION="ieee", WINDOW=bool(sliding_window), SKIP_DECODE=skip_decode,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- torch twin
+def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_len: int, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    # One sequence: q [ql, q_heads, D] for positions seq_len-ql .. seq_len-1 → [ql, q_heads, D]
+    ql, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    nblk = (seq_len + bs - 1) // bs
+    table = block_table[:nblk].long()
+    k = gather_dequant(k_cache, k_scale, table, q.dtype)[:seq_len].transpose(0, 1)   # [hkv, sl, d]
+    v = gather_dequant(v_cache, v_scale, table, q.dtype)[:seq_len].transpose(0, 1)
+    qpos = torch.arange(seq_len - ql, seq_len, device=q.device)[:, None]
+    kpos = torch.arange(seq_len, device=q.device)[None, :]
+    mask = kpos <= qpos                                                       # [ql, sl]
+    if sliding_window:
+        mask &= (qpos - kpos) < sliding_window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=hq != hkv)                # [hq, ql, d]
+    return out.transpose(0, 1)
+
+
+# --------------------------------------------------------------------------- public
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                     query_lens: list[int], seq_lens_list: list[int], scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of every sequence's new tokens over its cached prefix and themselves.
+
+    q: [T, q_heads, D] flattened over sequences (query_start_loc [B+1]) → [T, q_heads, D].
+    """
+    if use_triton(q):
+        return extend_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                       max(query_lens, default=0), scale, torch.empty_like(q),
+                                       k_scale, v_scale, sliding_window)
+    out = torch.empty_like(q)
+    start = 0
+    for b, (ql, sl) in enumerate(zip(query_lens, seq_lens_list)):
+        out[start:start + ql] = extend_attention_torch(q[start:start + ql], k_cache, v_cache,
+                                                       block_tables[b], sl, scale, k_scale, v_scale,
+                                                       sliding_window)
+        start += ql
+    return out
