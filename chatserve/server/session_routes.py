@@ -429,24 +429,38 @@ async def prepare_turn(conn: HTTPConnection, sid: str, body: dict) -> PreparedTu
             if not msgs or msgs[-1]["role"] != "user":
                 raise HTTPError(400, "nothing to answer: the conversation must end with a user message")
 
+        # validate against a preview first, so a rejected request leaves the session untouched
+        cur = await store.get(owner, sid)
+        if cur is None:
+            raise HTTPError(404, "session not found", "not_found")
+        add_user(cur)
+        state, backend = _state(conn), _backend(conn)
+        req = _parse_turn(backend, state, cur, overrides)
         s = await store.update(owner, sid, add_user)
         if s is None:
             raise HTTPError(404, "session not found", "not_found")
-        state = _state(conn)
-        chat: dict[str, Any] = {
-            "model": s.model or getattr(state, "model_name", None) or "default",
-            "messages": ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else [])
-            + [{"role": m["role"], "content": m["content"]} for m in s.messages],
-            "stream": True, "stream_options": {"include_usage": True},
-            **s.params, **overrides}
-        try:
-            req = _backend(conn).parse(chat, state)
-        except Exception as e:
-            raise _as_http(e)
+        def key(x: Session) -> tuple:
+            return ([(m["role"], m["content"]) for m in x.messages], x.params, x.system_prompt, x.model)
+
+        if key(s) != key(cur):
+            req = _parse_turn(backend, state, s, overrides)     # changed meanwhile (another process)
         return PreparedTurn(session=s, chat_request=req, turn=turn)
     except BaseException:
         reg.by_session.pop(sid, None)
         raise
+
+
+def _parse_turn(backend: ChatBackend, state: Any, s: Session, overrides: dict) -> Any:
+    chat: dict[str, Any] = {
+        "model": s.model or getattr(state, "model_name", None) or "default",
+        "messages": ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else [])
+        + [{"role": m["role"], "content": m["content"]} for m in s.messages],
+        "stream": True, "stream_options": {"include_usage": True},
+        **s.params, **overrides}
+    try:
+        return backend.parse(chat, state)
+    except Exception as e:
+        raise _as_http(e)
 
 
 def _as_http(e: Exception) -> HTTPError:

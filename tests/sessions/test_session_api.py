@@ -1,0 +1,219 @@
+"""The session REST API end to end through the ASGI app: ownership, turns, usage, export/import, Redis."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from chatserve.server.sessions import RedisSessionStore
+from session_fakes import ScriptedChat, make_app
+
+pytestmark = pytest.mark.timeout(60)
+JSON = {"content-type": "application/json"}
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def sse_chunks(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    assert text.rstrip().endswith("data: [DONE]")
+    return out
+
+
+async def say(c: httpx.AsyncClient, sid: str, content: str | None = None, **kw) -> list[dict]:
+    body = {"stream": True, **kw}
+    if content is not None:
+        body["content"] = content
+    r = await c.post(f"/v1/sessions/{sid}/messages", json=body)
+    assert r.status_code == 200, r.text
+    return sse_chunks(r.text)
+
+
+async def test_cookie_identity_and_owner_isolation():
+    app = make_app(ScriptedChat())
+    async with client(app) as alice, client(app) as bob:
+        r = await alice.post("/v1/sessions", json={"title": "alice's"})
+        assert r.status_code == 201
+        sc = r.headers["set-cookie"]
+        assert "chatserve_uid=" in sc and "HttpOnly" in sc and "SameSite=Lax" in sc
+        uid = sc.split("chatserve_uid=")[1].split(";")[0]
+        assert len(uid) >= 32                                   # 24 random bytes = 192 bits
+        sid = r.json()["id"]
+        assert len(sid) >= 22
+        assert (await alice.get(f"/v1/sessions/{sid}")).status_code == 200
+        assert "set-cookie" not in (await alice.get("/v1/sessions")).headers   # kept, not renewed
+        assert (await bob.get("/v1/sessions")).json()["data"] == []
+        for method, url in (("GET", f"/v1/sessions/{sid}"), ("DELETE", f"/v1/sessions/{sid}"),
+                            ("GET", f"/v1/sessions/{sid}/export")):
+            assert (await bob.request(method, url)).status_code == 404
+        assert (await bob.patch(f"/v1/sessions/{sid}", json={"title": "pwned"})).status_code == 404
+        assert (await bob.post(f"/v1/sessions/{sid}/messages", json={"content": "hi"})).status_code == 404
+        assert (await alice.get(f"/v1/sessions/{sid}")).json()["title"] == "alice's"
+
+
+async def test_turns_store_replies_with_usage_regenerate_and_edit():
+    chat = ScriptedChat(reply=lambda m: f"reply {sum(x['role'] == 'user' for x in m)} to {m[-1]['content']}")
+    app = make_app(chat)
+    async with client(app) as c:
+        sid = (await c.post("/v1/sessions", json={"system_prompt": "Be brief.",
+                                                   "params": {"temperature": 0.2}})).json()["id"]
+        chunks = await say(c, sid, "hello there")
+        text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch.get("choices"))
+        assert text == "reply 1 to hello there"
+        assert chunks[-1]["usage"]["prompt_tokens"] > 0
+        req = chat.requests[-1]
+        assert req["keep_warm"] is True and req["owner"].startswith("browser:")
+        assert req["req"]["messages"][0] == {"role": "system", "content": "Be brief."}
+        assert req["req"]["temperature"] == 0.2
+        await say(c, sid, "and again", temperature=0.7)
+        assert chat.requests[-1]["req"]["temperature"] == 0.7
+        s = (await c.get(f"/v1/sessions/{sid}")).json()
+        assert [m["role"] for m in s["messages"]] == ["user", "assistant"] * 2
+        assert s["title"] == "hello there"
+        u = s["messages"][3]["usage"]
+        assert u["cached_tokens"] > 0 and u["prompt_tokens"] > u["cached_tokens"]
+        assert u["ttft_s"] == 0.012 and u["tokens_per_s"] == 42.0 and u["completion_tokens"] > 0
+        # regenerate the last reply: same history, new reply replaces the old one
+        await say(c, sid, regenerate=True)
+        s = (await c.get(f"/v1/sessions/{sid}")).json()
+        assert len(s["messages"]) == 4 and s["messages"][3]["content"] == "reply 2 to and again"
+        # edit the first user message and resend: everything after it is replaced
+        await say(c, sid, "edited", replace_from=0)
+        s = (await c.get(f"/v1/sessions/{sid}")).json()
+        assert [m["content"] for m in s["messages"]] == ["edited", "reply 1 to edited"]
+        # list is newest first with counts, not messages
+        await c.post("/v1/sessions", json={"title": "newer"})
+        lst = (await c.get("/v1/sessions")).json()["data"]
+        assert [x["title"] for x in lst] == ["newer", "hello there"] and "messages" not in lst[0]
+        assert lst[1]["num_messages"] == 2
+
+
+async def test_validation_and_cross_origin_refusals():
+    app = make_app(ScriptedChat())
+    async with client(app) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        bad = [({"params": {"nope": 1}}, 400), ({"title": 5}, 400), ({"params": {"temperature": "x"}}, 400)]
+        for body, code in bad:
+            assert (await c.patch(f"/v1/sessions/{sid}", json=body)).status_code == code
+        assert (await c.post(f"/v1/sessions/{sid}/messages", json={})).status_code == 400
+        assert (await c.post(f"/v1/sessions/{sid}/messages", json={"regenerate": True})).status_code == 400
+        assert (await c.post(f"/v1/sessions/{sid}/messages",
+                             json={"content": "x", "max_tokens": 0})).status_code == 400
+        r = await c.post(f"/v1/sessions/{sid}/messages", content=b'{"content":"x"}',
+                         headers={"content-type": "text/plain"})
+        assert r.status_code == 415                               # no CORS-simple writes
+        r = await c.post("/v1/sessions", json={}, headers={"origin": "http://evil.example"})
+        assert r.status_code == 403
+        assert (await c.get("/v1/sessions/not-a-valid-id")).status_code == 404
+        assert (await c.get(f"/v1/sessions/{sid}")).json()["messages"] == []   # failed turns left nothing
+
+
+async def test_export_import_roundtrip():
+    app = make_app(ScriptedChat())
+    async with client(app) as c, client(app) as other:
+        sid = (await c.post("/v1/sessions", json={"title": "trip", "system_prompt": "sp"})).json()["id"]
+        await say(c, sid, "one")
+        r = await c.get(f"/v1/sessions/{sid}/export")
+        assert "attachment" in r.headers["content-disposition"]
+        doc = r.json()
+        assert doc["format"] == "chatserve.session.v1" and len(doc["messages"]) == 2
+        r = await other.post("/v1/sessions/import", json=doc)
+        assert r.status_code == 201
+        new = r.json()
+        assert new["id"] != sid and new["title"] == "trip" and new["system_prompt"] == "sp"
+        assert [m["content"] for m in new["messages"]] == [m["content"] for m in doc["messages"]]
+        assert new["messages"][1]["usage"] == doc["messages"][1]["usage"]
+        bad = dict(doc, messages=[{"role": "tool", "content": "x"}])
+        assert (await other.post("/v1/sessions/import", json=bad)).status_code == 400
+
+
+async def test_cancel_stops_generation_and_keeps_partial_reply():
+    chat = ScriptedChat(reply=lambda m: " ".join(["word"] * 200), delay_s=0.01)
+    app = make_app(chat)
+    async with client(app) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        task = asyncio.create_task(c.post(f"/v1/sessions/{sid}/messages", json={"content": "go"}))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if chat.active:
+                break
+        await asyncio.sleep(0.1)
+        assert (await c.post(f"/v1/sessions/{sid}/messages", json={"content": "x"})).status_code == 409
+        assert (await c.post(f"/v1/sessions/{sid}/cancel", json={})).json()["cancelled"] is True
+        r = await task
+        chunks = sse_chunks(r.text)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert chat.active == 0 and chat.aborted == 1
+        m = (await c.get(f"/v1/sessions/{sid}")).json()["messages"]
+        assert m[-1]["role"] == "assistant" and m[-1]["finish_reason"] == "abort"
+        assert 0 < len(m[-1]["content"].split()) < 200
+        await say(c, sid, "next")                                 # the session is free again
+
+
+async def test_sessions_survive_app_restart(redis_server):
+    chat = ScriptedChat()
+    app1 = make_app(chat, redis_url=redis_server.url)
+    async with client(app1) as c:
+        sid = (await c.post("/v1/sessions", json={"title": "kept"})).json()["id"]
+        await say(c, sid, "remember me")
+        cookie = c.cookies.get("chatserve_uid")
+        assert (await c.get("/v1/sessions/status")).json() == {
+            **(await c.get("/v1/sessions/status")).json(), "backend": "redis", "degraded": False}
+    await app1.state.session_store.aclose()
+    app2 = make_app(chat, redis_url=redis_server.url)             # a new process, same Redis
+    async with client(app2) as c:
+        c.cookies.set("chatserve_uid", cookie)
+        s = (await c.get(f"/v1/sessions/{sid}")).json()
+        assert s["title"] == "kept" and [m["content"] for m in s["messages"]] == ["remember me", "echo: remember me"]
+    await app2.state.session_store.aclose()
+
+
+async def test_redis_restart_mid_conversation_loses_nothing(redis_server):
+    chat = ScriptedChat(delay_s=0.005)
+    store = RedisSessionStore(redis_server.url, op_timeout_s=0.3, retry_interval_s=0.05)
+    app = make_app(chat, store=store)
+    async with client(app) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        await say(c, sid, "turn one")
+        # Redis dies while a reply is streaming
+        chat.reply = lambda m: "a reply that streams while redis goes away " * 3
+        task = asyncio.create_task(say(c, sid, "turn two"))
+        await asyncio.sleep(0.05)
+        redis_server.stop()
+        await task
+        r = await c.get("/v1/sessions/status")
+        assert r.json()["degraded"] is True and r.json()["pending_writes"] >= 1
+        chat.reply = lambda m: f"echo: {m[-1]['content']}"
+        r = await c.post(f"/v1/sessions/{sid}/messages", json={"content": "turn three"})
+        assert r.status_code == 200 and r.headers["x-chatserve-session-store"] == "degraded"
+        assert len((await c.get(f"/v1/sessions/{sid}")).json()["messages"]) == 6
+        redis_server.start()                                      # restarted empty
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            st = (await c.get("/v1/sessions/status")).json()
+            if not st["degraded"] and st["pending_writes"] == 0:
+                break
+        assert st["degraded"] is False
+        cookie = c.cookies.get("chatserve_uid")
+    await store.aclose()
+    app2 = make_app(chat, redis_url=redis_server.url)
+    async with client(app2) as c:
+        c.cookies.set("chatserve_uid", cookie)
+        msgs = (await c.get(f"/v1/sessions/{sid}")).json()["messages"]
+        assert [m["content"] for m in msgs if m["role"] == "user"] == ["turn one", "turn two", "turn three"]
+        assert msgs[3]["content"].startswith("a reply that streams") and msgs[5]["content"] == "echo: turn three"
+    await app2.state.session_store.aclose()
+
+
+async def test_memory_store_status_says_not_persisted():
+    app = make_app(ScriptedChat())
+    async with client(app) as c:
+        r = await c.get("/v1/sessions/status")
+        assert r.json()["persistent"] is False and r.headers["x-chatserve-session-store"] == "memory"
