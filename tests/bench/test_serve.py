@@ -1,0 +1,130 @@
+"""`chatserve bench serve` against the fake OpenAI server: workloads, metrics, JSON, plot."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chatserve.bench import serve
+from chatserve.bench.workloads import PromptSource, multi_turn_jobs, parse_range, shared_prefix_jobs
+
+
+def _run(capsys, fake, *args: str) -> dict:
+    rc = serve.main(["--url", fake.url, "--json", "--no-progress", *args])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0, out
+    return out
+
+
+def test_random_workload_metrics(capsys, fake):
+    r = _run(capsys, fake, "--num-prompts", "12", "--input-len", "8:24", "--output-len", "5",
+             "--concurrency", "4", "--seed", "3", "--slo-ttft", "10000", "--slo-tpot", "10000")
+    assert r["completed"] == r["num_requests"] == 12 and r["failed"] == 0
+    assert r["model"] == "fake-model" and r["output_tokens"] == 60
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = r[key]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"], key
+    assert r["e2e_ms"]["p50"] >= r["ttft_ms"]["p50"]
+    assert r["output_token_throughput"] == pytest.approx(60 / r["duration_s"])
+    assert r["goodput"] == pytest.approx(r["request_throughput"])
+    bodies = fake.state.bodies
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in bodies)
+    lens = [len(b["messages"][-1]["content"].split()) for b in bodies]
+    assert min(lens) >= 8 and max(lens) <= 24
+
+
+def test_multi_turn_history_and_prefix_hits(capsys, fake):
+    r = _run(capsys, fake, "--workload", "multi-turn", "--conversations", "2", "--turns", "3",
+             "--turn-len", "20", "--output-len", "6", "--ignore-eos")
+    assert r["completed"] == 6
+    # each later prompt carries the whole history, with the replies actually received
+    by_len = sorted(fake.state.bodies, key=lambda b: len(b["messages"]))
+    assert [len(b["messages"]) for b in by_len] == [1, 1, 3, 3, 5, 5]
+    assert by_len[-1]["messages"][1]["role"] == "assistant"
+    assert by_len[-1]["messages"][1]["content"].split() == [f"w{t}" for t in range(6)]
+    assert all(b["ignore_eos"] is True for b in fake.state.bodies)
+    assert 0.3 < r["prefix_cache_hit_rate"] < 1.0
+    assert r["usage_cached_fraction_turn2plus"] > 0.5
+
+
+def test_shared_prefix_resets_cache_and_hits(capsys, fake):
+    r = _run(capsys, fake, "--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "4",
+             "--system-len", "64", "--question-len", "8", "--output-len", "3", "--reset-prefix-cache",
+             "--warmup", "2", "--concurrency", "1")
+    assert fake.state.resets == 1 and r["prefix_cache_reset"] is True
+    assert r["completed"] == 8 and len(fake.state.bodies) == 10  # + 2 warm-up requests
+    # 6 of the 8 prompts find their group's 64-token system prompt (+ role word) cached
+    assert r["prefix_cache_hit_rate"] == pytest.approx(6 * 64 / sum(
+        len((" ".join(m["role"] + " " + m["content"] for m in b["messages"])).split())
+        for b in fake.state.bodies[2:])), r
+
+
+def test_parallel_n_samples(capsys, fake):
+    r = _run(capsys, fake, "--workload", "parallel", "--num-prompts", "3", "--n", "3",
+             "--input-len", "10", "--output-len", "4")
+    assert r["completed"] == 3 and r["output_tokens"] == 3 * 3 * 4
+    assert all(b["n"] == 3 for b in fake.state.bodies)
+
+
+def test_poisson_rate_and_no_metrics_server(capsys, fake):
+    fake.state.metrics = False
+    fake.state.has_reset = False
+    r = _run(capsys, fake, "--num-prompts", "6", "--input-len", "4", "--output-len", "2",
+             "--request-rate", "200", "--reset-prefix-cache", "--model", "fake-model")
+    assert r["completed"] == 6 and r["request_rate"] == 200
+    assert r["prefix_cache_hit_rate"] is None and r["prefix_cache_reset"] is False
+
+
+def test_concurrency_sweep_plot_and_out_file(capsys, fake, tmp_path):
+    png, out = tmp_path / "p.png", tmp_path / "r.json"
+    r = _run(capsys, fake, "--num-prompts", "4", "--input-len", "4", "--output-len", "3",
+             "--concurrency", "1,2,4", "--plot", str(png), "--out", str(out))
+    assert [x["concurrency"] for x in r["runs"]] == [1, 2, 4]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(out.read_text()) == r
+
+
+def test_completions_endpoint_and_failures_reported(capsys, fake):
+    r = _run(capsys, fake, "--endpoint", "completions", "--num-prompts", "2", "--input-len", "5",
+             "--output-len", "2")
+    assert r["completed"] == 2 and isinstance(fake.state.bodies[0]["prompt"], str)
+    fake.state.behavior = "two_finish"
+    rc = serve.main(["--url", fake.url, "--json", "--no-progress", "--num-prompts", "2",
+                     "--input-len", "4", "--output-len", "2"])
+    bad = json.loads(capsys.readouterr().out)
+    assert rc == 3 and bad["failed"] == 2 and "2 finish_reasons" in bad["errors"][0]
+
+
+def test_workload_shapes():
+    import random
+
+    src = PromptSource(random.Random(0))
+    jobs = shared_prefix_jobs(src, 3, 5, 40, "10", "8")
+    assert len(jobs) == 15 and len({j.system for j in jobs}) == 3
+    conv = multi_turn_jobs(src, 2, 4, "10", "5", system_len=20)
+    assert [t.approx_prompt_tokens for t in conv[0].turns] == [30, 45, 60, 75]
+    assert parse_range("7") == (7, 7) and parse_range("3:9") == (3, 9)
+    with pytest.raises(ValueError):
+        parse_range("9:3")
+
+
+class _WordTok:
+    """A stand-in tokenizer: one id per word."""
+    vocab: dict[str, int] = {}
+
+    def encode(self, text):
+        return [self.vocab.setdefault(w, len(self.vocab) + 5) for w in text.split()]
+
+    def decode(self, ids):
+        inv = {v: k for k, v in self.vocab.items()}
+        return " ".join(inv[i] for i in ids)
+
+
+def test_token_id_prompts_are_exact(monkeypatch, capsys, fake):
+    monkeypatch.setattr(serve.workloads, "load_tokenizer", lambda spec: _WordTok())
+    r = _run(capsys, fake, "--tokenizer", "x", "--workload", "multi-turn", "--conversations", "1",
+             "--turns", "2", "--turn-len", "17", "--output-len", "3")
+    assert r["endpoint"] == "completions" and r["completed"] == 2
+    p0, p1 = (b["prompt"] for b in fake.state.bodies)
+    assert len(p0) == 17 and all(isinstance(x, int) for x in p0)
+    assert p1[:17] == p0 and len(p1) == 17 + 3 + 17  # history + reply re-encoded + new turn
