@@ -19,13 +19,7 @@ from chatserve.core.request import FinishReason, Request, SamplingParams
 
 log = logging.getLogger("chatserve.engine")
 
-try:  # the scheduler module owns admission errors; the fallback only serves until it lands
-    from chatserve.core.scheduler import AdmissionError
-except ImportError:  # pragma: no cover
-    class AdmissionError(Exception):  # type: ignore[no-redef]
-        def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
-            super().__init__(message)
-            self.status, self.message, self.retry_after = status, message, retry_after
+from chatserve.core.scheduler import AdmissionError  # re-exported: the server catches it from here
 
 MAX_BUFFERED_DELTAS = 4096   # per request: a reader this far behind is ended (the engine never waits)
 
@@ -183,7 +177,7 @@ class AsyncEngine:
     def loaded(self) -> bool:
         return self.runner is not None and self.scheduler is not None and self.tokenizer is not None
 
-    def load(self) -> None:
+    def load(self, progress: bool = False) -> None:
         """Build whatever was not injected: runner (loads weights), tokenizer, KV manager, scheduler.
 
         Blocking; call it from a thread or before the event loop starts.
@@ -194,7 +188,8 @@ class AsyncEngine:
             self.runner = ModelRunner(
                 mc.resolved_model(), dtype=mc.dtype, device=mc.device, block_size=cc.block_size,
                 num_blocks=cc.num_blocks, kv_cache_memory=cc.kv_cache_memory,
-                max_model_len=self.config.scheduler.max_model_len)
+                max_model_len=self.config.scheduler.max_model_len, num_threads=mc.num_threads,
+                progress=progress)
         if self.tokenizer is None:
             from chatserve.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_model(mc.resolved_model())
@@ -262,7 +257,7 @@ class AsyncEngine:
                           keep_warm=keep_warm, group_id=request_id if n > 1 else None,
                           sample_index=i)
             reqs.append(req)
-            group.seqs.append(_Seq(req, i, self._new_detok(p), group))
+            group.seqs.append(_Seq(req, i, self._new_detok(p, prompt_ids), group))
         if n == 1:
             self.scheduler.add_request(reqs[0])
         else:
@@ -307,12 +302,13 @@ class AsyncEngine:
             if self._wake is not None:
                 self._wake.set()
 
-    def _new_detok(self, p: SamplingParams) -> Any:
+    def _new_detok(self, p: SamplingParams, prompt_ids: list[int]) -> Any:
         factory = self._detok_factory
         if factory is None:
             from chatserve.tokenizer import IncrementalDetokenizer
             factory = IncrementalDetokenizer
-        return factory(self.tokenizer, stop=list(p.stop), include_stop_str=p.include_stop_str_in_output)
+        return factory(self.tokenizer, stop=list(p.stop), include_stop_str=p.include_stop_str_in_output,
+                       prompt_tail=list(prompt_ids[-4:]))
 
     # ---- the step loop ------------------------------------------------------------------------
     async def _loop(self) -> None:

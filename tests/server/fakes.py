@@ -17,10 +17,7 @@ VOCAB = 64
 EOS = 63
 
 
-class FakeAdmissionError(Exception):
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.retry_after = status, message, retry_after
+from chatserve.engine import AdmissionError as FakeAdmissionError  # the real class: the server catches it
 
 
 @dataclass
@@ -220,7 +217,8 @@ class FakeTokenizer:
 class FakeDetok:
     """Holds back a tail that could start a stop string; `stopped` once one appears."""
 
-    def __init__(self, tok: FakeTokenizer, stop: list[str] | None = None, include_stop_str: bool = False):
+    def __init__(self, tok: FakeTokenizer, stop: list[str] | None = None, include_stop_str: bool = False,
+                 prompt_tail: list[int] | None = None):
         self.tok, self.stop, self.include = tok, list(stop or []), include_stop_str
         self.text = ""
         self.emitted = 0

@@ -1,0 +1,145 @@
+"""HTTP handlers for the OpenAI-compatible API and the operational endpoints.
+
+/v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /tokenize, /detokenize, /metrics.
+Not the WebSocket (ws.py), not sessions (session_routes.py), not the app wiring (app.py).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatserve.server.body import read_json_object
+from chatserve.server.chat_service import (collect_chat, collect_completion, sse_response,
+                                           stream_chat, stream_completion)
+from chatserve.server.errors import APIError, invalid
+from chatserve.server.identity import owner_of
+from chatserve.server.metrics import CONTENT_TYPE
+from chatserve.server.protocol import (get_bool, normalize_messages, parse_chat_body,
+                                       parse_completion_body, parse_token_ids)
+from chatserve.server.state import ServerState
+
+BIG_PROMPT_CHARS = 32_768        # above this, tokenize in a worker thread (keeps the loop responsive)
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.chatserve
+
+
+async def _body(request: Request) -> dict:
+    st = state_of(request)
+    return await read_json_object(request, st.config.server.max_body_bytes)
+
+
+async def _parse(fn, body: dict, st: ServerState):
+    if len(str(body.get("messages") or body.get("prompt") or "")) > BIG_PROMPT_CHARS:
+        return await asyncio.to_thread(fn, body, st)
+    return fn(body, st)
+
+
+async def _drop_usage(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """Without stream_options.include_usage, clients get no usage chunk (as OpenAI)."""
+    try:
+        async for c in chunks:
+            if c.get("usage") is not None and not c.get("choices"):
+                continue
+            yield c
+    finally:
+        await chunks.aclose()
+
+
+async def chat_completions(request: Request) -> Response:
+    st = state_of(request)
+    req = await _parse(parse_chat_body, await _body(request), st)
+    chunks = stream_chat(st, req, owner=owner_of(request))
+    if req.stream:
+        return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
+    try:
+        return JSONResponse(await collect_chat(chunks, req.params.n))
+    finally:
+        await chunks.aclose()
+
+
+async def completions(request: Request) -> Response:
+    st = state_of(request)
+    req = await _parse(parse_completion_body, await _body(request), st)
+    chunks = stream_completion(st, req, owner=owner_of(request))
+    if req.stream:
+        return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
+    try:
+        return JSONResponse(await collect_completion(chunks, req.params.n))
+    finally:
+        await chunks.aclose()
+
+
+async def models(request: Request) -> Response:
+    st = state_of(request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "chatserve",
+        "root": st.config.model.model or st.model_name, "parent": None,
+        "max_model_len": st.max_model_len}]})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    st = state_of(request)
+    if getattr(st.engine, "ready", False):
+        return JSONResponse({"status": "ready", "model": st.model_name})
+    why = "draining" if not getattr(st.engine, "accepting", True) else "loading"
+    return JSONResponse({"status": why}, status_code=503, headers={"Retry-After": "5"})
+
+
+async def tokenize(request: Request) -> Response:
+    st = state_of(request)
+    body = await _body(request)
+    if "messages" in body:
+        msgs = normalize_messages(body["messages"])
+        try:
+            ids = await asyncio.to_thread(st.tokenizer.apply_chat_template, msgs,
+                                          add_generation_prompt=get_bool(body, "add_generation_prompt", True))
+        except ValueError as e:
+            raise invalid(f"invalid messages: {e}"[:500], "messages") from None
+    elif isinstance(body.get("prompt"), str):
+        ids = await asyncio.to_thread(st.tokenizer.encode, body["prompt"])
+    else:
+        raise invalid("send 'prompt' (a string) or 'messages'", "prompt", "missing_required_parameter")
+    ids = list(ids)
+    out = {"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len}
+    if get_bool(body, "return_token_strs"):
+        out["token_strs"] = [st.tokenizer.token_str(i) for i in ids]
+    return JSONResponse(out)
+
+
+async def detokenize(request: Request) -> Response:
+    st = state_of(request)
+    body = await _body(request)
+    if "tokens" not in body:
+        raise invalid("'tokens' is required", "tokens", "missing_required_parameter")
+    ids = parse_token_ids(body["tokens"], "tokens", st.vocab_size)
+    text = await asyncio.to_thread(st.tokenizer.decode, ids)
+    return JSONResponse({"prompt": text})
+
+
+async def metrics(request: Request) -> Response:
+    st = state_of(request)
+    if st.metrics is None:
+        raise APIError(404, "metrics are disabled", code="not_found")
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+routes = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/ready", ready, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]

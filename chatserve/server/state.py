@@ -1,0 +1,48 @@
+"""ServerState: everything the routes share, hung on `app.state.chatserve`.
+
+A plain dataclass built once by the CLI (or a test); no I/O here.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from chatserve.config import EngineConfig
+
+
+@dataclass
+class ServerState:
+    config: EngineConfig
+    engine: Any                           # chatserve.engine.AsyncEngine (or a test double)
+    tokenizer: Any
+    model_name: str
+    sessions: Any = None                  # set by the sessions module's install()
+    metrics: Any = None                   # chatserve.server.metrics.Metrics
+    session_secret: bytes = b""           # HMAC key for cache salts; random per process when unset
+    vocab_size: int | None = None
+    rate_limiter: Any = None              # chatserve.server.ratelimit.RateLimiter (None = off)
+    started_at: float = field(default_factory=time.time)
+    # extra WebSocket message types: type → async fn(state, msg, owner, request_id) -> AsyncIterator[dict]
+    ws_handlers: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    startup_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    shutdown_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.session_secret:
+            s = self.config.server.session_secret
+            self.session_secret = s.encode() if s else secrets.token_bytes(32)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    def model_names(self) -> set[str]:
+        """Names a request may use for `model` (the served name, plus the file's own name)."""
+        names = {self.model_name}
+        path = self.config.model.model
+        if path:
+            import os
+            names.add(os.path.basename(path.rstrip("/")))
+        return names
