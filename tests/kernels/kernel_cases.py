@@ -1,0 +1,124 @@
+"""Builders for kernel tests: a filled paged KV cache with shuffled blocks, its metadata, a dense oracle.
+
+Shared by the interpreter grid (CPU) and the CUDA grid; holds no test itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from chatserve_kernels import AttentionMetadata, allocate_kv_cache
+from chatserve_kernels.dispatch import HAS_TRITON, interpreting
+from chatserve_kernels.kv_store import store_kv_torch
+from chatserve_kernels.quant import dequantize_torch
+
+needs_interpreter = pytest.mark.skipif(
+    not (HAS_TRITON and interpreting()),
+    reason="needs triton's CPU interpreter (TRITON_INTERPRET=1 before triton is imported; no CUDA)")
+needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA + triton")
+
+# max |triton - twin| allowed, as (atol, rtol), by query/output dtype. fp32 differs only by summation
+# order; fp16/bf16 by one or two output roundings (the interpreter rounds bf16 by truncation).
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 2e-2)}
+# max |twin - dense float64 oracle| on the same (dequantized) K/V
+TOL_DENSE = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+# one byte of a code that decodes to a large value, per cache dtype (written into every unused slot)
+_LOUD = {torch.float32: 0x46, torch.float16: 0x70, torch.bfloat16: 0x46, torch.int8: 0x7F,
+         torch.float8_e4m3fn: 0x7E}
+
+
+@dataclass
+class PagedCase:
+    q: torch.Tensor              # [T, hq, D]
+    k_cache: torch.Tensor        # [NB, BS, hkv, D]
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    meta: AttentionMetadata
+    tables: list[list[int]]
+    scale: float
+
+    def kwargs(self) -> dict:
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+
+def make_case(query_lens: list[int], seq_lens: list[int], *, q_heads: int, kv_heads: int, head_dim: int,
+              block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto", seed: int = 0,
+              device: str = "cpu", spare_blocks: int = 3) -> PagedCase:
+    """Sequences of seq_lens tokens (the last query_lens of them new) in randomly placed blocks."""
+    g = torch.Generator().manual_seed(seed)
+    need = [(sl + block_size - 1) // block_size for sl in seq_lens]
+    nb = sum(need) + spare_blocks
+    k, v, ks, vs = allocate_kv_cache(nb, block_size, kv_heads, head_dim, dtype, kv_cache_dtype, device)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    slots = [t[p // block_size] * block_size + p % block_size for t, sl in zip(tables, seq_lens)
+             for p in range(sl)]
+    keys = torch.randn(len(slots), kv_heads, head_dim, generator=g).to(dtype)
+    vals = torch.randn(len(slots), kv_heads, head_dim, generator=g).to(dtype)
+    if kv_cache_dtype == "fp8_per_tensor":
+        ks.fill_(0.05)
+        vs.fill_(0.02)
+    store_kv_torch(keys.to(device), vals.to(device), k, v, torch.tensor(slots, device=device), ks, vs)
+    # garbage in the unused spare blocks and the tail of partly filled blocks must never leak in
+    used = torch.zeros(nb * block_size, dtype=torch.bool)
+    used[torch.tensor(slots, dtype=torch.long)] = True
+    free = (~used).nonzero()[:, 0].to(device)
+    for cache in (k, v):  # large finite values: a leak shows in the output, the twin's 0-weights stay 0
+        cache.view(torch.uint8).view(nb * block_size, kv_heads, -1)[free] = _LOUD[cache.dtype]
+    for scale in (ks, vs):
+        if scale is not None and scale.dim() == 3:
+            scale.view(-1, kv_heads)[free] = 100.0
+    q = torch.randn(sum(query_lens), q_heads, head_dim, generator=g).to(dtype).to(device)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    return PagedCase(q, k, v, ks, vs, meta, tables, head_dim ** -0.5)
+
+
+def dense_reference(case: PagedCase, sliding_window: int | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v in float64 on each sequence's gathered, contiguous (dequantized) K/V."""
+    q, meta = case.q, case.meta
+    bs = case.k_cache.shape[1]
+    hq, hkv = q.shape[1], case.k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    start = 0
+    for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
+        pos = torch.arange(sl)
+        slots = torch.tensor(case.tables[b], dtype=torch.long)[pos // bs] * bs + pos % bs
+        k = _dense(case.k_cache, case.k_scale, slots)                        # [sl, hkv, D]
+        v = _dense(case.v_cache, case.v_scale, slots)
+        k = k.repeat_interleave(hq // hkv, dim=1)                             # [sl, hq, D]
+        v = v.repeat_interleave(hq // hkv, dim=1)
+        qb = q[start:start + ql].cpu().double()                               # [ql, hq, D]
+        s = torch.einsum("qhd,khd->hqk", qb, k) * case.scale                  # [hq, ql, sl]
+        qpos = torch.arange(sl - ql, sl)[:, None]
+        mask = pos[None, :] <= qpos
+        if sliding_window:
+            mask &= (qpos - pos[None, :]) < sliding_window
+        s = s.masked_fill(~mask, float("-inf"))
+        out[start:start + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        start += ql
+    return out
+
+
+def _dense(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    nb, bs, h, d = cache.shape
+    codes = cache.cpu().view(nb * bs, h, d)[slots]
+    if scale is not None and scale.dim() == 3:
+        return dequantize_torch(codes, scale.cpu().view(nb * bs, h)[slots], torch.float64)
+    return dequantize_torch(codes, None if scale is None else scale.cpu(), torch.float64)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, tol: dict = TOL) -> None:
+    atol, rtol = tol[dtype]
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    assert torch.isfinite(a).all(), "non-finite output"
+    err = (a - e).abs()
+    bound = atol + rtol * e.abs()
+    assert bool((err <= bound).all()), f"max err {err.max().item():.3e} (atol {atol}, rtol {rtol})"
