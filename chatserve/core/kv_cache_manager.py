@@ -9,6 +9,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from chatserve.core.block_pool import BlockPool
 from chatserve.core.outputs import CopyOp
 from chatserve.core.prefix_hash import ROOT_HASH, BlockHash, PrefixHasher
@@ -109,6 +111,10 @@ class KVCacheManager:
     def num_computed_tokens(self, seq_id: str) -> int:
         return self._seqs[seq_id].computed
 
+    def num_allocated_slots(self, seq_id: str) -> int:
+        """Slots the seq's table covers (len(block_table) * block_size), without copying the table."""
+        return len(self._seqs[seq_id].table) * self.block_size
+
     # ── lifecycle ─────────────────────────────────────────────────────────────────────────────
     def add_seq(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Register a sequence and take refs on its longest cached chain of full blocks.
@@ -124,19 +130,26 @@ class KVCacheManager:
         bs = self.block_size
         n = len(token_ids)
         max_blocks = (n - 1) // bs if n > 0 else 0
-        pool, lookup = self.pool, self.pool.hash_to_block.get
-        hash_block, extra = self.hasher.hash_block, seq.extra
-        parent = ROOT_HASH
         table, hashes = seq.table, seq.hashes
-        for i in range(max_blocks):
-            h = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra)
-            b = lookup(h)
-            if b is None:
-                break
-            pool.take(b)
-            table.append(b)
-            hashes.append(h)
-            parent = h
+        if max_blocks and self.pool.hash_to_block:
+            lookup = self.pool.hash_to_block.get
+            h3, seed, extra = xxhash.xxh3_128_digest, self.hasher.seed, seq.extra
+            buf = self.hasher.pack(token_ids[:max_blocks * bs])   # same bytes as hash_block()
+            stride = 4 * bs
+            h = ROOT_HASH
+            for off in range(0, len(buf), stride):
+                h = h3(h + extra + buf[off:off + stride], seed)
+                b = lookup(h)
+                if b is None:
+                    break
+                table.append(b)
+                hashes.append(h)
+            refs, take = self.pool.ref_counts, self.pool.take
+            for b in table:
+                if refs[b]:
+                    refs[b] += 1                # live block: just one more owner
+                else:
+                    take(b)                     # cached block: leaves the free queue
         hits = len(table) * bs
         seq.computed = seq.granted = hits
         self.prefix_queries += n
@@ -183,13 +196,25 @@ class KVCacheManager:
         seq = self._seqs[seq_id]
         if num_tokens <= seq.granted:           # fast path: already covered and exclusive
             return []
+        c = seq.computed
+        if num_tokens == c + 1:                 # fast path: one decode token at position c
+            table = seq.table
+            j = c // self.block_size
+            if j < len(table):
+                if self.pool.ref_counts[table[j]] == 1:
+                    seq.granted = num_tokens
+                    return []
+            elif j == len(table) and self._fits(1, reserve_watermark):
+                table.append(self.pool.allocate())
+                seq.granted = num_tokens
+                return []
         need, cow = self._plan(seq, num_tokens)
         if not self._fits(need + len(cow), reserve_watermark):
             return None
         pool, table = self.pool, seq.table
         ops: list[CopyOp] = []
         if cow:
-            bs, c = self.block_size, seq.computed
+            bs = self.block_size
             refs = pool.ref_counts
             for j in cow:
                 old = table[j]

@@ -57,15 +57,27 @@ class PrefixHasher:
         """Hash of one full block (len(tokens) must equal block_size)."""
         return xxhash.xxh3_128_digest(self._struct.pack(parent, extra, *tokens), self.seed)
 
+    @staticmethod
+    def pack(token_ids: Sequence[int]) -> bytes:
+        """token_ids as little-endian uint32 (the block encoding; pack once, slice per block)."""
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+    def hash_packed(self, parent: BlockHash, packed_block: bytes, extra: bytes) -> BlockHash:
+        """hash_block() of a block already packed with pack() (4 * block_size bytes)."""
+        return xxhash.xxh3_128_digest(parent + extra + packed_block, self.seed)
+
     def hash_blocks(self, token_ids: Sequence[int], extra: bytes, parent: BlockHash = ROOT_HASH,
                     start_block: int = 0, num_blocks: int | None = None) -> list[BlockHash]:
         """Chained hashes of full blocks start_block.. of token_ids (parent = hash of block start_block-1)."""
         bs = self.block_size
         end = len(token_ids) // bs if num_blocks is None else min(len(token_ids) // bs,
                                                                    start_block + num_blocks)
-        pack, seed, h3 = self._struct.pack, self.seed, xxhash.xxh3_128_digest
+        if end <= start_block:
+            return []
+        buf = self.pack(token_ids[start_block * bs:end * bs])
+        stride, seed, h3 = 4 * bs, self.seed, xxhash.xxh3_128_digest
         out: list[BlockHash] = []
-        for i in range(start_block, end):
-            parent = h3(pack(parent, extra, *token_ids[i * bs:(i + 1) * bs]), seed)
+        for off in range(0, len(buf), stride):
+            parent = h3(parent + extra + buf[off:off + stride], seed)
             out.append(parent)
         return out
