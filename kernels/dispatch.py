@@ -1,14 +1,21 @@
 """Backend choice shared by every kernel file: Triton on CUDA tensors, the torch twin elsewhere.
 
-CHATSERVE_FORCE_TRITON=1 runs the Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1 set before
-triton is first imported); the tests use it. Not a kernel itself; triton stays optional.
+CHATSERVE_FORCE_TRITON=1 runs the Triton kernels on CPU tensors too, through triton's interpreter; the
+tests use it. Not a kernel itself; triton stays optional.
 """
 from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
+
+# Triton decides at import time whether it interprets. Without CUDA, compiled Triton cannot run at all,
+# so interpreting is the only useful mode: choose it here, before anything imports triton, whatever the
+# order in which modules (or test files) import us. An explicit TRITON_INTERPRET wins.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:  # triton is an optional dependency (the CPU install does not need it)
     import triton
@@ -45,8 +52,8 @@ def use_triton(t: torch.Tensor) -> bool:
         return True
     if os.environ.get(FORCE_ENV, "0") == "1":
         if not interpreting():
-            raise RuntimeError(
-                f"{FORCE_ENV}=1 on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+            raise RuntimeError(f"{FORCE_ENV}=1 on CPU tensors needs triton's interpreter: set "
+                               "TRITON_INTERPRET=1 before triton is first imported")
         return True
     return False
 
