@@ -1,0 +1,354 @@
+"""`chatserve bench memory`: the KV cache manager's memory efficiency and speed, on synthetic workloads.
+
+Drives KVCacheManager directly (pure Python, no model, no torch): internal waste, paged vs contiguous
+concurrency, parallel-sampling and fork-tree sharing, and µs per append / free / prefix match.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from datetime import datetime, timezone
+
+from chatserve.core.kv_cache_manager import KVCacheManager
+
+GOALS: dict[str, tuple[str, float]] = {       # key → (comparison, bound)
+    "waste_pct": ("<", 4.0),
+    "paged_vs_contiguous_concurrency": (">=", 3.0),
+    "parallel_sampling_saving": (">=", 0.75),
+    "append_us": ("<", 10.0),
+    "match_us": ("<", 1000.0),
+}
+
+
+def _workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(rng.randint(*prompt), rng.randint(*output)) for _ in range(n)]
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(49152) for _ in range(n)]
+
+
+# ── internal waste ────────────────────────────────────────────────────────────────────────────
+def internal_waste(work: list[tuple[int, int]], block_size: int, seed: int = 0) -> float:
+    """Allocated-but-unfilled slots / allocated slots, summed over every step of every request's
+    life (after its prefill and after each decoded token), in percent."""
+    rng = random.Random(seed)
+    longest = max(p + o for p, o in work)
+    m = KVCacheManager(-(-longest // block_size) + 1, block_size, watermark=0.0, hash_seed=seed)
+    alloc = unfilled = 0
+    for i, (p, o) in enumerate(work):
+        sid = f"r{i}"
+        toks = _tokens(rng, p)
+        m.add_seq(sid, toks)
+        m.allocate_slots(sid, p)
+        m.commit(sid, toks, p)
+        a = m.num_allocated_slots(sid)
+        alloc += a
+        unfilled += a - p
+        for n in range(p + 1, p + o + 1):
+            toks.append(n & 0xFFFF)
+            m.allocate_slots(sid, n)
+            m.commit(sid, toks, n)
+            a = m.num_allocated_slots(sid)
+            alloc += a
+            unfilled += a - n
+        m.free(sid)
+    return 100.0 * unfilled / alloc
+
+
+# ── concurrency ───────────────────────────────────────────────────────────────────────────────
+def paged_concurrency(work: list[tuple[int, int]], budget_slots: int, block_size: int,
+                      max_len: int, seed: int = 0) -> tuple[float, int]:
+    """Continuous batching in `budget_slots` slots: FCFS admission (prompt must fit above the
+    watermark), one decode token per running request per step, preempt-newest on a full cache.
+    Returns (mean running requests over the steps while requests were still waiting, preemptions).
+    Lengths are capped at max_len (the contiguous allocator's reservation) so both serve the
+    same requests."""
+    rng = random.Random(seed)
+    m = KVCacheManager(budget_slots // block_size, block_size, watermark=0.01, hash_seed=seed)
+    reqs = [(min(p, max_len - 1), min(p + o, max_len) - min(p, max_len - 1)) for p, o in work]
+    toks = {i: _tokens(rng, p) for i, (p, _) in enumerate(reqs)}
+    waiting = list(range(len(reqs)))
+    running: list[int] = []
+    left = {i: o for i, (_, o) in enumerate(reqs)}
+    steps = running_sum = preemptions = 0
+    while waiting:
+        while waiting:                                   # admit in order while prompts fit
+            i = waiting[0]
+            sid, t = f"r{i}", toks[i]
+            m.add_seq(sid, t)
+            if m.allocate_slots(sid, len(t), reserve_watermark=True) is None:
+                m.free(sid)
+                break
+            m.commit(sid, t, len(t))
+            running.append(waiting.pop(0))
+        if not waiting:
+            break                                        # the tail (draining) is not steady state
+        steps += 1
+        running_sum += len(running)
+        k = 0
+        while k < len(running):                          # one decode step, oldest first
+            i = running[k]
+            sid, t = f"r{i}", toks[i]
+            ops = m.allocate_slots(sid, len(t) + 1)
+            while ops is None:                           # preempt the newest; it recomputes later
+                victim = running.pop()
+                m.free(f"r{victim}")
+                waiting.insert(0, victim)
+                preemptions += 1
+                if victim == i:
+                    break
+                ops = m.allocate_slots(sid, len(t) + 1)
+            if ops is None:
+                break
+            t.append(7)
+            m.commit(sid, t, len(t))
+            left[i] -= 1
+            if left[i] == 0:
+                running.pop(k)
+                m.free(sid)
+            else:
+                k += 1
+    return (running_sum / steps if steps else float(len(reqs))), preemptions
+
+
+# ── sharing ───────────────────────────────────────────────────────────────────────────────────
+def _decode_all(m: KVCacheManager, seqs: dict[str, list[int]], n: int, rng: random.Random) -> None:
+    for _ in range(n):
+        for sid, t in seqs.items():
+            t.append(rng.randrange(49152))
+            assert m.allocate_slots(sid, len(t)) is not None
+            m.commit(sid, t, len(t))
+
+
+def parallel_sampling(n: int, prompt_len: int, out_len: int, block_size: int,
+                      seed: int = 0) -> dict[str, float]:
+    """n samples of one prompt: slots used with fork sharing vs n independent copies; also the
+    prefix-cache path (n separate requests with the same prompt, no fork)."""
+    rng = random.Random(seed)
+    prompt = _tokens(rng, prompt_len)
+    nb = n * (-(-(prompt_len + out_len) // block_size) + 1)
+
+    def used(m: KVCacheManager) -> int:
+        return m.stats().used_blocks * block_size
+
+    # fork: the leader computes the prompt once, then n-1 children share it
+    m = KVCacheManager(nb, block_size, watermark=0.0, hash_seed=seed)
+    m.add_seq("s0", prompt)
+    m.allocate_slots("s0", prompt_len)
+    m.commit("s0", prompt, prompt_len)
+    seqs = {"s0": list(prompt)}
+    for k in range(1, n):
+        m.fork("s0", f"s{k}")
+        seqs[f"s{k}"] = list(prompt)
+    _decode_all(m, seqs, out_len, rng)
+    shared = used(m)
+    cow = m.stats().cow_copies
+    # prefix cache: n requests, each looks the prompt up (the last block is recomputed)
+    m = KVCacheManager(nb, block_size, watermark=0.0, hash_seed=seed)
+    seqs = {}
+    for k in range(n):
+        sid = f"s{k}"
+        m.add_seq(sid, prompt)
+        m.allocate_slots(sid, prompt_len)
+        m.commit(sid, prompt, prompt_len)
+        seqs[sid] = list(prompt)
+    _decode_all(m, seqs, out_len, rng)
+    cached = used(m)
+    # no sharing at all
+    m = KVCacheManager(nb, block_size, watermark=0.0, enable_prefix_caching=False)
+    seqs = {}
+    for k in range(n):
+        sid = f"s{k}"
+        m.add_seq(sid, prompt)
+        m.allocate_slots(sid, prompt_len)
+        m.commit(sid, prompt, prompt_len)
+        seqs[sid] = list(prompt)
+    _decode_all(m, seqs, out_len, rng)
+    alone = used(m)
+    return {"parallel_sampling_saving": 1 - shared / alone,
+            "parallel_sampling_saving_prefix_cache": 1 - cached / alone,
+            "parallel_sampling_slots_shared": shared, "parallel_sampling_slots_unshared": alone,
+            "parallel_sampling_cow_copies": cow}
+
+
+def fork_tree(width: int, rounds: int, prompt_len: int, tokens_per_round: int, block_size: int,
+              seed: int = 0) -> dict[str, float]:
+    """Beam-search-like tree: `width` beams; each round every beam decodes tokens_per_round
+    tokens, then `width` parents are drawn (with replacement) from the beams: a beam drawn k times
+    is forked k-1 times, a beam never drawn is freed. Slots saved = Σ per-beam table slots −
+    physical slots used, at the end (and at the peak)."""
+    rng = random.Random(seed)
+    cap = width * (prompt_len + rounds * tokens_per_round) // block_size + 4 * width * rounds
+    m = KVCacheManager(cap, block_size, watermark=0.0, hash_seed=seed)
+    prompt = _tokens(rng, prompt_len)
+    m.add_seq("b0", prompt)
+    m.allocate_slots("b0", prompt_len)
+    m.commit("b0", prompt, prompt_len)
+    beams = {"b0": list(prompt)}
+    for k in range(1, width):
+        m.fork("b0", f"b{k}")
+        beams[f"b{k}"] = list(prompt)
+    next_id, forks, best_saved = width, width - 1, 0
+    for _ in range(rounds):
+        _decode_all(m, beams, tokens_per_round, rng)
+        logical = sum(m.num_allocated_slots(s) for s in beams)
+        best_saved = max(best_saved, logical - m.stats().used_blocks * block_size)
+        picks = [rng.choice(sorted(beams)) for _ in range(width)]
+        new: dict[str, list[int]] = {}
+        for sid in sorted(beams):
+            k = picks.count(sid)
+            if k == 0:
+                m.free(sid)
+                continue
+            new[sid] = beams[sid]
+            for _ in range(k - 1):
+                cid = f"b{next_id}"
+                next_id += 1
+                m.fork(sid, cid)
+                forks += 1
+                new[cid] = list(beams[sid])
+        beams = new
+    logical = sum(m.num_allocated_slots(s) for s in beams)
+    physical = m.stats().used_blocks * block_size
+    return {"fork_tree_slots_saved": logical - physical, "fork_tree_saving": 1 - physical / logical,
+            "fork_tree_peak_slots_saved": max(best_saved, logical - physical),
+            "fork_tree_forks": forks, "fork_tree_cow_copies": m.stats().cow_copies}
+
+
+# ── speed ─────────────────────────────────────────────────────────────────────────────────────
+def speed(num_seqs: int, seq_len: int, block_size: int, rounds: int = 32,
+          seed: int = 0) -> dict[str, float]:
+    """µs per append (allocate_slots + commit of one token), per free of a whole seq, and per
+    prefix match (add_seq of a cached seq_len-token prompt), with num_seqs running seqs."""
+    rng = random.Random(seed)
+    per_seq = -(-(seq_len + rounds) // block_size)
+    m = KVCacheManager(num_seqs * per_seq + per_seq + 1, block_size, watermark=0.0, hash_seed=seed)
+    seqs: dict[str, list[int]] = {}
+    for i in range(num_seqs):
+        sid = f"s{i}"
+        t = _tokens(rng, seq_len)
+        m.add_seq(sid, t)
+        m.allocate_slots(sid, seq_len)
+        m.commit(sid, t, seq_len)
+        seqs[sid] = t
+    items = list(seqs.items())
+    alloc, commit = m.allocate_slots, m.commit
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        for sid, t in items:
+            t.append(r)
+            n = len(t)
+            alloc(sid, n)
+            commit(sid, t, n)
+    append_us = (time.perf_counter() - t0) * 1e6 / (rounds * num_seqs)
+
+    n_match = min(num_seqs, 64)
+    match_s = 0.0
+    hits = 0
+    for i in range(n_match):
+        prompt = seqs[f"s{i}"][:seq_len]
+        t0 = time.perf_counter()
+        hits += m.add_seq("probe", prompt)
+        match_s += time.perf_counter() - t0
+        m.free("probe")
+    expect = (seq_len - 1) // block_size * block_size
+    assert hits == n_match * expect, "speed bench: the prefix match missed"
+    match_us = match_s * 1e6 / n_match
+
+    t0 = time.perf_counter()
+    for sid, _ in items:
+        m.free(sid)
+    free_us = (time.perf_counter() - t0) * 1e6 / num_seqs
+    return {"append_us": append_us, "free_us": free_us, "match_us": match_us}
+
+
+# ── entry points ──────────────────────────────────────────────────────────────────────────────
+def run(num_requests: int = 1000, *, prompt_range: tuple[int, int] = (16, 2048),
+        output_range: tuple[int, int] = (16, 1024), budget_slots: int = 65536,
+        contiguous_slots: int = 2048, samples: int = 8, sample_prompt: int = 1024,
+        sample_output: int = 128, tree_width: int = 4, tree_rounds: int = 8, tree_prompt: int = 512,
+        tree_tokens_per_round: int = 24, speed_seqs: int = 256, speed_len: int = 2048,
+        seed: int = 0) -> dict:
+    """All figures as one flat dict (block size 16 unless the key says otherwise)."""
+    work = _workload(num_requests, prompt_range, output_range, seed)
+    res: dict = {}
+    for bs in (16, 8, 32):
+        res["waste_pct" if bs == 16 else f"waste_pct_bs{bs}"] = internal_waste(work, bs, seed)
+    paged, preempt = paged_concurrency(work, budget_slots, 16, contiguous_slots, seed)
+    contiguous = budget_slots // contiguous_slots
+    res["paged_vs_contiguous_concurrency"] = paged / contiguous
+    res["paged_concurrency"] = paged
+    res["contiguous_concurrency"] = contiguous
+    res["paged_preemptions"] = preempt
+    res["requests_longer_than_contiguous"] = sum(p + o > contiguous_slots for p, o in work)
+    # The same comparison without truncation: a contiguous allocator that can serve every request
+    # of this workload must reserve its longest possible length (prompt max + output max).
+    worst = prompt_range[1] + output_range[1]
+    paged_full, _ = paged_concurrency(work, budget_slots, 16, worst, seed)
+    res["paged_vs_contiguous_worst_case_concurrency"] = paged_full / (budget_slots // worst)
+    mean_len = sum(p + o / 2 for p, o in work) / len(work)
+    res["mean_resident_tokens"] = mean_len
+    res.update(parallel_sampling(samples, sample_prompt, sample_output, 16, seed))
+    res.update(fork_tree(tree_width, tree_rounds, tree_prompt, tree_tokens_per_round, 16, seed))
+    res.update(speed(speed_seqs, speed_len, 16, seed=seed))
+    res["goals_met"] = {k: (res[k] < b if op == "<" else res[k] >= b) for k, (op, b) in GOALS.items()}
+    res["config"] = {"num_requests": num_requests, "prompt_range": list(prompt_range),
+                     "output_range": list(output_range), "budget_slots": budget_slots,
+                     "contiguous_slots": contiguous_slots, "samples": samples,
+                     "sample_prompt": sample_prompt, "sample_output": sample_output,
+                     "tree_width": tree_width, "tree_rounds": tree_rounds, "tree_prompt": tree_prompt,
+                     "tree_tokens_per_round": tree_tokens_per_round, "speed_seqs": speed_seqs,
+                     "speed_len": speed_len, "seed": seed,
+                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                     "python": sys.version.split()[0]}
+    return res
+
+
+def _table(res: dict) -> str:
+    rows = [
+        ("waste_pct", "internal waste, block 16 (%)", "{:.2f}"),
+        ("waste_pct_bs8", "internal waste, block 8 (%)", "{:.2f}"),
+        ("waste_pct_bs32", "internal waste, block 32 (%)", "{:.2f}"),
+        ("paged_concurrency", "paged: mean running requests", "{:.1f}"),
+        ("contiguous_concurrency", "contiguous (2048/request): running", "{:d}"),
+        ("paged_vs_contiguous_concurrency", "paged / contiguous concurrency", "{:.2f}"),
+        ("paged_vs_contiguous_worst_case_concurrency", "  same, uncapped vs 3072/request", "{:.2f}"),
+        ("parallel_sampling_saving", "parallel sampling saving (fork)", "{:.3f}"),
+        ("parallel_sampling_saving_prefix_cache", "parallel sampling saving (prefix cache)", "{:.3f}"),
+        ("fork_tree_slots_saved", "fork tree: slots saved", "{:d}"),
+        ("fork_tree_saving", "fork tree: fraction saved", "{:.3f}"),
+        ("append_us", "µs per append", "{:.2f}"),
+        ("free_us", "µs per free (whole seq)", "{:.1f}"),
+        ("match_us", "µs per 2k-token prefix match", "{:.1f}"),
+    ]
+    lines = [f"{'metric':<42} {'value':>10}  goal"]
+    for key, label, fmt in rows:
+        goal = ""
+        if key in GOALS:
+            op, b = GOALS[key]
+            goal = f"{op} {b:g}  " + ("ok" if res["goals_met"][key] else "MISSED")
+        lines.append(f"{label:<42} {fmt.format(res[key]):>10}  {goal}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="chatserve bench memory", description=__doc__)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--requests", type=int, default=1000, help="requests in the waste/concurrency workload")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    res = run(args.requests, seed=args.seed)
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print(_table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
