@@ -5,6 +5,7 @@ The full topology with real chatserve replicas and Redis is test_topology.py.
 """
 from __future__ import annotations
 
+import secrets
 import subprocess
 import threading
 import time
@@ -72,10 +73,10 @@ def test_config_is_valid_for_loopback():
 
 def test_affinity_by_path_header_cookie_and_round_robin(topo):
     _, proxy = topo
-    owners = {}
+    owners: dict[str, str] = {}
     with httpx.Client(base_url=proxy.url, timeout=10) as c:
         for i in range(16):
-            sid = f"sess{i:02d}x9f"
+            sid = secrets.token_urlsafe(18)
             seen = {_who(c, f"/v1/sessions/{sid}/messages") for _ in range(3)}
             seen.add(_who(c, f"/v1/sessions/{sid}"))
             seen.add(_who(c, "/v1/chat/completions", headers={"X-Session-Id": sid}))
@@ -87,12 +88,22 @@ def test_affinity_by_path_header_cookie_and_round_robin(topo):
     with httpx.Client(base_url=proxy.url, timeout=10) as c:
         plain = [_who(c, "/v1/chat/completions") for _ in range(8)]
     assert plain.count("A") >= 2 and plain.count("B") >= 2, plain  # no key: spread, not pinned
+    with httpx.Client(base_url=proxy.url, timeout=10, cookies={"chatserve_uid": "u" * 32}) as c:
+        # short path words are not session ids: the sessions WebSocket/status follow the browser cookie
+        by_cookie = {_who(c, p) for p in ("/v1/sessions/ws", "/v1/sessions/status", "/v1/models")}
+        assert len(by_cookie) == 1
+        # the cookie outranks the path: a browser's WebSocket and SSE turns share one replica
+        assert {_who(c, f"/v1/sessions/{secrets.token_urlsafe(18)}/messages") for _ in range(6)} == by_cookie
+        # an explicit header outranks both
+        hdr = {_who(c, "/v1/sessions/x/messages", headers={"X-Session-Id": s}) for s in owners}
+        assert hdr == {"A", "B"}
 
 
 def test_fallback_when_a_replica_dies(topo):
     reps, proxy = topo
     with httpx.Client(base_url=proxy.url, timeout=10) as c:
-        owners = {f"s{i}": _who(c, f"/v1/sessions/s{i}/messages") for i in range(12)}
+        sids = [secrets.token_urlsafe(18) for _ in range(12)]
+        owners = {s: _who(c, f"/v1/sessions/{s}/messages") for s in sids}
         moved = [s for s, o in owners.items() if o == "A"]
         kept = [s for s, o in owners.items() if o == "B"]
         assert moved and kept
