@@ -1,0 +1,31 @@
+"""Browser fixtures: Debian's Chromium driven by Playwright (see browser_support.py for the server).
+
+Never runs `playwright install`: it launches /usr/bin/chromium (apt-get install -y chromium) and skips
+with that hint when it is missing.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from browser_support import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+        pytest.skip("Chromium not found: apt-get install -y chromium (tests never run `playwright install`)")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()

@@ -1,0 +1,54 @@
+"""The UI's files: vendored libraries match their checksums, no inline or remote code, strict CSP."""
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import httpx
+
+from session_fakes import ScriptedChat, make_app
+
+STATIC = Path(__file__).resolve().parents[2] / "static"
+
+
+def test_vendored_files_match_checksums():
+    lines = (STATIC / "vendor" / "CHECKSUMS.sha256").read_text().splitlines()
+    listed = {}
+    for line in lines:
+        digest, name = line.split()
+        listed[name] = digest
+        assert hashlib.sha256((STATIC / "vendor" / name).read_bytes()).hexdigest() == digest, name
+    present = {p.name for p in (STATIC / "vendor").iterdir()} - {"CHECKSUMS.sha256", "SOURCES.txt"}
+    assert present == set(listed), "every vendored file is pinned, and nothing pinned is missing"
+    for need in ("marked.esm.js", "purify.es.mjs", "highlight.min.js"):
+        assert need in listed
+
+
+def test_no_inline_scripts_styles_or_remote_resources():
+    html = (STATIC / "index.html").read_text()
+    for tag in re.findall(r"<script\b[^>]*>", html):
+        assert "src=" in tag and 'type="module"' in tag
+    assert re.search(r"<script\b[^>]*>\s*[^<\s]", html) is None           # no inline script bodies
+    assert " style=" not in html and "<style" not in html
+    assert re.search(r"\son[a-z]+=", html) is None                       # no inline handlers
+    for path in [STATIC / "index.html", *(STATIC / "js").glob("*.js"), *(STATIC / "css").glob("*.css")]:
+        text = path.read_text()
+        assert not re.search(r"(src|href)=[\"']?(https?:)?//", text), path
+        assert not re.search(r"from\s+['\"]https?://", text), path
+        assert "innerHTML" not in text or path.name == "render.js", f"{path.name}: only render.js sets HTML"
+
+
+async def test_ui_responses_carry_a_strict_csp_and_an_identity_cookie():
+    app = make_app(ScriptedChat())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        for url in ("/", "/static/js/app.js", "/static/vendor/purify.es.mjs"):
+            r = await c.get(url)
+            assert r.status_code == 200, url
+            csp = r.headers["content-security-policy"]
+            assert "default-src 'self'" in csp and "script-src 'self'" in csp and "unsafe" not in csp
+            assert "frame-ancestors 'none'" in csp and r.headers["x-content-type-options"] == "nosniff"
+        assert (await c.get("/static/js/app.js")).headers["content-type"].startswith(("text/javascript",
+                                                                                     "application/javascript"))
+        assert (await c.get("/static/../chatserve/config.py")).status_code == 404
+        assert "content-security-policy" not in (await c.get("/v1/sessions")).headers
