@@ -1,0 +1,157 @@
+"""`chatserve bench scheduler`: the scheduler's own cost per step (schedule() + update()), no model.
+
+Drives Scheduler + KVCacheManager with scripted runner outputs: a steady decode step with 256 running
+sequences (goal < 1 ms) and a mixed step where new prompts are chunk-prefilled beside 256 decoders.
+Building the RunnerOutput (the runner's job) is outside the timed region.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+from chatserve.config import SchedulerConfig
+from chatserve.core.kv_cache_manager import KVCacheManager
+from chatserve.core.outputs import RunnerOutput, SchedulerOutput
+from chatserve.core.request import Request, SamplingParams
+from chatserve.core.scheduler import Scheduler
+
+GOALS: dict[str, tuple[str, float]] = {"decode_step_ms": ("<", 1.0)}   # key → (comparison, bound)
+
+
+def _runner_output(out: SchedulerOutput, tok: int) -> RunnerOutput:
+    return RunnerOutput(step_id=out.step_id,
+                        sampled={s.request_id: tok for s in out.seqs if s.sample})
+
+
+def _make(seqs: int, block_size: int, budget: int, max_len: int) -> Scheduler:
+    blocks = seqs * (-(-max_len // block_size)) + 64
+    kv = KVCacheManager(blocks, block_size, watermark=0.01, hash_seed=0)
+    cfg = SchedulerConfig(max_num_seqs=seqs + 8, max_num_batched_tokens=budget,
+                          max_waiting_requests=1 << 20, max_waiting_tokens=1 << 30)
+    return Scheduler(cfg, kv, max_model_len=max_len)
+
+
+def _add(sched: Scheduler, rng: random.Random, rid: str, prompt_len: int, max_tokens: int) -> None:
+    prompt = [rng.randrange(1, 49152) for _ in range(prompt_len)]
+    sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
+def _timed_steps(sched: Scheduler, steps: int, on_step=None) -> tuple[list[float], list[float], int]:
+    """Run `steps` steps; returns per-step schedule and update times (s) and total seqs scheduled."""
+    t_sched: list[float] = []
+    t_upd: list[float] = []
+    n_seqs = 0
+    clock = time.perf_counter
+    for k in range(steps):
+        if on_step is not None:
+            on_step(k)
+        t0 = clock()
+        out = sched.schedule()
+        t1 = clock()
+        res = _runner_output(out, 1000 + k % 7)
+        t2 = clock()
+        sched.update(out, res)
+        t3 = clock()
+        t_sched.append(t1 - t0)
+        t_upd.append(t3 - t2)
+        n_seqs += len(out.seqs)
+    return t_sched, t_upd, n_seqs
+
+
+def _summary(prefix: str, t_sched: list[float], t_upd: list[float], n_seqs: int) -> dict:
+    tot = [a + b for a, b in zip(t_sched, t_upd)]
+    tot_sorted = sorted(tot)
+    return {
+        f"{prefix}_step_ms": 1e3 * statistics.fmean(tot),
+        f"{prefix}_step_p50_ms": 1e3 * statistics.median(tot),
+        f"{prefix}_step_p99_ms": 1e3 * tot_sorted[min(len(tot) - 1, int(0.99 * len(tot)))],
+        f"{prefix}_schedule_ms": 1e3 * statistics.fmean(t_sched),
+        f"{prefix}_update_ms": 1e3 * statistics.fmean(t_upd),
+        f"{prefix}_us_per_seq": 1e6 * sum(tot) / max(1, n_seqs),
+        f"{prefix}_seqs_per_step": n_seqs / len(tot),
+    }
+
+
+def run(seqs: int = 256, steps: int = 300, *, block_size: int = 16, prompt_len: int = 128,
+        budget: int = 2048, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    max_len = prompt_len + 2 * steps + 64
+    res: dict = {}
+
+    # Steady decode: every sequence is past its prefill, one token each per step.
+    sched = _make(seqs, block_size, budget, max_len)
+    for i in range(seqs):
+        _add(sched, rng, f"d{i}", prompt_len, 2 * steps + 32)
+    while True:   # prefill everything first (several chunked steps)
+        out = sched.schedule()
+        sched.update(out, _runner_output(out, 7))
+        if not sched.num_waiting and all(s.num_tokens == 1 for s in out.seqs):
+            break
+    _timed_steps(sched, 20)   # warm-up
+    res.update(_summary("decode", *_timed_steps(sched, steps)))
+
+    # Mixed: 256 decoders plus a new prompt arriving every step, chunk-prefilled beside them.
+    sched = _make(seqs + steps, block_size, budget, max_len)
+    for i in range(seqs):
+        _add(sched, rng, f"d{i}", prompt_len, 2 * steps + 32)
+    for _ in range(64):
+        out = sched.schedule()
+        sched.update(out, _runner_output(out, 7))
+
+    def arrive(k: int) -> None:
+        _add(sched, rng, f"new{k}", 4 * prompt_len, 4)
+
+    res.update(_summary("mixed", *_timed_steps(sched, steps, arrive)))
+    res["num_preemptions"] = sched.num_preemptions
+    res["goals_met"] = {k: (res[k] < b if op == "<" else res[k] >= b) for k, (op, b) in GOALS.items()}
+    res["config"] = {"seqs": seqs, "steps": steps, "block_size": block_size, "prompt_len": prompt_len,
+                     "max_num_batched_tokens": budget, "seed": seed,
+                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                     "python": sys.version.split()[0]}
+    return res
+
+
+def _table(res: dict) -> str:
+    rows = [
+        ("decode_step_ms", "decode step, 256 seqs: schedule+update (ms)", "{:.3f}"),
+        ("decode_step_p99_ms", "  p99 (ms)", "{:.3f}"),
+        ("decode_schedule_ms", "  schedule() (ms)", "{:.3f}"),
+        ("decode_update_ms", "  update() (ms)", "{:.3f}"),
+        ("decode_us_per_seq", "  µs per sequence", "{:.2f}"),
+        ("mixed_step_ms", "mixed step (decodes + chunked prefill) (ms)", "{:.3f}"),
+        ("mixed_step_p99_ms", "  p99 (ms)", "{:.3f}"),
+        ("mixed_seqs_per_step", "  sequences per step", "{:.1f}"),
+    ]
+    lines = [f"{'metric':<46} {'value':>9}  goal"]
+    for key, label, fmt in rows:
+        goal = ""
+        if key in GOALS:
+            op, b = GOALS[key]
+            goal = f"{op} {b:g}  " + ("ok" if res["goals_met"][key] else "MISSED")
+        lines.append(f"{label:<46} {fmt.format(res[key]):>9}  {goal}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="chatserve bench scheduler", description=__doc__)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--seqs", type=int, default=256, help="running sequences")
+    ap.add_argument("--steps", type=int, default=300, help="timed steps per scenario")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    res = run(args.seqs, args.steps, block_size=args.block_size, seed=args.seed)
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print(_table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
