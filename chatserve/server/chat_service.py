@@ -29,10 +29,11 @@ log = logging.getLogger("chatserve.server")
 SSE_PING_SECONDS = 15.0
 
 
-def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, request_id: str):
+def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, request_id: str,
+           rate_key: str | None = None):
     """Admission: rate limit, then the engine queue. Raises APIError (400/429/503)."""
     if state.rate_limiter is not None:
-        state.rate_limiter.charge(owner, len(req.prompt_ids) + req.params.max_tokens * req.params.n)
+        state.rate_limiter.charge(rate_key or owner, len(req.prompt_ids) + req.params.max_tokens * req.params.n)
     try:
         return state.engine.submit(req.prompt_ids, req.params, request_id=request_id,
                                    cache_salt=cache_salt(state, owner), keep_warm=keep_warm)
@@ -110,12 +111,12 @@ def _chat_logprobs(state, d) -> dict | None:
 
 
 async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = False,
-                      request_id: str | None = None) -> AsyncIterator[dict]:
+                      request_id: str | None = None, rate_key: str | None = None) -> AsyncIterator[dict]:
     """chat.completion.chunk dicts: one role chunk, content deltas, one finish_reason per choice,
     then a usage chunk (choices == []) carrying usage["chatserve"] timings. An engine failure yields
     one {"error": {...}} dict instead of the remaining chunks. Raises APIError before the first chunk."""
     rid = request_id or req.request_id
-    stream = submit(state, req, owner=owner, keep_warm=keep_warm, request_id=rid)
+    stream = submit(state, req, owner=owner, keep_warm=keep_warm, request_id=rid, rate_key=rate_key)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": req.model, "system_fingerprint": None}
     usage = _Usage(len(req.prompt_ids))
@@ -154,11 +155,11 @@ def _completion_logprobs(state, d, offset: int) -> dict | None:
     return out
 
 
-async def stream_completion(state, req: CompletionRequest, *, owner: str,
-                            request_id: str | None = None) -> AsyncIterator[dict]:
+async def stream_completion(state, req: CompletionRequest, *, owner: str, request_id: str | None = None,
+                            rate_key: str | None = None) -> AsyncIterator[dict]:
     """text_completion chunk dicts (no role chunk), then a usage chunk; errors as in stream_chat."""
     rid = request_id or req.request_id
-    stream = submit(state, req, owner=owner, keep_warm=False, request_id=rid)
+    stream = submit(state, req, owner=owner, keep_warm=False, request_id=rid, rate_key=rate_key)
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
             "system_fingerprint": None}
     usage = _Usage(len(req.prompt_ids))

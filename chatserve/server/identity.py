@@ -31,6 +31,24 @@ def owner_of(conn: HTTPConnection) -> str:
     return "anonymous"
 
 
+def api_owner_of(conn: HTTPConnection) -> str:
+    """The owner for the plain OpenAI HTTP routes: the API key, else "anonymous" (browser cookies
+    are ignored there: SDKs and curl keep none or mint a new one per request, which would make every
+    request its own owner). The web UI's session routes and the WebSocket use owner_of."""
+    kid = (conn.scope.get("state") or {}).get(SCOPE_KEY_ID)
+    return f"key:{kid}" if kid else "anonymous"
+
+
+def rate_key_of(conn: HTTPConnection) -> str:
+    """Whom rate limits count against: the API key, else the client address (cookies are free)."""
+    kid = (conn.scope.get("state") or {}).get(SCOPE_KEY_ID)
+    if kid:
+        return f"key:{kid}"
+    client = conn.client
+    return f"ip:{client.host if client else 'unknown'}"
+
+
 def cache_salt(state, owner: str) -> str:
     """HMAC-SHA256(session_secret, owner), hex: one owner's cached prefixes never serve another."""
     return hmac.new(state.session_secret, owner.encode("utf-8"), hashlib.sha256).hexdigest()
+

@@ -16,7 +16,7 @@ from chatserve.server.body import read_json_object
 from chatserve.server.chat_service import (collect_chat, collect_completion, sse_response,
                                            stream_chat, stream_completion)
 from chatserve.server.errors import APIError, invalid
-from chatserve.server.identity import owner_of
+from chatserve.server.identity import api_owner_of, rate_key_of
 from chatserve.server.metrics import CONTENT_TYPE
 from chatserve.server.protocol import (get_bool, normalize_messages, parse_chat_body,
                                        parse_completion_body, parse_token_ids)
@@ -54,7 +54,7 @@ async def _drop_usage(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = await _parse(parse_chat_body, await _body(request), st)
-    chunks = stream_chat(st, req, owner=owner_of(request))
+    chunks = stream_chat(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
     try:
@@ -66,7 +66,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     st = state_of(request)
     req = await _parse(parse_completion_body, await _body(request), st)
-    chunks = stream_completion(st, req, owner=owner_of(request))
+    chunks = stream_completion(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
     try:

@@ -19,7 +19,7 @@ from chatserve.server.auth import WS_PROTOCOL
 from chatserve.server.body import parse_json_bytes
 from chatserve.server.chat_service import stream_chat, stream_completion
 from chatserve.server.errors import APIError
-from chatserve.server.identity import owner_of
+from chatserve.server.identity import owner_of, rate_key_of
 from chatserve.server.protocol import new_id, parse_chat_body, parse_completion_body
 
 log = logging.getLogger("chatserve.ws")
@@ -30,7 +30,8 @@ MAX_CLIENT_ID = 128
 class _Socket:
     def __init__(self, ws: WebSocket, state) -> None:
         self.ws, self.state = ws, state
-        self.owner = owner_of(ws)
+        self.owner = owner_of(ws)          # browsers: per-cookie cache isolation
+        self.rate_key = rate_key_of(ws)
         self.tasks: dict[str, asyncio.Task] = {}
         self.lock = asyncio.Lock()
         self.closed = False
@@ -54,10 +55,11 @@ class _Socket:
         rid = new_id("chatcmpl" if kind == "chat.completions" else "cmpl")
         if kind == "chat.completions":
             req = parse_chat_body(body, self.state)
-            return stream_chat(self.state, req, owner=self.owner, request_id=rid)
+            return stream_chat(self.state, req, owner=self.owner, request_id=rid, rate_key=self.rate_key)
         if kind == "completions":
             req = parse_completion_body(body, self.state)
-            return stream_completion(self.state, req, owner=self.owner, request_id=rid)
+            return stream_completion(self.state, req, owner=self.owner, request_id=rid,
+                                     rate_key=self.rate_key)
         handler = self.state.ws_handlers.get(kind)
         if handler is None:
             raise APIError(400, f"unknown message type {kind[:60]!r}", param="type", code="invalid_value")
@@ -116,9 +118,10 @@ class _Socket:
             if t is not None:
                 t.cancel()
             return
-        if cid in self.tasks:
-            raise APIError(400, f"request id {cid!r} is already in use on this socket", param="id",
-                           code="invalid_value")
+        if cid in self.tasks:     # answered untagged: the running request keeps its one ending
+            await self.error(None, APIError(400, f"request id {cid!r} is already in use on this socket",
+                                            param="id", code="invalid_value"))
+            return
         if len(self.tasks) >= MAX_INFLIGHT_PER_SOCKET:
             raise APIError(429, f"at most {MAX_INFLIGHT_PER_SOCKET} requests at once per socket",
                            code="too_many_requests")
@@ -128,7 +131,8 @@ class _Socket:
 def _cid_of(raw: Any) -> Any:
     try:
         m = json.loads(raw)
-        return m.get("id") if isinstance(m, dict) and isinstance(m.get("id"), str) else None
+        cid = m.get("id") if isinstance(m, dict) else None
+        return cid if isinstance(cid, str) and 0 < len(cid) <= MAX_CLIENT_ID else None
     except Exception:
         return None
 
