@@ -113,7 +113,7 @@ def test_proxy_affinity_config_matches_compose(compose, svc):
     replicas = [v for k, v in env.items() if k.startswith("CHATSERVE_REPLICA_")]
     assert sorted(replicas) == [f"{n}:8000" for n in REPLICAS]
     for rule in ("balance hash var(txn.sid)", "hash-type consistent", "option httpchk GET /ready",
-                 "http-check expect status 200", "option redispatch", "retries 2",
+                 "http-check expect status 200", "option redispatch", "retries 2", "retry-on conn-failure empty-response 503",
                  "path,field(4,/)", "req.hdr(x-session-id)", "req.cook(chatserve_uid)"):
         assert rule in cfg, rule
     servers = re.findall(r"^\s*server\s+(\S+)\s+\"\$\{(\w+)\}\"", cfg, re.M)

@@ -25,9 +25,12 @@ pytestmark = pytest.mark.skipif(haproxy_exe() is None, reason="haproxy not insta
 
 class Replica:
     def __init__(self, name: str) -> None:
-        self.name, self.port, self.hits = name, free_port(), 0
+        self.name, self.port, self.hits, self.draining = name, free_port(), 0, False
 
         async def any_path(request: Request) -> JSONResponse:
+            if self.draining:  # what chatserve answers after SIGTERM: /ready and new requests 503
+                return JSONResponse({"error": {"message": "draining", "type": "unavailable"}},
+                                    status_code=503, headers={"Retry-After": "1"})
             if request.url.path != "/ready":
                 self.hits += 1
             return JSONResponse({"replica": self.name})
@@ -114,3 +117,18 @@ def test_fallback_when_a_replica_dies(topo):
         proxy.wait_states({"replica1": "DOWN", "replica2": "UP"}, timeout=10)
         for s in owners:
             assert _who(c, f"/v1/sessions/{s}/messages") == "B"
+
+
+def test_draining_replica_hands_over_at_once(topo):
+    reps, proxy = topo
+    with httpx.Client(base_url=proxy.url, timeout=10) as c:
+        sids = [secrets.token_urlsafe(18) for _ in range(12)]
+        owners = {s: _who(c, f"/v1/sessions/{s}/messages") for s in sids}
+        reps[1].draining = True
+        # its 503 is retried on the other replica: no client sees it, even before the health check
+        assert {_who(c, f"/v1/sessions/{s}/messages") for s in sids} == {"A"}
+        proxy.wait_states({"replica1": "UP", "replica2": "DOWN"}, timeout=10)
+        reps[1].draining = False
+        proxy.wait_states({"replica1": "UP", "replica2": "UP"}, timeout=10)
+        # back up: the same sessions return to the same replicas (consistent hashing)
+        assert {s: _who(c, f"/v1/sessions/{s}/messages") for s in sids} == owners
