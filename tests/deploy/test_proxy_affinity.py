@@ -90,6 +90,7 @@ def test_affinity_by_path_header_cookie_and_round_robin(topo):
         assert set(owners.values()) == {"A", "B"}  # the hash spreads sessions over both
     with httpx.Client(base_url=proxy.url, timeout=10) as c:
         plain = [_who(c, "/v1/chat/completions") for _ in range(8)]
+        assert c.get("/metrics").status_code == 404  # not published through the proxy
     assert plain.count("A") >= 2 and plain.count("B") >= 2, plain  # no key: spread, not pinned
     with httpx.Client(base_url=proxy.url, timeout=10, cookies={"chatserve_uid": "u" * 32}) as c:
         # short path words are not session ids: the sessions WebSocket/status follow the browser cookie
