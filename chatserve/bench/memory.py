@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -224,46 +225,51 @@ def fork_tree(width: int, rounds: int, prompt_len: int, tokens_per_round: int, b
 def speed(num_seqs: int, seq_len: int, block_size: int, rounds: int = 32,
           seed: int = 0) -> dict[str, float]:
     """µs per append (allocate_slots + commit of one token), per free of a whole seq, and per
-    prefix match (add_seq of a cached seq_len-token prompt), with num_seqs running seqs."""
+    prefix match (add_seq of a cached seq_len-token prompt), with num_seqs running seqs.
+    Medians (of per-round means for append), so a busy shared machine skews them less."""
     rng = random.Random(seed)
-    per_seq = -(-(seq_len + rounds) // block_size)
+    per_seq = -(-(seq_len + block_size + rounds) // block_size)
     m = KVCacheManager(num_seqs * per_seq + per_seq + 1, block_size, watermark=0.0, hash_seed=seed)
     seqs: dict[str, list[int]] = {}
     for i in range(num_seqs):
         sid = f"s{i}"
-        t = _tokens(rng, seq_len)
+        t = _tokens(rng, seq_len + i % block_size)   # staggered: block fills spread over rounds
         m.add_seq(sid, t)
-        m.allocate_slots(sid, seq_len)
-        m.commit(sid, t, seq_len)
+        m.allocate_slots(sid, len(t))
+        m.commit(sid, t, len(t))
         seqs[sid] = t
     items = list(seqs.items())
     alloc, commit = m.allocate_slots, m.commit
-    t0 = time.perf_counter()
-    for r in range(rounds):
+    clock = time.perf_counter
+    round_s: list[float] = []
+    for r in range(rounds):                         # each round: one token for every seq
+        t0 = clock()
         for sid, t in items:
             t.append(r)
             n = len(t)
             alloc(sid, n)
             commit(sid, t, n)
-    append_us = (time.perf_counter() - t0) * 1e6 / (rounds * num_seqs)
+        round_s.append(clock() - t0)
+    append_us = statistics.median(round_s) * 1e6 / num_seqs
 
-    n_match = min(num_seqs, 64)
-    match_s = 0.0
+    match_s: list[float] = []
     hits = 0
-    for i in range(n_match):
+    for i in range(min(num_seqs, 64)):
         prompt = seqs[f"s{i}"][:seq_len]
-        t0 = time.perf_counter()
+        t0 = clock()
         hits += m.add_seq("probe", prompt)
-        match_s += time.perf_counter() - t0
+        match_s.append(clock() - t0)
         m.free("probe")
     expect = (seq_len - 1) // block_size * block_size
-    assert hits == n_match * expect, "speed bench: the prefix match missed"
-    match_us = match_s * 1e6 / n_match
+    assert hits == len(match_s) * expect, "speed bench: the prefix match missed"
+    match_us = statistics.median(match_s) * 1e6
 
-    t0 = time.perf_counter()
+    free_s: list[float] = []
     for sid, _ in items:
+        t0 = clock()
         m.free(sid)
-    free_us = (time.perf_counter() - t0) * 1e6 / num_seqs
+        free_s.append(clock() - t0)
+    free_us = statistics.median(free_s) * 1e6
     return {"append_us": append_us, "free_us": free_us, "match_us": match_us}
 
 
