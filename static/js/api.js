@@ -62,14 +62,15 @@ function channel() {
   };
 }
 
-// One WebSocket per page, multiplexing turns by id; if it cannot open, the page uses SSE.
+// One WebSocket (/v1/ws, message type "session") per page, multiplexing turns by id;
+// if it cannot open, the page uses SSE.
 class SessionSocket {
   constructor() { this.ws = null; this.opening = null; this.turns = new Map(); this.broken = false; }
 
   open() {
     if (this.ws && this.ws.readyState === WebSocket.OPEN) return Promise.resolve(this.ws);
     if (this.opening) return this.opening;
-    const url = `${location.protocol === 'https:' ? 'wss' : 'ws'}://${location.host}/v1/sessions/ws`;
+    const url = `${location.protocol === 'https:' ? 'wss' : 'ws'}://${location.host}/v1/ws`;
     this.opening = new Promise((resolve, reject) => {
       let ws;
       try { ws = new WebSocket(url); } catch (e) { reject(e); return; }
@@ -93,8 +94,8 @@ class SessionSocket {
     try { msg = JSON.parse(raw); } catch (e) { return; }
     const ch = this.turns.get(msg.id);
     if (!ch) return;
-    if (msg.type === 'chunk') ch.push(msg.data);
-    else if (msg.type === 'done') { this.turns.delete(msg.id); ch.close(); }
+    if (msg.type === 'chunk') ch.push(msg.chunk);
+    else if (msg.type === 'done' || msg.type === 'cancelled') { this.turns.delete(msg.id); ch.close(); }
     else if (msg.type === 'error') {
       this.turns.delete(msg.id);
       ch.close(new ApiError(msg.status || 500, msg.error?.message || 'error'));
@@ -107,7 +108,7 @@ class SessionSocket {
     const ch = channel();
     this.turns.set(id, ch);
     control.stop = () => { if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: 'cancel', id })); };
-    ws.send(JSON.stringify({ ...body, id, session_id: sessionId }));
+    ws.send(JSON.stringify({ ...body, id, type: 'session', session_id: sessionId }));
     yield* ch;
   }
 }

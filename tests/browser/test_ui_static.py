@@ -5,7 +5,7 @@ import hashlib
 import re
 from pathlib import Path
 
-import httpx
+from starlette.testclient import TestClient
 
 from session_fakes import ScriptedChat, make_app
 
@@ -39,16 +39,16 @@ def test_no_inline_scripts_styles_or_remote_resources():
         assert "innerHTML" not in text or path.name == "render.js", f"{path.name}: only render.js sets HTML"
 
 
-async def test_ui_responses_carry_a_strict_csp_and_an_identity_cookie():
-    app = make_app(ScriptedChat())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+def test_ui_responses_carry_a_strict_csp():
+    # sync on purpose: the browser tests' Playwright owns this thread's event loop
+    with TestClient(make_app(ScriptedChat())) as c:
         for url in ("/", "/static/js/app.js", "/static/vendor/purify.es.mjs"):
-            r = await c.get(url)
+            r = c.get(url)
             assert r.status_code == 200, url
             csp = r.headers["content-security-policy"]
             assert "default-src 'self'" in csp and "script-src 'self'" in csp and "unsafe" not in csp
             assert "frame-ancestors 'none'" in csp and r.headers["x-content-type-options"] == "nosniff"
-        assert (await c.get("/static/js/app.js")).headers["content-type"].startswith(("text/javascript",
+        assert c.get("/static/js/app.js").headers["content-type"].startswith(("text/javascript",
                                                                                      "application/javascript"))
-        assert (await c.get("/static/../chatserve/config.py")).status_code == 404
-        assert "content-security-policy" not in (await c.get("/v1/sessions")).headers
+        assert c.get("/static/../chatserve/config.py").status_code == 404
+        assert "content-security-policy" not in c.get("/v1/sessions").headers

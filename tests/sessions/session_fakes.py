@@ -12,7 +12,6 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
@@ -20,7 +19,9 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from chatserve.config import EngineConfig, ServerConfig
-from chatserve.server import session_routes
+from chatserve.server import session_routes, ws
+from chatserve.server.errors import APIError
+from chatserve.server.state import ServerState
 
 
 class ScriptedChat:
@@ -39,11 +40,11 @@ class ScriptedChat:
         msgs = body.get("messages")
         assert isinstance(msgs, list) and msgs and msgs[-1]["role"] == "user", body
         if body.get("max_tokens", 1) < 1:
-            raise session_routes.HTTPError(400, "max_tokens must be >= 1")
+            raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
         return body
 
     async def stream(self, state: Any, req: dict, *, owner: str, keep_warm: bool,
-                     request_id: str | None) -> AsyncIterator[dict]:
+                     request_id: str | None, rate_key: str | None = None) -> AsyncIterator[dict]:
         self.requests.append({"req": req, "owner": owner, "keep_warm": keep_warm})
         self.active += 1
         self.started += 1
@@ -84,15 +85,16 @@ def _common(a: list[str], b: list[str]) -> int:
 
 
 def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None) -> Starlette:
-    """The smallest app that serves the session routes and a /metrics with the KV usage gauge."""
+    """The smallest app that serves the session routes, the real /v1/ws, and a /metrics with the KV
+    usage gauge (the fake's running generations); no engine."""
     cfg = EngineConfig(server=ServerConfig(redis_url=redis_url))
-    state = SimpleNamespace(config=cfg, model_name="fake-model", sessions=store, engine=None)
+    state = ServerState(config=cfg, engine=None, tokenizer=None, model_name="fake-model", sessions=store)
 
     async def metrics(request: Any) -> PlainTextResponse:
         usage = 0.25 * backend.active
         return PlainTextResponse(f"chatserve:kv_cache_usage_perc {usage}\n")
 
-    app = Starlette(routes=[*session_routes.routes, Route("/metrics", metrics)])
+    app = Starlette(routes=[*session_routes.routes, *ws.routes, Route("/metrics", metrics)])
     app.state.chatserve = state
     app.state.session_chat_backend = backend
     session_routes.install(app, state)

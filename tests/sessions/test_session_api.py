@@ -192,8 +192,9 @@ async def test_redis_restart_mid_conversation_loses_nothing(redis_server):
         assert r.json()["degraded"] is True and r.json()["pending_writes"] >= 1
         chat.reply = lambda m: f"echo: {m[-1]['content']}"
         r = await c.post(f"/v1/sessions/{sid}/messages", json={"content": "turn three"})
-        assert r.status_code == 200 and r.headers["x-chatserve-session-store"] == "degraded"
-        assert len((await c.get(f"/v1/sessions/{sid}")).json()["messages"]) == 6
+        assert r.status_code == 200 and sse_chunks(r.text)
+        r = await c.get(f"/v1/sessions/{sid}")
+        assert len(r.json()["messages"]) == 6 and r.headers["x-chatserve-session-store"] == "degraded"
         redis_server.start()                                      # restarted empty
         for _ in range(100):
             await asyncio.sleep(0.05)
