@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from chatserve.config import SchedulerConfig
@@ -44,6 +45,27 @@ class AdmissionError(Exception):
         self.retry_after = retry_after
 
 
+class _Entry:
+    """The scheduler's private record of one live request (kept apart from the public Request)."""
+
+    __slots__ = ("req", "rid", "tokens", "key", "seed", "stop_ids", "limit")
+
+    def __init__(self, req: Request, key: tuple[int, float, int], max_model_len: int) -> None:
+        p = req.params
+        self.req = req
+        self.rid = req.request_id
+        self.tokens = list(req.prompt_token_ids) + list(req.output_token_ids)  # appended in place
+        self.key = key                     # (priority, arrival_time, admission number): lower first
+        self.seed = None if p.seed is None else p.seed + req.sample_index
+        # stop checks folded into one set lookup and one length compare
+        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
+                                                       else frozenset(req.eos_token_ids))
+        self.limit = min(len(req.prompt_token_ids) + p.max_tokens, max_model_len)
+
+
+_key = attrgetter("key")
+
+
 class Scheduler:
     """Waiting → running → finished, one `schedule()`/`update()` pair per model step.
 
@@ -54,7 +76,7 @@ class Scheduler:
 
     Per step:
       1. running requests, in key order: decoders get 1 token, requests still prefilling get a chunk
-         of what is left of the budget after one token is reserved for each later decoder. If
+         of what is left of the budget after one token is kept for each later decoder. If
          `allocate_slots` fails, the chunk shrinks to what fits, else the last running request is
          preempted (repeatedly; finally the request itself).
       2. if nothing was preempted: waiting requests are admitted in key order (head-of-line; never by
@@ -67,7 +89,7 @@ class Scheduler:
     the fork, the next sibling becomes the leader (it finds the committed blocks in the prefix cache).
 
     Preemption frees everything (recompute, no swap). A CPU swap tier would plug into `_preempt()`
-    and the admission path (`_admit_one`) without changing the contract.
+    and the admission path (`_admit`) without changing the contract.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, max_model_len: int) -> None:
@@ -80,14 +102,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_preemptions = 0
 
-        self._requests: dict[str, Request] = {}     # every unfinished request (any status)
-        self._tokens: dict[str, list[int]] = {}     # prompt + outputs, appended in place (no copies)
-        self._keys: dict[str, tuple[int, float, int]] = {}
-        self._waiting: list[Request] = []           # WAITING / PREEMPTED, sorted by key
-        self._running: list[Request] = []           # RUNNING, sorted by key
-        self._forks: dict[str, list[Request]] = {}  # leader id → siblings WAITING_FOR_FORK
-        self._leader_of: dict[str, str] = {}        # sibling id → leader id (while waiting for fork)
-        self._num_pending = 0                       # siblings waiting for fork
+        self._entries: dict[str, _Entry] = {}       # every unfinished request (any status)
+        self._waiting: list[_Entry] = []            # WAITING / PREEMPTED, sorted by key
+        self._running: list[_Entry] = []            # RUNNING, sorted by key
+        self._forks: dict[str, list[_Entry]] = {}   # leader id → siblings WAITING_FOR_FORK
+        self._leader_of: dict[str, str] = {}        # sibling id → leader id (until the fork)
+        self._num_pending = 0                       # siblings waiting for a fork
         self._waiting_tokens = 0                    # tokens to compute for the waiting queue
         self._finished_ids: list[str] = []          # for the next SchedulerOutput
         self._counter = itertools.count()
@@ -109,11 +129,12 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._entries)
 
     def get_request(self, request_id: str) -> Request | None:
         """The live request, or None once it has finished (or was never added)."""
-        return self._requests.get(request_id)
+        e = self._entries.get(request_id)
+        return None if e is None else e.req
 
     # ------------------------------------------------------------------ admission
     def add_request(self, req: Request) -> None:
@@ -127,7 +148,7 @@ class Scheduler:
         prompt = leader.prompt_token_ids
         n = len(reqs)
         ids = [r.request_id for r in reqs]
-        if len(set(ids)) != n or any(i in self._requests for i in ids):
+        if len(set(ids)) != n or any(i in self._entries for i in ids):
             raise ValueError(f"duplicate request id in {ids}")
         if n > 1:
             gid = leader.group_id
@@ -147,8 +168,7 @@ class Scheduler:
                 f"prompt ({plen} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                 f"({self.max_model_len} tokens)",
             )
-        bs = self.kv.block_size
-        need_blocks = -(-(plen + max_tokens) // bs)
+        need_blocks = -(-(plen + max_tokens) // self.kv.block_size)
         if need_blocks > self.kv.num_blocks:
             raise AdmissionError(
                 400,
@@ -168,23 +188,23 @@ class Scheduler:
                 retry_after=self._retry_after(),
             )
 
-        base = next(self._counter)
+        base = next(self._counter) * 1024
+        entries = []
         for i, r in enumerate(reqs):
-            rid = r.request_id
             r.max_model_len = self.max_model_len
             r.num_computed_tokens = 0
             r.finish_reason = None
-            self._requests[rid] = r
-            self._tokens[rid] = list(r.prompt_token_ids) + list(r.output_token_ids)
-            self._keys[rid] = (r.priority, r.arrival_time, base * 1024 + i)
+            e = _Entry(r, (r.priority, r.arrival_time, base + i), self.max_model_len)
+            self._entries[e.rid] = e
+            entries.append(e)
             if i == 0:
                 r.status = _WAITING
-                self._insert_waiting(r)
+                self._insert_waiting(e)
             else:
                 r.status = _FORK
-                self._leader_of[rid] = leader.request_id
+                self._leader_of[e.rid] = leader.request_id
         if n > 1:
-            self._forks[leader.request_id] = list(reqs[1:])
+            self._forks[leader.request_id] = entries[1:]
             self._num_pending += n - 1
 
     def _retry_after(self) -> float:
@@ -195,69 +215,73 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
-        self._t_schedule = time.monotonic()
+        self._t_schedule = now = time.monotonic()
         kv = self.kv
+        allocate = kv.allocate_slots
+        table_of = kv.get_block_table
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         copy_ops: list[CopyOp] = []
         running = self._running
         forks = self._forks
-        tokens_of = self._tokens
-
-        # Tokens left per running request; count decoders so prefill chunks leave them 1 token each.
-        remaining: dict[str, int] = {}
-        decoders_left = 0
-        for r in running:
-            rid = r.request_id
-            target = len(tokens_of[rid]) - 1 if rid in forks else len(tokens_of[rid])
-            rem = target - r.num_computed_tokens
-            remaining[rid] = rem
-            if rem == 1:
-                decoders_left += 1
 
         preempted = False
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            rid = req.request_id
-            rem = remaining[rid]
+        decoders_left = -1   # decoders after the current one; counted at the first prefill chunk
+        # Preemption only removes from the end of `running`, which list iteration tolerates.
+        for e in running:
+            if budget <= 0:
+                break
+            rid = e.rid
+            req = e.req
+            tokens = e.tokens
+            start = req.num_computed_tokens
+            rem = len(tokens) - start
+            if forks and rid in forks:
+                rem -= 1     # a leader stops before the last prompt token; its siblings fork there
             if rem == 1:
-                decoders_left -= 1
                 n_new = 1
+                if decoders_left > 0:
+                    decoders_left -= 1
             else:
+                if decoders_left < 0:
+                    k = running.index(e)
+                    decoders_left = sum(1 for x in running[k + 1:] if self._remaining(x) == 1)
                 n_new = min(rem, budget - decoders_left)
                 if n_new <= 0:   # the budget is spoken for by later decoders
-                    i += 1
                     continue
-            start = req.num_computed_tokens
-            ops = kv.allocate_slots(rid, start + n_new)
+            end = start + n_new
+            ops = allocate(rid, end)
             while ops is None:
                 if n_new > 1:
                     fit = self._largest_fit(rid, start, n_new, reserve=False)
                     if fit:
                         n_new = fit
-                        ops = kv.allocate_slots(rid, start + n_new)
+                        end = start + n_new
+                        ops = allocate(rid, end)
                         break
-                if len(running) - 1 <= i:
-                    break
                 victim = running[-1]
-                if remaining[victim.request_id] == 1:
+                if victim is e:
+                    break
+                if decoders_left > 0 and self._remaining(victim) == 1:
                     decoders_left -= 1
                 self._preempt(victim)
                 preempted = True
-                ops = kv.allocate_slots(rid, start + n_new)
+                ops = allocate(rid, end)
             if ops is None:   # nothing left to preempt behind it: it yields its own blocks
-                self._preempt(req)
+                self._preempt(e)
                 preempted = True
                 break
-            seqs.append(self._scheduled(req, start, n_new))
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            seqs.append(ScheduledSeq(rid, tokens[start:end], start, table_of(rid),
+                                     end == len(tokens), req.params, req.prompt_token_ids,
+                                     req.output_token_ids, e.seed))
             if ops:
                 copy_ops.extend(ops)
             budget -= n_new
-            i += 1
 
         if not preempted:
-            budget = self._admit(seqs, copy_ops, budget)
+            budget = self._admit(seqs, copy_ops, budget, now)
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
@@ -268,23 +292,31 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
 
-    def _admit(self, seqs: list[ScheduledSeq], copy_ops: list[CopyOp], budget: int) -> int:
+    def _remaining(self, e: _Entry) -> int:
+        """Tokens e still has to compute before its next sample (or, for a leader, its fork)."""
+        rem = len(e.tokens) - e.req.num_computed_tokens
+        return rem - 1 if e.rid in self._forks else rem
+
+    def _admit(self, seqs: list[ScheduledSeq], copy_ops: list[CopyOp], budget: int,
+               now: float) -> int:
         """Admit waiting requests in key order while they fit; returns the budget left."""
         kv = self.kv
         max_seqs = self.config.max_num_seqs
         waiting = self._waiting
         while waiting and budget > 0:
-            req = waiting[0]
-            rid = req.request_id
+            e = waiting[0]
+            rid = e.rid
+            req = e.req
             pending = self._forks.get(rid)
             need_seats = 1 + (len(pending) if pending else 0)
             if len(self._running) + self._reserved_seats() + need_seats > max_seqs:
                 break
             reserve = bool(self._running)   # an idle cache never refuses its only request
             free_now = kv.num_free_blocks
-            if self._admit_blocked == (rid, free_now, reserve):
+            # Its first uncached token always starts a fresh block, so no free block = no entry.
+            if free_now == 0 or self._admit_blocked == (rid, free_now, reserve):
                 break
-            tokens = self._tokens[rid]
+            tokens = e.tokens
             cached = kv.add_seq(rid, tokens, req.cache_salt)
             target = len(tokens) - 1 if pending else len(tokens)
             n_new = min(target - cached, budget)
@@ -307,22 +339,22 @@ class Scheduler:
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
-            self._insert_running(req)
+            self._insert_running(e)
             if n_new > 0:
-                seqs.append(self._scheduled(req, cached, n_new))
+                seqs.append(self._scheduled(e, cached, n_new, now))
                 copy_ops.extend(ops or ())
                 budget -= n_new
             else:
                 # The leader's prompt[:-1] is all cached (or empty): fork now, and let each of the n
                 # compute the last prompt token if there is room (else next step, as running work).
-                for r in [req, *self._fork(req)]:
+                for x in [e, *self._fork(e)]:
                     if budget <= 0 or len(seqs) >= max_seqs:
                         break
-                    start = r.num_computed_tokens
-                    ops = kv.allocate_slots(r.request_id, start + 1, reserve_watermark=reserve)
+                    start = x.req.num_computed_tokens
+                    ops = kv.allocate_slots(x.rid, start + 1, reserve_watermark=reserve)
                     if ops is None:
                         break
-                    seqs.append(self._scheduled(r, start, 1))
+                    seqs.append(self._scheduled(x, start, 1, now))
                     copy_ops.extend(ops)
                     budget -= 1
         return budget
@@ -343,54 +375,52 @@ class Scheduler:
         """Sequence slots held for siblings of running leaders (they join at the fork)."""
         if not self._forks:
             return 0
-        reqs = self._requests
-        return sum(len(s) for lid, s in self._forks.items() if reqs[lid].status is _RUNNING)
+        ents = self._entries
+        return sum(len(s) for lid, s in self._forks.items() if ents[lid].req.status is _RUNNING)
 
-    def _scheduled(self, req: Request, start: int, n_new: int) -> ScheduledSeq:
-        rid = req.request_id
-        tokens = self._tokens[rid]
+    def _scheduled(self, e: _Entry, start: int, n_new: int, now: float) -> ScheduledSeq:
+        req = e.req
         end = start + n_new
         if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
-        params = req.params
+            req.first_scheduled_time = now
         return ScheduledSeq(
-            request_id=rid,
-            token_ids=tokens[start:end],
+            request_id=e.rid,
+            token_ids=e.tokens[start:end],
             start_pos=start,
-            block_table=self.kv.get_block_table(rid),
-            sample=end == len(tokens),
-            params=params,
+            block_table=self.kv.get_block_table(e.rid),
+            sample=end == len(e.tokens),
+            params=req.params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
-            seed=None if params.seed is None else params.seed + req.sample_index,
+            seed=e.seed,
         )
 
-    def _fork(self, leader: Request) -> list[Request]:
+    def _fork(self, leader: _Entry) -> list[_Entry]:
         """Siblings of `leader` start sharing its blocks (it has computed prompt[:-1])."""
-        sibs = self._forks.pop(leader.request_id, None)
+        sibs = self._forks.pop(leader.rid, None)
         if not sibs:
             return []
         self._num_pending -= len(sibs)
-        lid = leader.request_id
+        lreq = leader.req
         for s in sibs:
-            sid = s.request_id
-            del self._leader_of[sid]
-            self.kv.fork(lid, sid)
-            s.status = _RUNNING
-            s.num_computed_tokens = leader.num_computed_tokens
-            s.num_cached_tokens = leader.num_cached_tokens
+            del self._leader_of[s.rid]
+            self.kv.fork(leader.rid, s.rid)
+            s.req.status = _RUNNING
+            s.req.num_computed_tokens = lreq.num_computed_tokens
+            s.req.num_cached_tokens = lreq.num_cached_tokens
             self._insert_running(s)
         return sibs
 
-    def _preempt(self, req: Request) -> None:
-        """Free all of req's blocks and requeue it; it recomputes prompt + outputs later."""
-        self.kv.free(req.request_id)
-        self._remove_sorted(self._running, req)
+    def _preempt(self, e: _Entry) -> None:
+        """Free all of e's blocks and requeue it; it recomputes prompt + outputs later."""
+        self.kv.free(e.rid)
+        self._remove_sorted(self._running, e)
+        req = e.req
         req.status = _PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._insert_waiting(req)
+        self._insert_waiting(e)
 
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestEvent]:
@@ -405,54 +435,51 @@ class Scheduler:
                 self._tokens_per_s = tps if self._tokens_per_s is None else (
                     0.9 * self._tokens_per_s + 0.1 * tps)
 
-        kv = self.kv
-        reqs = self._requests
+        commit = self.kv.commit
+        entries = self._entries
+        forks = self._forks
         errors = res.errors
         sampled = res.sampled
         logprobs = res.logprobs
-        max_len = self.max_model_len
         events: list[RequestEvent] = []
         for seq in out.seqs:
             rid = seq.request_id
-            req = reqs.get(rid)
-            if req is None or req.status is not _RUNNING:
+            e = entries.get(rid)
+            if e is None:
                 continue   # finished (aborted) since schedule()
-            if errors and rid in errors:
-                events.append(self._finish(req, FinishReason.ERROR, errors[rid]))
+            req = e.req
+            if req.status is not _RUNNING:
                 continue
-            tokens = self._tokens[rid]
+            if errors and rid in errors:
+                events.append(self._finish(e, FinishReason.ERROR, errors[rid]))
+                continue
+            tokens = e.tokens
             computed = seq.start_pos + len(seq.token_ids)
             req.num_computed_tokens = computed
-            kv.commit(rid, tokens, computed)
+            commit(rid, tokens, computed)
             if not seq.sample:
-                if rid in self._forks and computed == len(tokens) - 1:
-                    self._fork(req)
+                if forks and rid in forks and computed == len(tokens) - 1:
+                    self._fork(e)
                 continue
             tok = sampled.get(rid)
             if tok is None:
-                events.append(self._finish(req, FinishReason.ERROR, "the runner returned no token"))
+                events.append(self._finish(e, FinishReason.ERROR, "the runner returned no token"))
                 continue
             req.output_token_ids.append(tok)
             tokens.append(tok)
-            params = req.params
-            reason = None
-            if tok in params.stop_token_ids or (not params.ignore_eos and tok in req.eos_token_ids):
-                reason = FinishReason.STOP
-            elif len(req.output_token_ids) >= params.max_tokens or len(tokens) >= max_len:
-                reason = FinishReason.LENGTH
-            if reason is None:
-                ev = RequestEvent(
-                    request_id=rid,
-                    new_token_ids=[tok],
-                    num_prompt_tokens=len(req.prompt_token_ids),
-                    num_cached_tokens=req.num_cached_tokens,
-                )
-            else:
-                ev = self._finish(req, reason)
+            if tok in e.stop_ids:
+                ev = self._finish(e, FinishReason.STOP)
                 ev.new_token_ids = [tok]
-            lp = logprobs.get(rid) if logprobs else None
-            if lp is not None:
-                ev.logprobs = [lp]
+            elif len(tokens) >= e.limit:
+                ev = self._finish(e, FinishReason.LENGTH)
+                ev.new_token_ids = [tok]
+            else:
+                ev = RequestEvent(rid, [tok], [], False, None, len(req.prompt_token_ids),
+                                  req.num_cached_tokens)
+            if logprobs:
+                lp = logprobs.get(rid)
+                if lp is not None:
+                    ev.logprobs = [lp]
             events.append(ev)
         return events
 
@@ -463,24 +490,25 @@ class Scheduler:
 
         Returns its final event, or None if it is unknown or already finished. Siblings live on.
         """
-        req = self._requests.get(request_id)
-        if req is None:
+        e = self._entries.get(request_id)
+        if e is None:
             return None
-        return self._finish(req, reason)
+        return self._finish(e, reason)
 
-    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestEvent:
-        rid = req.request_id
+    def _finish(self, e: _Entry, reason: FinishReason, error: str | None = None) -> RequestEvent:
+        rid = e.rid
+        req = e.req
         status = req.status
         if status is _RUNNING:
             self.kv.free(rid, keep_warm=req.keep_warm)
-            self._remove_sorted(self._running, req)
+            self._remove_sorted(self._running, e)
         elif status is _WAITING or status is _PREEMPTED:
-            self._remove_sorted(self._waiting, req)
-            self._waiting_tokens -= len(self._tokens[rid])
+            self._remove_sorted(self._waiting, e)
+            self._waiting_tokens -= len(e.tokens)
         elif status is _FORK:
             lid = self._leader_of.pop(rid)
             sibs = self._forks[lid]
-            del sibs[next(i for i, s in enumerate(sibs) if s is req)]
+            del sibs[next(k for k, s in enumerate(sibs) if s is e)]
             self._num_pending -= 1
             if not sibs:
                 del self._forks[lid]
@@ -489,23 +517,21 @@ class Scheduler:
         if sibs:
             heir, rest = sibs[0], sibs[1:]
             self._num_pending -= 1
-            del self._leader_of[heir.request_id]
+            del self._leader_of[heir.rid]
             if rest:
-                self._forks[heir.request_id] = rest
+                self._forks[heir.rid] = rest
                 for s in rest:
-                    self._leader_of[s.request_id] = heir.request_id
-            heir.status = _WAITING
+                    self._leader_of[s.rid] = heir.rid
+            heir.req.status = _WAITING
             self._insert_waiting(heir)
-            if self._admit_blocked is not None and self._admit_blocked[0] == rid:
-                self._admit_blocked = None
+        if self._admit_blocked is not None and self._admit_blocked[0] == rid:
+            self._admit_blocked = None
 
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req.first_scheduled_time is not None:
             self._finished_ids.append(rid)
-        del self._requests[rid]
-        del self._tokens[rid]
-        del self._keys[rid]
+        del self._entries[rid]
         return RequestEvent(
             request_id=rid,
             finished=True,
@@ -516,21 +542,19 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------------ sorted queues
-    def _key(self, req: Request) -> tuple[int, float, int]:
-        return self._keys[req.request_id]
+    def _insert_waiting(self, e: _Entry) -> None:
+        bisect.insort(self._waiting, e, key=_key)
+        self._waiting_tokens += len(e.tokens)
 
-    def _insert_waiting(self, req: Request) -> None:
-        bisect.insort(self._waiting, req, key=self._key)
-        self._waiting_tokens += len(self._tokens[req.request_id])
+    def _insert_running(self, e: _Entry) -> None:
+        bisect.insort(self._running, e, key=_key)
 
-    def _insert_running(self, req: Request) -> None:
-        bisect.insort(self._running, req, key=self._key)
-
-    def _remove_sorted(self, queue: list[Request], req: Request) -> None:
-        if queue and queue[-1] is req:
+    @staticmethod
+    def _remove_sorted(queue: list[_Entry], e: _Entry) -> None:
+        if queue and queue[-1] is e:
             queue.pop()
             return
-        i = bisect.bisect_left(queue, self._keys[req.request_id], key=self._key)
-        while queue[i] is not req:   # keys are unique: this runs at most once
+        i = bisect.bisect_left(queue, e.key, key=_key)
+        while queue[i] is not e:   # keys are unique: this never loops more than once
             i += 1
         del queue[i]

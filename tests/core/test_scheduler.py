@@ -555,3 +555,27 @@ def test_outputs_identical_alone_and_in_a_batch_of_8():
     for g in _workload():
         alone.update(_run_batch(make(block_size=4, budget=16), [g]).tokens)
     assert dict(batch.tokens) == alone == _expected()
+
+
+def test_issue_scenario_48_blocks_eight_long_requests_all_finish():
+    # `serve --kv-blocks 48 --max-num-seqs 16`: 8 × (250-token prompt + 96 tokens, ignore_eos).
+    kv = KVCacheManager(48, 16, watermark=0.01)
+    s = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512), kv,
+                  max_model_len=2048)
+    d = Driver(s)
+    for k in range(8):
+        s.add_request(req(f"c{k}", [1 + k] + list(range(100, 349)), max_tokens=96))
+    d.run(max_steps=5000)
+    assert all(d.final[f"c{k}"].finish_reason is FinishReason.LENGTH for k in range(8))
+    p = SamplingParams(max_tokens=96, ignore_eos=True)
+    assert all(d.tokens[f"c{k}"] == reference([1 + k] + list(range(100, 349)), p, None, 2048)
+               for k in range(8))
+    assert s.num_preemptions > 0 and kv.usage == 0.0
+
+
+def test_bench_scheduler_runs():
+    from chatserve.bench.scheduler import run
+
+    res = run(seqs=8, steps=5, prompt_len=16)
+    assert res["decode_seqs_per_step"] == 8 and res["decode_step_ms"] > 0
+    assert set(res["goals_met"]) == {"decode_step_ms"}
