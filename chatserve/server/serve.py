@@ -192,8 +192,20 @@ def make_server(app, cfg: EngineConfig, engine):
     return DrainingServer(config)
 
 
+def env_config(environ: dict[str, str] | None = None) -> EngineConfig:
+    """EngineConfig.from_env, plus CHATSERVE_API_KEY (one key, or several comma-separated)."""
+    import os
+    environ = dict(os.environ if environ is None else environ)
+    env = EngineConfig.from_env(environ)
+    single = environ.get("CHATSERVE_API_KEY")
+    if single and not env.server.api_keys:
+        keys = tuple(k.strip() for k in single.split(",") if k.strip())
+        env = replace(env, server=replace(env.server, api_keys=keys))
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
-    env = EngineConfig.from_env()
+    env = env_config()
     args = build_parser(env).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args, env)
