@@ -581,8 +581,12 @@ def ws_session_handler(app_state: Any) -> Any:
             p = await prepare_turn(ctx, owner, str(body.get("session_id", "")), body)
         except StoreUnavailable as e:
             raise _unavailable(e) from None
-        async for chunk in run_turn(ctx, p):
-            yield chunk
+        chunks = run_turn(ctx, p)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:                     # closed at once (not at GC): abort, free the KV, save the partial
+            await chunks.aclose()
     return handler
 
 

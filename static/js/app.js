@@ -212,9 +212,14 @@ function queueReplyRender() {
   });
 }
 
-async function openSession(id) {
+async function openSession(id, { settle = false } = {}) {
   try {
-    const s = await api.get(id);
+    let s = await api.get(id);
+    // right after a stream ends the server may still be saving the reply: wait for it briefly
+    for (let i = 0; settle && s.generating && i < 25; i++) {
+      await new Promise((r) => { setTimeout(r, 120); });
+      s = await api.get(id);
+    }
     state.setCurrent(s);
     if (location.hash.slice(1) !== id) history.replaceState(null, '', `#${id}`);
   } catch (e) {
@@ -250,7 +255,7 @@ async function sendTurn(body) {
     state.endReply();
     setBusy(false);
     const stillHere = state.current && state.current.id === sid;
-    if (stillHere) await openSession(sid);       // the stored turn, with the server's usage record
+    if (stillHere) await openSession(sid, { settle: true });   // the stored turn, with its usage record
     await refreshSessions();
   }
 }

@@ -56,3 +56,50 @@ def _has_sansio() -> bool:
         return False
 
 
+
+
+class ServeProcess:
+    """`python -m chatserve.cli serve` in a subprocess (the real app, engine and model)."""
+
+    def __init__(self, model: str, log_path: Path, *extra: str) -> None:
+        import subprocess
+        from session_fakes import free_port
+        self.port = free_port()
+        self.log_path = log_path
+        self.args = [sys.executable, "-m", "chatserve.cli", "serve", "--model", model, "--port", str(self.port),
+                     "--stats-interval", "0", *extra]
+        self._subprocess = subprocess
+        self.proc: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServeProcess":
+        import httpx
+        root = Path(__file__).resolve().parents[2]
+        self.log = open(self.log_path, "a")
+        self.proc = self._subprocess.Popen(self.args, cwd=root, stdout=self.log, stderr=self.log,
+                                           env={**os.environ, "PYTHONPATH": str(root)})
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.log_path.read_text()[-3000:])
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("chatserve serve did not become ready:\n" + self.log_path.read_text()[-3000:])
+            time.sleep(0.2)
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except self._subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

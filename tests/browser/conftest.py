@@ -29,3 +29,17 @@ def browser() -> Iterator[Any]:
             yield b
         finally:
             b.close()
+
+
+@pytest.fixture
+def redis_server():
+    from session_fakes import RedisServer, redis_binary
+    binary = redis_binary()
+    if binary is None:
+        pytest.skip("redis-server not found: apt-get install -y redis-server (or set PATH)")
+    srv = RedisServer(binary)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -59,11 +59,14 @@ class ScriptedChat:
             base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
                     "model": req.get("model", "fake")}
             yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
-            for piece in pieces[: req.get("max_tokens", 10_000)]:
+            limit = req.get("max_tokens", 10_000)
+            finish = "length" if len(pieces) > limit else "stop"
+            pieces = pieces[:limit]
+            for piece in pieces:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 yield {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
-            yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}
             yield {**base, "choices": [], "usage": {
                 "prompt_tokens": len(words), "completion_tokens": len(pieces), "total_tokens": len(words) + len(pieces),
                 "prompt_tokens_details": {"cached_tokens": cached},

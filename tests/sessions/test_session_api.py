@@ -218,3 +218,33 @@ async def test_memory_store_status_says_not_persisted():
     async with client(app) as c:
         r = await c.get("/v1/sessions/status")
         assert r.json()["persistent"] is False and r.headers["x-chatserve-session-store"] == "memory"
+
+
+def test_turn_over_the_websocket_and_cancel():
+    from starlette.testclient import TestClient
+    chat = ScriptedChat(reply=lambda m: "tok " * 500, delay_s=0.005)
+    with TestClient(make_app(chat)) as c:
+        sid = c.post("/v1/sessions", json={}).json()["id"]
+        with c.websocket_connect("/v1/ws") as ws:
+            ws.send_json({"id": "a", "type": "session", "session_id": sid, "content": "short", "max_tokens": 3})
+            frames = []
+            while not frames or frames[-1]["type"] == "chunk":
+                frames.append(ws.receive_json())
+            assert frames[-1] == {"id": "a", "type": "done"}
+            text = "".join(f["chunk"]["choices"][0]["delta"].get("content", "") for f in frames
+                           if f["type"] == "chunk" and f["chunk"]["choices"])
+            assert text == "tok tok tok"
+            ws.send_json({"id": "b", "type": "session", "session_id": sid, "content": "long"})
+            for _ in range(10):
+                assert ws.receive_json()["type"] == "chunk"
+            ws.send_json({"id": "b", "type": "cancel"})
+            while (f := ws.receive_json())["type"] == "chunk":
+                pass
+            assert f == {"id": "b", "type": "cancelled"}
+            ws.send_json({"id": "c", "type": "session", "session_id": "nope" * 8, "content": "x"})
+            assert ws.receive_json()["status"] == 404
+        assert chat.active == 0 and chat.aborted == 1
+        msgs = c.get(f"/v1/sessions/{sid}").json()["messages"]
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * 2
+        assert msgs[1]["finish_reason"] == "length" and msgs[3]["finish_reason"] == "abort"
+        assert 0 < len(msgs[3]["content"].split()) < 500
