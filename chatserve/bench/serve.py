@@ -50,6 +50,7 @@ class RunOptions:
     request_rate: float = math.inf       # Poisson arrivals per second; inf = all at once
     seed: int = 0
     progress: bool = True
+    stream_usage: bool = True            # ask for the final usage chunk (stream_options.include_usage)
     extra_body: dict[str, Any] = field(default_factory=dict)
 
 
@@ -60,10 +61,11 @@ def build_body(job: Job, turn_idx: int, history: list[tuple[Any, str]], opts: Ru
     body: dict[str, Any] = {
         "model": opts.model,
         "stream": True,
-        "stream_options": {"include_usage": True},
         "max_tokens": turn.max_tokens,
         "temperature": opts.temperature,
     }
+    if opts.stream_usage:
+        body["stream_options"] = {"include_usage": True}
     if job.n > 1:
         body["n"] = job.n
     if opts.ignore_eos:
@@ -254,6 +256,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             opts = RunOptions(endpoint=args.endpoint, model=model, temperature=args.temperature,
                               ignore_eos=args.ignore_eos, concurrency=c, request_rate=args.request_rate,
                               seed=args.seed + k, progress=not args.no_progress,
+                              stream_usage=not args.no_stream_usage,
                               extra_body=json.loads(args.extra_body) if args.extra_body else {})
             if args.warmup and k == 0:
                 src = PromptSource(random.Random(args.seed - 1), tokenizer)
@@ -379,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--out", default=None, help="write the JSON results to FILE")
     p.add_argument("--plot", default=None, help="PNG of throughput and TTFT vs concurrency")
+    p.add_argument("--no-stream-usage", action="store_true",
+                   help="do not send stream_options (servers that reject it); tokens are then counted per chunk")
     p.add_argument("--no-progress", action="store_true")
     return p
 

@@ -88,6 +88,10 @@ def test_completions_endpoint_and_failures_reported(capsys, fake):
     r = _run(capsys, fake, "--endpoint", "completions", "--num-prompts", "2", "--input-len", "5",
              "--output-len", "2")
     assert r["completed"] == 2 and isinstance(fake.state.bodies[0]["prompt"], str)
+    fake.reset()
+    r = _run(capsys, fake, "--no-stream-usage", "--num-prompts", "2", "--input-len", "5", "--output-len", "3")
+    assert "stream_options" not in fake.state.bodies[0] and r["output_tokens"] == 6  # counted per chunk
+    assert r["usage_cached_fraction"] is None
     fake.state.behavior = "two_finish"
     rc = serve.main(["--url", fake.url, "--json", "--no-progress", "--num-prompts", "2",
                      "--input-len", "4", "--output-len", "2"])
