@@ -94,7 +94,7 @@ def test_affinity_by_path_header_cookie_and_round_robin(topo):
     assert plain.count("A") >= 2 and plain.count("B") >= 2, plain  # no key: spread, not pinned
     with httpx.Client(base_url=proxy.url, timeout=10, cookies={"chatserve_uid": "u" * 32}) as c:
         # short path words are not session ids: the sessions WebSocket/status follow the browser cookie
-        by_cookie = {_who(c, p) for p in ("/v1/sessions/ws", "/v1/sessions/status", "/v1/models")}
+        by_cookie = {_who(c, p) for p in ("/v1/ws", "/v1/sessions/status", "/v1/models")}
         assert len(by_cookie) == 1
         # the cookie outranks the path: a browser's WebSocket and SSE turns share one replica
         assert {_who(c, f"/v1/sessions/{secrets.token_urlsafe(18)}/messages") for _ in range(6)} == by_cookie
