@@ -18,8 +18,19 @@ async function errorOf(r) {
   return new ApiError(r.status, msg);
 }
 
+// With `chatserve serve --api-key`, the page asks for a key once per tab (sessionStorage) and sends it
+// as a Bearer token, and as a WebSocket subprotocol (browsers cannot set headers there).
+let apiKey = sessionStorage.getItem('chatserve-api-key') || '';
+export function setApiKey(key) {
+  apiKey = key || '';
+  if (apiKey) sessionStorage.setItem('chatserve-api-key', apiKey);
+  else sessionStorage.removeItem('chatserve-api-key');
+  socket.reset();
+}
+function authHeaders(h = {}) { if (apiKey) h.authorization = `Bearer ${apiKey}`; return h; }
+
 async function call(method, url, body) {
-  const init = { method, credentials: 'same-origin', headers: {} };
+  const init = { method, credentials: 'same-origin', headers: authHeaders() };
   if (body !== undefined) {
     init.headers['content-type'] = 'application/json';
     init.body = JSON.stringify(body);
@@ -73,7 +84,8 @@ class SessionSocket {
     const url = `${location.protocol === 'https:' ? 'wss' : 'ws'}://${location.host}/v1/ws`;
     this.opening = new Promise((resolve, reject) => {
       let ws;
-      try { ws = new WebSocket(url); } catch (e) { reject(e); return; }
+      const protocols = apiKey ? ['chatserve', `chatserve.bearer.${apiKey}`] : undefined;
+      try { ws = new WebSocket(url, protocols); } catch (e) { reject(e); return; }
       const timer = setTimeout(() => { ws.close(); reject(new Error('websocket open timed out')); }, 3000);
       ws.onopen = () => { clearTimeout(timer); this.ws = ws; resolve(ws); };
       ws.onerror = () => { clearTimeout(timer); reject(new Error('websocket failed')); };
@@ -87,6 +99,11 @@ class SessionSocket {
       ws.onmessage = (ev) => this.dispatch(ev.data);
     }).finally(() => { this.opening = null; });
     return this.opening;
+  }
+
+  reset() {
+    this.broken = false;
+    if (this.ws) { const ws = this.ws; this.ws = null; ws.close(); }
   }
 
   dispatch(raw) {
@@ -124,7 +141,7 @@ async function* sseTurn(sessionId, body, control) {
   };
   const r = await fetch(`${S}/${encodeURIComponent(sessionId)}/messages`, {
     method: 'POST', credentials: 'same-origin', signal: abort.signal,
-    headers: { 'content-type': 'application/json', accept: 'text/event-stream' },
+    headers: authHeaders({ 'content-type': 'application/json', accept: 'text/event-stream' }),
     body: JSON.stringify({ ...body, stream: true }),
   });
   noteStoreHeader(r);

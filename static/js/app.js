@@ -1,7 +1,7 @@
 // The page: renders ChatState into the DOM and turns clicks and keys into api calls.
 // Chat data lives in store.js, the network in api.js, markdown safety in render.js.
 import { ChatState, formatStats, contextUsage, compactNumber, paramsFromInputs, SAMPLING_FIELDS } from './store.js';
-import { api, streamTurn, onStoreHeader, transport } from './api.js';
+import { api, streamTurn, onStoreHeader, transport, setApiKey } from './api.js';
 import { renderMarkdown, finishCode } from './render.js';
 
 const $ = (id) => document.getElementById(id);
@@ -124,7 +124,21 @@ async function deleteSession(id) {
 }
 
 async function refreshSessions() {
-  try { state.setSessions(await api.list()); } catch (e) { showError(`Could not load conversations: ${e.message}`); }
+  try {
+    state.setSessions(await api.list());
+    $('key-form').hidden = true;
+    return true;
+  } catch (e) {
+    if (e.status === 401) { askForKey(e.message); return false; }
+    showError(`Could not load conversations: ${e.message}`);
+    return false;
+  }
+}
+
+function askForKey(why) {
+  $('key-form').hidden = false;
+  $('api-key').setAttribute('aria-invalid', String(why !== 'missing API key'));
+  $('api-key').focus();
 }
 
 // ── the open conversation ──────────────────────────────────────────────────────────────────
@@ -400,6 +414,16 @@ function wire() {
     const s = state.sessions.find((x) => x.id === state.current?.id);
     if (li && s) startRename(li, s);
   });
+  $('key-form').addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    setApiKey($('api-key').value.trim());
+    $('api-key').value = '';
+    if (await refreshSessions()) {
+      const id = location.hash.slice(1);
+      if (id) await openSession(id);
+      loadModelInfo();
+    }
+  });
   $('open-sidebar').addEventListener('click', openSidebar);
   $('close-sidebar').addEventListener('click', closeSidebar);
   $('scrim').addEventListener('click', closeSidebar);
@@ -421,17 +445,20 @@ function wire() {
   });
 }
 
+async function loadModelInfo() {
+  const m = (await api.models())[0];
+  if (m) { state.maxContext = m.max_model_len || m.context_length || null; renderHeader(); }
+}
+
 async function main() {
   initTheme();
   initScroll();
   wire();
-  const models = await api.models();
-  const m = models[0];
-  if (m) state.maxContext = m.max_model_len || m.context_length || null;
-  await refreshSessions();
+  const ok = await refreshSessions();
   const id = location.hash.slice(1);
-  if (id) await openSession(id);
+  if (ok && id) await openSession(id);
   else renderHeader();
+  loadModelInfo();
   pollStatus();
   document.body.dataset.ready = '1';
 }

@@ -277,3 +277,31 @@ def test_settings_theme_phone_layout_and_autoscroll(live, chat, browser):
         assert page.evaluate("document.getElementById('hljs-dark').disabled") == (before == "dark")
     finally:
         ctx.close()
+
+
+def test_api_key_server_asks_for_a_key_and_keys_own_sessions(browser):
+    chat = ScriptedChat()
+    with LiveServer(make_app(chat, api_keys=("k-alpha", "k-beta"))) as srv:
+        ctx = browser.new_context()
+        try:
+            page = ctx.new_page()
+            open_ui(page, srv)
+            page.wait_for_selector("#key-form", state="visible")
+            page.fill("#api-key", "wrong")
+            page.press("#api-key", "Enter")
+            page.wait_for_selector("#api-key[aria-invalid='true']")
+            page.fill("#api-key", "k-alpha")
+            page.press("#api-key", "Enter")
+            page.wait_for_selector("#key-form", state="hidden")
+            send(page, "keyed hello")
+            page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=10_000)
+            assert page.evaluate("document.body.dataset.transport") == "websocket"   # key as subprotocol
+            assert chat.requests[-1]["owner"].startswith("key:")
+            page.reload()                                   # the key is kept for this tab
+            page.wait_for_selector(".msg.assistant", timeout=10_000)
+            h = {"authorization": "Bearer k-beta"}
+            assert page.request.get(f"{srv.url}/v1/sessions", headers=h).json()["data"] == []
+            h = {"authorization": "Bearer k-alpha"}
+            assert len(page.request.get(f"{srv.url}/v1/sessions", headers=h).json()["data"]) == 1
+        finally:
+            ctx.close()

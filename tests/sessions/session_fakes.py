@@ -87,10 +87,11 @@ def _common(a: list[str], b: list[str]) -> int:
     return n
 
 
-def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None) -> Starlette:
+def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None,
+             api_keys: tuple[str, ...] = ()) -> Starlette:
     """The smallest app that serves the session routes, the real /v1/ws, and a /metrics with the KV
     usage gauge (the fake's running generations); no engine."""
-    cfg = EngineConfig(server=ServerConfig(redis_url=redis_url))
+    cfg = EngineConfig(server=ServerConfig(redis_url=redis_url, api_keys=api_keys))
     state = ServerState(config=cfg, engine=None, tokenizer=None, model_name="fake-model", sessions=store)
 
     async def metrics(request: Any) -> PlainTextResponse:
@@ -101,6 +102,9 @@ def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = N
     app.state.chatserve = state
     app.state.session_chat_backend = backend
     session_routes.install(app, state)
+    if api_keys:
+        from chatserve.server.auth import APIKeyMiddleware
+        app.add_middleware(APIKeyMiddleware, keys=api_keys)
     return app
 
 
