@@ -115,7 +115,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _openapi(request: Request) -> Response:
-    return JSONResponse(openapi_schema(request.app.state.chatserve.model_name))
+    st = request.app.state.chatserve
+    return JSONResponse(openapi_schema(st.model_name, st.vocab_size))
 
 
 def _vocab_size(state: ServerState) -> int | None:

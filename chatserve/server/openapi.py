@@ -32,7 +32,8 @@ _SAMPLING: dict[str, Any] = {
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
                        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"}, "maxProperties": 1024,
+                   "additionalProperties": {"type": "number", "minimum": -100,
                                                               "maximum": 100}},
     "ignore_eos": {"type": "boolean"},
     "include_stop_str_in_output": {"type": "boolean"},
@@ -59,18 +60,22 @@ def _json_body(schema: dict) -> dict:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
-def openapi_schema(model_name: str = "chatserve") -> dict:
+def openapi_schema(model_name: str = "chatserve", vocab_size: int | None = None) -> dict:
+    tid: dict[str, Any] = {"type": "integer", "minimum": 0}
+    if vocab_size:
+        tid["maximum"] = vocab_size - 1
+    sampling = {**_SAMPLING, "stop_token_ids": {"type": "array", "items": tid, "maxItems": 64}}
     chat_req = {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        **_SAMPLING}}
+        **sampling}}
     cmpl_req = {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
+                             {"type": "array", "minItems": 1, "items": tid}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        **_SAMPLING}}
+        **sampling}}
     gen_responses = {"200": {"description": "a completion object, or an SSE stream of chunks when "
                                             "stream is true",
                              "content": {"application/json": {"schema": {"type": "object"}},
@@ -96,7 +101,7 @@ def openapi_schema(model_name: str = "chatserve") -> dict:
                 "200": {"description": "ready"}, "503": {"description": "loading or draining"}}}},
             "/tokenize": {"post": {"operationId": "tokenize", "requestBody": _json_body({
                 "type": "object", "properties": {
-                    "prompt": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE},
+                    "prompt": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
                     "add_generation_prompt": {"type": "boolean"},
                     "return_token_strs": {"type": "boolean"}}}),
                 "responses": {"200": {"description": "token ids", "content": {"application/json": {
@@ -106,7 +111,7 @@ def openapi_schema(model_name: str = "chatserve") -> dict:
                     **_errors(400, 401, 413, 415)}}},
             "/detokenize": {"post": {"operationId": "detokenize", "requestBody": _json_body({
                 "type": "object", "required": ["tokens"],
-                "properties": {"tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}),
+                "properties": {"tokens": {"type": "array", "items": tid}}}),
                 "responses": {"200": {"description": "text", "content": {"application/json": {
                     "schema": {"type": "object", "properties": {"prompt": {"type": "string"}}}}}},
                     **_errors(400, 401, 413, 415)}}},

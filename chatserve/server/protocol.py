@@ -72,6 +72,8 @@ def get_int(body: dict, key: str, default: int | None, lo: int | None = None,
     v = _opt(body, key)
     if v is None:
         return default
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 63:
+        v = int(v)                         # JSON Schema: 7.0 is an integer
     if not _is_int(v):
         raise invalid(f"'{key}' must be an integer", key, "invalid_type")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -224,9 +226,7 @@ def parse_stream(body: dict) -> tuple[bool, bool]:
     if so is not None:
         if not isinstance(so, dict):
             raise invalid("'stream_options' must be an object", "stream_options", "invalid_type")
-        if not stream:
-            raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        include_usage = get_bool(so, "include_usage")
+        include_usage = get_bool(so, "include_usage") and stream     # ignored without stream
     return stream, include_usage
 
 
@@ -293,9 +293,7 @@ def _parse_chat(body: dict, state) -> ChatRequest:
     n = parse_n(body)
     want_lp = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top is not None and not want_lp:
-        raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    params = sampling_params(body, state, n=n, logprobs=(top or 0) if want_lp else None)
+    params = sampling_params(body, state, n=n, logprobs=(top or 0) if want_lp else None)  # top alone: ignored
     add_gen = get_bool(body, "add_generation_prompt", True)
     try:
         prompt_ids = list(state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen))
