@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.dispatch import compute_dtype, device_sms, jit, next_pow2, tl, use_triton
+from chatserve_kernels.dispatch import compute_dtype, dot_precision, device_sms, jit, next_pow2, tl, use_triton
 from chatserve_kernels.quant import SCALE_TOKEN, dequantize_torch, scale_mode
 
 LOG2E = 1.4426950408889634
@@ -172,6 +172,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         part_o = part_lse = out                                               # unused
     dummy = k_cache
+    compute = compute_dtype(q.dtype, q.device)
     _decode_kernel[(B, hkv, splits)](
         q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
         v_scale if v_scale is not None else dummy, out, part_o, part_lse,
@@ -181,8 +182,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
         block_tables.stride(0),
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, D_PAD=d_pad,
-        BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute_dtype(q.dtype, q.device),
-        PRECISION="ieee", SPLIT=split, WINDOW=bool(sliding_window),
+        BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute,
+        PRECISION=dot_precision(compute), SPLIT=split, WINDOW=bool(sliding_window),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     if split:

@@ -85,3 +85,8 @@ def device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dot_precision(compute) -> str:
+    """fp32 dots stay exact ("ieee"); TF32 would cost ~1e-3 relative error. Others ignore the setting."""
+    return "ieee" if compute == tl.float32 else "tf32"

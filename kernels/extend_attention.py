@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from chatserve_kernels.decode_attention import LOG2E, gather_dequant
-from chatserve_kernels.dispatch import compute_dtype, jit, next_pow2, tl, use_triton
+from chatserve_kernels.dispatch import compute_dtype, dot_precision, jit, next_pow2, tl, use_triton
 from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
 
 
@@ -138,6 +138,7 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n = block_n or cfg["block_n"]
     assert block_m * group_pad >= 16, "tl.dot needs at least 16 rows"
     dummy = k_cache
+    compute = compute_dtype(q.dtype, q.device)
     grid = (B, hkv, -(-max_query_len // block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
@@ -147,8 +148,8 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=D, D_PAD=next_pow2(D),
-        BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute_dtype(q.dtype, q.device),
-        PRECISION="ieee", WINDOW=bool(sliding_window), SKIP_DECODE=skip_decode,
+        BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute,
+        PRECISION=dot_precision(compute), WINDOW=bool(sliding_window), SKIP_DECODE=skip_decode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

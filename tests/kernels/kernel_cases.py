@@ -122,3 +122,77 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     err = (a - e).abs()
     bound = atol + rtol * e.abs()
     assert bool((err <= bound).all()), f"max err {err.max().item():.3e} (atol {atol}, rtol {rtol})"
+
+
+# ============================================================================ the attention grid
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (seq_lens, q_heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype, num_splits, window)
+DECODE = [
+    ([37, 5], 9, 3, 64, 16, F32, "auto", None, None),
+    ([37, 5], 9, 3, 64, 16, F32, "auto", 3, None),
+    ([70, 1, 33], 8, 1, 128, 8, F16, "auto", 2, None),
+    ([100, 45], 4, 4, 64, 32, BF16, "auto", 4, None),
+    ([17], 2, 1, 128, 16, F32, "auto", 1, None),
+    ([50, 3, 29, 64], 16, 4, 64, 8, F16, "auto", None, None),
+    ([31, 32, 33], 5, 5, 64, 16, F32, "auto", 2, None),
+    ([48], 24, 3, 64, 16, F16, "auto", 1, None),
+    ([40, 17], 6, 2, 64, 16, F32, "int8", 2, None),
+    ([40, 17], 6, 2, 128, 32, F16, "int8", 1, None),
+    ([40, 17], 6, 2, 64, 8, BF16, "int8", 3, None),
+    ([40, 17], 6, 2, 64, 16, F16, "fp8", 2, None),
+    ([33, 9], 8, 2, 128, 16, F32, "fp8", 1, None),
+    ([40, 17], 6, 3, 64, 16, BF16, "fp8_per_tensor", 2, None),
+    ([60, 17], 6, 2, 64, 16, F32, "auto", 3, 20),
+    ([60, 17], 9, 3, 64, 8, F16, "int8", 2, 9),
+]
+# (query_lens, seq_lens, q_heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype, window)
+EXTEND = [
+    ([5, 1, 20], [37, 9, 20], 9, 3, 64, 16, F32, "auto", None),
+    ([17, 1], [30, 40], 8, 1, 128, 8, F16, "auto", None),
+    ([3, 7], [50, 7], 4, 4, 64, 32, BF16, "auto", None),
+    ([33], [33], 2, 1, 128, 16, F32, "auto", None),
+    ([12, 1], [40, 17], 6, 2, 64, 16, F32, "int8", None),
+    ([9, 4], [25, 4], 16, 2, 64, 8, F16, "int8", None),
+    ([12, 1], [40, 17], 6, 2, 64, 16, F16, "fp8", 9),
+    ([12, 1], [40, 17], 6, 3, 64, 16, BF16, "fp8_per_tensor", None),
+    ([20], [45], 9, 3, 64, 32, F32, "auto", 16),
+]
+
+
+def case_id(c) -> str:
+    return "-".join(str(getattr(x, "__name__", x)).replace("torch.", "") for x in c if x is not None)
+
+
+def decode_case(c, seed: int = 0, device: str = "cpu"):
+    seq_lens, hq, hkv, d, bs, dt, kvd, splits, window = c
+    case = make_case([1] * len(seq_lens), seq_lens, q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs,
+                     dtype=dt, kv_cache_dtype=kvd, seed=seed, device=device)
+    return case, dt, splits, window
+
+
+def extend_case(c, seed: int = 0, device: str = "cpu"):
+    qls, sls, hq, hkv, d, bs, dt, kvd, window = c
+    case = make_case(qls, sls, q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs, dtype=dt,
+                     kv_cache_dtype=kvd, seed=seed, device=device)
+    return case, dt, window
+
+
+# (tokens, kv_heads, head_dim, num_blocks, block_size, key dtype, kv_cache_dtype)
+STORE = [
+    (7, 3, 64, 4, 16, F32, "auto"), (9, 2, 128, 3, 8, F16, "auto"), (5, 4, 64, 2, 32, BF16, "auto"),
+    (7, 3, 64, 4, 16, F32, "int8"), (9, 2, 128, 3, 8, F16, "int8"), (5, 4, 64, 2, 32, BF16, "int8"),
+    (7, 3, 64, 4, 16, F32, "fp8"), (9, 2, 128, 3, 8, BF16, "fp8"), (6, 1, 64, 2, 16, F16, "fp8_per_tensor"),
+    (7, 3, 64, 4, 16, F32, "float16"),
+]
+
+
+def store_inputs(T: int, H: int, D: int, nb: int, bs: int, dt: torch.dtype, seed: int):
+    """New keys/values [T, H, D] (one all-zero head) and distinct slots of nb×bs, one of them -1."""
+    g = torch.Generator().manual_seed(seed)
+    key = (torch.randn(T, H, D, generator=g) * 3).to(dt)
+    val = torch.randn(T, H, D, generator=g).to(dt)
+    key[0, 0] = 0.0                                             # an all-zero head: scale 0, codes 0
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[T // 2] = -1                                          # skipped token
+    return key, val, slots

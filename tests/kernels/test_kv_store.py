@@ -9,7 +9,7 @@ from chatserve_kernels.block_copy import copy_blocks_torch, copy_blocks_triton
 from chatserve_kernels.dispatch import interpreting
 from chatserve_kernels.kv_store import store_kv_torch, store_kv_triton
 from chatserve_kernels.quant import FP8_MAX, dequantize_torch, quantize_torch
-from kernel_cases import needs_interpreter
+from kernel_cases import STORE, case_id, needs_interpreter, store_inputs
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -18,30 +18,11 @@ def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.view(torch.uint8)
 
 
-def _store_inputs(T, H, D, nb, bs, dt, seed):
-    g = torch.Generator().manual_seed(seed)
-    key = (torch.randn(T, H, D, generator=g) * 3).to(dt)
-    val = torch.randn(T, H, D, generator=g).to(dt)
-    key[0, 0] = 0.0                                             # an all-zero head: scale 0, codes 0
-    slots = torch.randperm(nb * bs, generator=g)[:T]
-    slots[T // 2] = -1                                          # skipped token
-    return key, val, slots
-
-
-# (tokens, kv_heads, head_dim, num_blocks, block_size, key dtype, kv_cache_dtype)
-STORE = [
-    (7, 3, 64, 4, 16, F32, "auto"), (9, 2, 128, 3, 8, F16, "auto"), (5, 4, 64, 2, 32, BF16, "auto"),
-    (7, 3, 64, 4, 16, F32, "int8"), (9, 2, 128, 3, 8, F16, "int8"), (5, 4, 64, 2, 32, BF16, "int8"),
-    (7, 3, 64, 4, 16, F32, "fp8"), (9, 2, 128, 3, 8, BF16, "fp8"), (6, 1, 64, 2, 16, F16, "fp8_per_tensor"),
-    (7, 3, 64, 4, 16, F32, "float16"),
-]
-
-
 @needs_interpreter
-@pytest.mark.parametrize("c", STORE, ids=["-".join(map(str, c)).replace("torch.", "") for c in STORE])
+@pytest.mark.parametrize("c", STORE, ids=[case_id(c) for c in STORE])
 def test_store_triton_is_bit_exact_with_twin(c):
     T, H, D, nb, bs, dt, kvd = c
-    key, val, slots = _store_inputs(T, H, D, nb, bs, dt, seed=T)
+    key, val, slots = store_inputs(T, H, D, nb, bs, dt, seed=T)
     a = allocate_kv_cache(nb, bs, H, D, dt, kvd)
     b = allocate_kv_cache(nb, bs, H, D, dt, kvd)
     store_kv_triton(key, val, a[0], a[1], slots, a[2], a[3])
@@ -58,7 +39,7 @@ def test_store_triton_is_bit_exact_with_twin(c):
 
 @pytest.mark.parametrize("kvd", ["int8", "fp8"])
 def test_store_twin_round_trips_within_quantization_step(kvd):
-    key, val, slots = _store_inputs(8, 3, 64, 4, 16, F32, seed=1)
+    key, val, slots = store_inputs(8, 3, 64, 4, 16, F32, seed=1)
     k, v, ks, vs = allocate_kv_cache(4, 16, 3, 64, F32, kvd)
     store_kv(key, val, k, v, slots, k_scale=ks, v_scale=vs)
     keep = slots >= 0

@@ -13,63 +13,11 @@ import torch
 from chatserve_kernels import paged_attention
 from chatserve_kernels.decode_attention import decode_attention_triton
 from chatserve_kernels.paged_attention import paged_attention_torch, paged_attention_triton
-from kernel_cases import TOL_DENSE, assert_close, dense_reference, make_case, needs_interpreter
-
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-# (seq_lens, q_heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype, num_splits, window)
-DECODE = [
-    ([37, 5], 9, 3, 64, 16, F32, "auto", None, None),
-    ([37, 5], 9, 3, 64, 16, F32, "auto", 3, None),
-    ([70, 1, 33], 8, 1, 128, 8, F16, "auto", 2, None),
-    ([100, 45], 4, 4, 64, 32, BF16, "auto", 4, None),
-    ([17], 2, 1, 128, 16, F32, "auto", 1, None),
-    ([50, 3, 29, 64], 16, 4, 64, 8, F16, "auto", None, None),
-    ([31, 32, 33], 5, 5, 64, 16, F32, "auto", 2, None),
-    ([48], 24, 3, 64, 16, F16, "auto", 1, None),
-    ([40, 17], 6, 2, 64, 16, F32, "int8", 2, None),
-    ([40, 17], 6, 2, 128, 32, F16, "int8", 1, None),
-    ([40, 17], 6, 2, 64, 8, BF16, "int8", 3, None),
-    ([40, 17], 6, 2, 64, 16, F16, "fp8", 2, None),
-    ([33, 9], 8, 2, 128, 16, F32, "fp8", 1, None),
-    ([40, 17], 6, 3, 64, 16, BF16, "fp8_per_tensor", 2, None),
-    ([60, 17], 6, 2, 64, 16, F32, "auto", 3, 20),
-    ([60, 17], 9, 3, 64, 8, F16, "int8", 2, 9),
-]
-# (query_lens, seq_lens, q_heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype, window)
-EXTEND = [
-    ([5, 1, 20], [37, 9, 20], 9, 3, 64, 16, F32, "auto", None),
-    ([17, 1], [30, 40], 8, 1, 128, 8, F16, "auto", None),
-    ([3, 7], [50, 7], 4, 4, 64, 32, BF16, "auto", None),
-    ([33], [33], 2, 1, 128, 16, F32, "auto", None),
-    ([12, 1], [40, 17], 6, 2, 64, 16, F32, "int8", None),
-    ([9, 4], [25, 4], 16, 2, 64, 8, F16, "int8", None),
-    ([12, 1], [40, 17], 6, 2, 64, 16, F16, "fp8", 9),
-    ([12, 1], [40, 17], 6, 3, 64, 16, BF16, "fp8_per_tensor", None),
-    ([20], [45], 9, 3, 64, 32, F32, "auto", 16),
-]
-
-
-def _id(c) -> str:
-    return "-".join(str(getattr(x, "__name__", x)).replace("torch.", "") for x in c if x is not None)
-
-
-def decode_case(c, seed=0):
-    seq_lens, hq, hkv, d, bs, dt, kvd, splits, window = c
-    case = make_case([1] * len(seq_lens), seq_lens, q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs,
-                     dtype=dt, kv_cache_dtype=kvd, seed=seed)
-    return case, dt, splits, window
-
-
-def extend_case(c, seed=0):
-    qls, sls, hq, hkv, d, bs, dt, kvd, window = c
-    case = make_case(qls, sls, q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs, dtype=dt,
-                     kv_cache_dtype=kvd, seed=seed)
-    return case, dt, window
-
+from kernel_cases import (DECODE, EXTEND, F32, TOL_DENSE, assert_close, case_id, decode_case,
+                          dense_reference, extend_case, make_case, needs_interpreter)
 
 @needs_interpreter
-@pytest.mark.parametrize("c", DECODE, ids=[_id(c) for c in DECODE])
+@pytest.mark.parametrize("c", DECODE, ids=[case_id(c) for c in DECODE])
 def test_decode_triton_matches_twin(c):
     case, dt, splits, window = decode_case(c)
     got = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
@@ -81,7 +29,7 @@ def test_decode_triton_matches_twin(c):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("c", EXTEND, ids=[_id(c) for c in EXTEND])
+@pytest.mark.parametrize("c", EXTEND, ids=[case_id(c) for c in EXTEND])
 def test_extend_and_mixed_triton_match_twin(c):
     case, dt, window = extend_case(c)
     got = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
@@ -91,7 +39,7 @@ def test_extend_and_mixed_triton_match_twin(c):
     assert_close(got, want, dt)
 
 
-@pytest.mark.parametrize("c", DECODE, ids=[_id(c) for c in DECODE])
+@pytest.mark.parametrize("c", DECODE, ids=[case_id(c) for c in DECODE])
 def test_decode_twin_matches_dense(c):
     case, dt, _, window = decode_case(c)
     got = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
@@ -99,7 +47,7 @@ def test_decode_twin_matches_dense(c):
     assert_close(got, dense_reference(case, window), dt, TOL_DENSE)
 
 
-@pytest.mark.parametrize("c", EXTEND, ids=[_id(c) for c in EXTEND])
+@pytest.mark.parametrize("c", EXTEND, ids=[case_id(c) for c in EXTEND])
 def test_extend_twin_matches_dense(c):
     case, dt, window = extend_case(c)
     got = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
