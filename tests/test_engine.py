@@ -185,3 +185,75 @@ async def test_logprobs_and_observers():
     assert [lp.token_id for lp in lps] == [1, 2, 3] and len(lps[0].top) == 2
     assert {"ttft", "itl", "e2e", "queue"} <= set(seen)
     await eng.shutdown(0)
+
+
+# ---- the real scheduler and KV cache manager, with the scripted runner ------------------------
+def real_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
+                max_batched: int = 64, delay: float = 0.0):
+    from fakes import FakeDetok, FakeRunner, FakeTokenizer
+
+    from chatserve.config import EngineConfig, SchedulerConfig
+    from chatserve.core.kv_cache_manager import KVCacheManager
+    from chatserve.core.scheduler import Scheduler
+    from chatserve.engine import AsyncEngine
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, hash_seed=1)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched),
+                      kv, max_model_len=256)
+    return AsyncEngine(EngineConfig(), runner=FakeRunner(delay), tokenizer=FakeTokenizer(),
+                       scheduler=sched, kv=kv, detokenizer_factory=FakeDetok)
+
+
+def expected(prompt_last: int, k: int) -> list[int]:
+    return [(prompt_last + 1 + i) % 64 for i in range(k)]
+
+
+async def test_real_scheduler_n3_fork_and_prefix_hit():
+    eng = real_engine()
+    await eng.start()
+    prompt = list(range(3, 14))                            # 11 tokens: 2 full blocks of 4
+    deltas = await collect(eng.generate(prompt, SamplingParams(n=3, max_tokens=5), request_id="g"))
+    for i in range(3):
+        toks = [t for d in deltas if d.index == i for t in d.token_ids]
+        assert toks == expected(13, 5)
+        assert [d.finish_reason for d in deltas if d.index == i and d.finish_reason] == ["length"]
+    again = await collect(eng.generate(prompt, SamplingParams(max_tokens=2), request_id="h"))
+    assert again[-1].num_cached_tokens >= 8
+    other = await collect(eng.generate(prompt, SamplingParams(max_tokens=2), request_id="i",
+                                       cache_salt="someone else"))
+    assert other[-1].num_cached_tokens == 0
+    st = eng.stats()
+    assert st.kv_used_blocks == 0 and st.prefix_hits >= 8
+    eng.kv.check_integrity()
+    await eng.shutdown(0)
+
+
+async def test_real_scheduler_preemption_keeps_outputs_exact():
+    eng = real_engine(num_blocks=14, block_size=4, max_num_seqs=8, delay=0.001)
+    await eng.start()
+    prompts = [[i * 10 + k for k in range(8)] for i in range(4)]      # distinct, 8 tokens each
+    outs = await asyncio.gather(*[collect(eng.generate(p, SamplingParams(max_tokens=16, ignore_eos=True),
+                                                       request_id=f"p{i}")) for i, p in enumerate(prompts)])
+    for p, out in zip(prompts, outs):
+        assert [t for d in out for t in d.token_ids] == expected(p[-1], 16)
+        assert out[-1].finish_reason == "length"
+    st = eng.stats()
+    assert st.preemptions > 0 and st.kv_used_blocks == 0
+    eng.kv.check_integrity()
+    await eng.shutdown(0)
+
+
+async def test_real_scheduler_abort_mid_step_and_chunked_prefill():
+    eng = real_engine(max_batched=8, delay=0.01)
+    await eng.start()
+    long_prompt = [5] * 40                                 # 5 chunks of 8
+    s = eng.submit(long_prompt, SamplingParams(max_tokens=100, ignore_eos=True), request_id="long")
+    short = asyncio.create_task(collect(eng.generate([1, 2], SamplingParams(max_tokens=3),
+                                                     request_id="short")))
+    await asyncio.sleep(0.035)                             # abort lands while a step is running
+    s.close()
+    out = await short
+    assert [t for d in out for t in d.token_ids] == [3, 4, 5]
+    await asyncio.sleep(0.05)
+    assert eng.stats().kv_used_blocks == 0 and not eng.scheduler.has_unfinished
+    eng.kv.check_integrity()
+    await eng.shutdown(0)

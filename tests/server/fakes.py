@@ -182,6 +182,8 @@ class FakeRunner:
             raise RuntimeError("boom")
         res = RunnerOutput(out.step_id)
         for s in out.seqs:
+            if not s.sample:                 # a prefill chunk that does not reach the end yet
+                continue
             if s.prompt_token_ids and s.prompt_token_ids[0] == 13:
                 res.errors[s.request_id] = "bad prompt"
                 continue
