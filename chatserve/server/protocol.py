@@ -200,8 +200,9 @@ def parse_n(body: dict) -> int:
     return int(n or 1)
 
 
-def max_tokens_for(body: dict, prompt_len: int, max_model_len: int) -> int:
-    """max_tokens / max_completion_tokens checked against the context; default = the rest of it."""
+def max_tokens_for(body: dict, prompt_len: int, max_model_len: int, kv_tokens: int = 0) -> int:
+    """max_tokens / max_completion_tokens checked against the context; default = the rest of it
+    (and of the whole KV cache, `kv_tokens`, when that is smaller)."""
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     mt = get_int(body, key, None, 1, None)
     room = max_model_len - prompt_len
@@ -211,6 +212,12 @@ def max_tokens_for(body: dict, prompt_len: int, max_model_len: int) -> int:
                        param="messages" if "messages" in body else "prompt",
                        code="context_length_exceeded")
     if mt is None:
+        if kv_tokens:
+            room = min(room, kv_tokens - prompt_len)
+            if room < 1:
+                raise APIError(400, f"the prompt is {prompt_len} tokens; the whole KV cache holds "
+                               f"{kv_tokens}", param="messages" if "messages" in body else "prompt",
+                               code="context_length_exceeded")
         return room
     if prompt_len + mt > max_model_len:
         raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt is "
@@ -301,7 +308,7 @@ def _parse_chat(body: dict, state) -> ChatRequest:
         raise invalid(f"invalid messages: {e}"[:500], "messages") from None
     if not prompt_ids:
         raise invalid("the messages produce an empty prompt", "messages")
-    params.max_tokens = max_tokens_for(body, len(prompt_ids), state.max_model_len)
+    params.max_tokens = max_tokens_for(body, len(prompt_ids), state.max_model_len, state.kv_tokens)
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
                        logprobs=want_lp, top_logprobs=top or 0)
@@ -350,7 +357,7 @@ def _parse_completion(body: dict, state) -> CompletionRequest:
     params = sampling_params(body, state, n=n, logprobs=lp)
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body = dict(body, max_tokens=min(16, max(1, state.max_model_len - len(ids))))  # OpenAI's default
-    params.max_tokens = max_tokens_for(body, len(ids), state.max_model_len)
+    params.max_tokens = max_tokens_for(body, len(ids), state.max_model_len, state.kv_tokens)
     return CompletionRequest(model=model, prompt_ids=ids, params=params, stream=stream,
                              include_usage=include_usage, request_id=new_id("cmpl"), prompt_text=text,
                              logprobs=lp)

@@ -38,6 +38,14 @@ class ServerState:
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
 
+    @property
+    def kv_tokens(self) -> int:
+        """Token slots in the whole KV cache (0 = unknown): no one sequence can be longer."""
+        try:
+            return int(self.engine.num_blocks) * int(self.engine.block_size)
+        except (AttributeError, TypeError, ValueError):
+            return 0
+
     def model_names(self) -> set[str]:
         """Names a request may use for `model` (the served name, plus the file's own name)."""
         names = {self.model_name}
