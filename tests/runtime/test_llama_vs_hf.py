@@ -1,0 +1,125 @@
+"""Our Llama-family decoder against transformers (the oracle) on the same weights: the default model
+(fp32, dequantized GGUF) and tiny random Llama / Llama-3-scaled / Qwen2 checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
+from chatserve.core.request import SamplingParams
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "How do I boil an egg?",
+    "Explain what a CPU does in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    from chatserve.runtime.tiny import default_tokenizer_dir
+    return transformers.AutoTokenizer.from_pretrained(str(default_tokenizer_dir()))
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):   # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_default_last_logits_match_transformers(default_model, default_hf, contiguous_forward,
+                                                hf_tokenizer):
+    ids = chat_ids(hf_tokenizer, CHAT_PROMPTS[0])
+    ours = contiguous_forward(default_model, ids)[-1]
+    with torch.inference_mode():
+        ref = default_hf(torch.tensor([ids])).logits[0, -1].float()
+    assert rel_err(ours, ref) < 1e-3
+    assert int(ours.argmax()) == int(ref.argmax())
+
+
+def greedy_with_runner(runner, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    """Greedy decode all prompts as one batch through ModelRunner.execute on the paged cache."""
+    bs = runner.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=n_new)
+    per_seq = (max(map(len, prompts)) + n_new + bs - 1) // bs
+    tables = [list(range(i * per_seq, (i + 1) * per_seq))[::-1] for i in range(len(prompts))]
+    outs: list[list[int]] = [[] for _ in prompts]
+    pending = [list(p) for p in prompts]
+    pos = [0] * len(prompts)
+    for step in range(n_new):
+        seqs = [ScheduledSeq(request_id=str(i), token_ids=pending[i], start_pos=pos[i],
+                             block_table=tables[i], sample=True, params=params,
+                             prompt_token_ids=prompts[i], output_token_ids=list(outs[i]))
+                for i in range(len(prompts))]
+        res = runner.execute(SchedulerOutput(step_id=step, seqs=seqs))
+        assert not res.errors, res.errors
+        for i in range(len(prompts)):
+            pos[i] += len(pending[i])
+            tok = res.sampled[str(i)]
+            outs[i].append(tok)
+            pending[i] = [tok]
+    return outs
+
+
+@pytest.fixture(scope="module")
+def default_runner(default_path, default_weights):
+    from chatserve.runtime.model_runner import ModelRunner
+    return ModelRunner(default_path, weights=default_weights, num_blocks=5 * 8, block_size=16,
+                       max_model_len=4096, progress=False, num_threads=1)
+
+
+def test_default_greedy_32_tokens_match_transformers(default_runner, default_hf, hf_tokenizer):
+    prompts = [chat_ids(hf_tokenizer, p) for p in CHAT_PROMPTS]
+    ours = greedy_with_runner(default_runner, prompts, 32)
+    for ids, got in zip(prompts, ours):
+        with torch.inference_mode():
+            ref = default_hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert got == ref, (hf_tokenizer.decode(got), hf_tokenizer.decode(ref))
+
+
+def test_capital_of_france_is_paris(default_runner):
+    tokenizer = pytest.importorskip("chatserve.tokenizer")
+    tok = tokenizer.Tokenizer.from_model(default_runner.model_path)
+    ids = list(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    out = greedy_with_runner(default_runner, [ids], 16)[0]
+    assert "Paris" in tok.decode(out)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama3"])
+def test_tiny_models_match_transformers(tiny_dirs, contiguous_forward, hf_oracle, name):
+    from chatserve.runtime.models.llama import LlamaModel
+    from chatserve.runtime.weights import load_weights
+
+    w = load_weights(tiny_dirs[name], "float32", progress=False)
+    assert w.config.attention_bias == (name == "qwen2")
+    model = LlamaModel(w.config, w.tensors, torch.float32, "cpu")
+    ref_model = hf_oracle(w.config, w.tensors)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, w.config.vocab_size, (150,), generator=g).tolist()  # past llama3's 64-token origin
+    ours = contiguous_forward(model, ids)
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([ids])).logits[0].float()
+    assert rel_err(ours, ref) < 1e-4
+
+
+def test_bf16_model_close_to_fp32(default_path, default_weights, default_model, contiguous_forward,
+                                  hf_tokenizer):
+    from chatserve.runtime.models.llama import LlamaModel
+    ids = chat_ids(hf_tokenizer, CHAT_PROMPTS[1])
+    bf = LlamaModel(default_weights.config, default_weights.tensors, torch.bfloat16, "cpu",
+                    max_model_len=1024)
+    a = contiguous_forward(bf, ids)[-1]
+    b = contiguous_forward(default_model, ids)[-1]
+    assert a.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
+    assert int(a.argmax()) == int(b.argmax())
