@@ -71,7 +71,8 @@ class _Socket:
             chunks = self.chunks_for(cid, kind, msg)
             async for c in chunks:
                 if "error" in c:
-                    await self.send({"id": cid, "type": "error", "status": 500, **c})
+                    status = 503 if c["error"].get("code") == "shutting_down" else 500
+                    await self.send({"id": cid, "type": "error", "status": status, **c})
                     return
                 await self.send({"id": cid, "type": "chunk", "chunk": c})
             await self.send({"id": cid, "type": "done"})
