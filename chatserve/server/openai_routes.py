@@ -51,16 +51,36 @@ async def _drop_usage(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         await chunks.aclose()
 
 
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], collect, n: int) -> Response:
+    """A non-streaming answer; if the client hangs up first, the generation is aborted."""
+    work = asyncio.ensure_future(collect(chunks, n))
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return JSONResponse(work.result())
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return Response(status_code=499)          # nobody is listening any more
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        await chunks.aclose()
+
+
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = await _parse(parse_chat_body, await _body(request), st)
     chunks = stream_chat(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
-    try:
-        return JSONResponse(await collect_chat(chunks, req.params.n))
-    finally:
-        await chunks.aclose()
+    return await _collect_unless_gone(request, chunks, collect_chat, req.params.n)
 
 
 async def completions(request: Request) -> Response:
@@ -69,10 +89,7 @@ async def completions(request: Request) -> Response:
     chunks = stream_completion(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
-    try:
-        return JSONResponse(await collect_completion(chunks, req.params.n))
-    finally:
-        await chunks.aclose()
+    return await _collect_unless_gone(request, chunks, collect_completion, req.params.n)
 
 
 async def models(request: Request) -> Response:

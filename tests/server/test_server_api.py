@@ -373,3 +373,28 @@ def test_client_disconnect_aborts_and_frees_blocks():
         assert 'finished_reason="abort"' in text
     finally:
         srv.stop()
+
+
+def test_non_streaming_client_that_hangs_up_is_aborted():
+    srv = start_fake_server(delay=0.01)
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        body = json.dumps({"messages": MSG, "max_tokens": 240, "ignore_eos": True}).encode()
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.time() + 5
+        while metric(httpx.get(srv.url + "/metrics").text, "chatserve:num_requests_running") == 0:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        s.close()
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            text = httpx.get(srv.url + "/metrics").text
+            if metric(text, "chatserve:num_requests_running") == 0:
+                break
+            time.sleep(0.05)
+        assert metric(text, "chatserve:kv_cache_used_blocks") == 0
+        assert 'finished_reason="abort"' in text
+    finally:
+        srv.stop()
