@@ -248,3 +248,35 @@ def test_turn_over_the_websocket_and_cancel():
         assert [m["role"] for m in msgs] == ["user", "assistant"] * 2
         assert msgs[1]["finish_reason"] == "length" and msgs[3]["finish_reason"] == "abort"
         assert 0 < len(msgs[3]["content"].split()) < 500
+
+
+async def test_a_frozen_redis_does_not_hold_up_the_chat(redis_server):
+    import time
+
+    import redis.asyncio as aioredis
+    chat = ScriptedChat()
+    store = RedisSessionStore(redis_server.url, op_timeout_s=0.2, retry_interval_s=0.05)
+    app = make_app(chat, store=store)
+    async with client(app) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        await say(c, sid, "one")
+        r = aioredis.from_url(redis_server.url)
+        freeze = asyncio.create_task(r.execute_command("DEBUG", "SLEEP", "1.5"))   # Redis stops answering
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        await say(c, sid, "two")
+        await say(c, sid, "three")
+        assert time.perf_counter() - t0 < 1.0                    # two turns while Redis is frozen
+        assert (await c.get("/v1/sessions/status")).json()["degraded"] is True
+        await freeze
+        await r.aclose()
+        for _ in range(100):
+            st = (await c.get("/v1/sessions/status")).json()
+            if not st["degraded"] and st["pending_writes"] == 0:
+                break
+            await asyncio.sleep(0.05)
+    await store.aclose()
+    fresh = RedisSessionStore(redis_server.url)
+    s = await fresh.get(chat.requests[-1]["owner"], sid)
+    assert [m["content"] for m in s.messages if m["role"] == "user"] == ["one", "two", "three"]
+    await fresh.aclose()
