@@ -44,8 +44,16 @@ class DecodeRow:
     others: dict[str, float | str] = field(default_factory=dict)   # name → µs, or why it was skipped
 
 
+_DEV = "cuda"   # "cpu" only for `--dry-run`: the same code path through the interpreter, timings meaningless
+
+
 def _bench_us(fn, warmup: int = 10, rep_ms: int = 100) -> float:
     """Median µs of fn() with the L2 flushed between calls (triton.testing.do_bench)."""
+    if _DEV == "cpu":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
     import triton.testing
 
     for _ in range(warmup):
@@ -54,9 +62,16 @@ def _bench_us(fn, warmup: int = 10, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) * 1e3
 
 
+def _sync() -> None:
+    if _DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy: (read + write bytes) / time, the practical ceiling for a streaming kernel."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    if _DEV == "cpu":
+        nbytes = 1 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=_DEV)
     dst = torch.empty_like(src)
     us = _bench_us(lambda: dst.copy_(src))
     del src, dst
@@ -76,18 +91,18 @@ def _decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, bs: int, dtype
 
     nblk = -(-ctx // bs)
     nb = batch * nblk
-    k, v, ks, vs = allocate_kv_cache(nb, bs, hkv, d, dtype, kv_cache_dtype, "cuda")
+    k, v, ks, vs = allocate_kv_cache(nb, bs, hkv, d, dtype, kv_cache_dtype, _DEV)
     for t in (k, v):
         if t.dtype in (torch.int8, torch.float8_e4m3fn):
-            t.view(torch.int8).copy_(torch.randint(-100, 100, t.shape, dtype=torch.int8, device="cuda"))
+            t.view(torch.uint8).random_(0, 0x70)         # in place: finite codes, no fp32 temporary
         else:
             t.normal_()
     for s in (ks, vs):
         if s is not None and s.dim() == 3:
             s.uniform_(0.005, 0.02)
     perm = torch.randperm(nb).view(batch, nblk).tolist()           # scattered blocks, like a live server
-    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, perm, bs, "cuda")
-    q = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
+    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, perm, bs, _DEV)
+    q = torch.randn(batch, hq, d, dtype=dtype, device=_DEV)
     return q, k, v, ks, vs, meta, perm
 
 
@@ -138,7 +153,7 @@ def run_decode(args) -> dict:
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     hq, hkv, d, bs = args.q_heads, args.kv_heads, args.head_dim, args.block_size
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if _DEV == "cuda" else "cpu (dry run)"
     peak = args.peak_tbps or peak_tbps(name)
     copy_gbps = copy_bandwidth_gbps()
     scale = d ** -0.5
@@ -161,8 +176,9 @@ def run_decode(args) -> dict:
                             round(gbps / copy_gbps, 3))
             if args.kv_cache_dtype == "auto" and 2 * kv < args.max_kv_gb * 1e9:
                 try:  # attention over gathered, contiguous K/V (the gather itself is not timed)
-                    kc = k[torch.tensor(perm, device="cuda")].flatten(1, 2)[:, :ctx].transpose(1, 2)
-                    vc = v[torch.tensor(perm, device="cuda")].flatten(1, 2)[:, :ctx].transpose(1, 2)
+                    idx = torch.tensor(perm, device=_DEV)
+                    kc = k[idx].flatten(1, 2)[:, :ctx].transpose(1, 2)
+                    vc = v[idx].flatten(1, 2)[:, :ctx].transpose(1, 2)
                     kc, vc = kc.contiguous(), vc.contiguous()                  # [B, hkv, ctx, d]
                     q4 = q[:, :, None]
                     sus = _bench_us(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -176,13 +192,13 @@ def run_decode(args) -> dict:
             rows.append(row)
             print(_fmt_row(row), file=sys.stderr, flush=True)
             del q, k, v, ks, vs, meta
-            torch.cuda.empty_cache()
+            _sync()
     return {
         "benchmark": "kernels.decode", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": name, "peak_tbps": peak, "copy_gbps": round(copy_gbps, 1),
         "shape": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": bs, "dtype": args.dtype,
                   "kv_cache_dtype": args.kv_cache_dtype},
-        "config": decode_config(d, torch.device("cuda")), "torch": torch.__version__,
+        "config": decode_config(d, torch.device(_DEV)), "torch": torch.__version__,
         "rows": [asdict(r) for r in rows],
     }
 
@@ -217,7 +233,7 @@ def run_tune(args) -> dict:
         out.append({"batch": batch, "context": ctx, "best": res[:3]})
         print(f"batch {batch} ctx {ctx}: best {res[:1]}", file=sys.stderr, flush=True)
         del q, k, v
-        torch.cuda.empty_cache()
+        _sync()
     return {"benchmark": "kernels.tune", "device": torch.cuda.get_device_name(), "results": out}
 
 
@@ -322,6 +338,8 @@ def load_default_model(dtype: str = "float32", device: str = "cpu"):
 
 def run_quality(args) -> dict:
     dev = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, prompts = load_default_model(args.model_dtype, dev)
     prompts = prompts[:args.prompts]
@@ -392,7 +410,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32, help="for --quality")
     p.add_argument("--model-dtype", default="float32", help="for --quality")
     p.add_argument("--cpu", action="store_true", help="--quality on CPU even when CUDA is present")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for --quality")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the decode bench code on CPU through the Triton interpreter (no timings)")
     return p
+
+
+def _dry_run(args) -> int:
+    """The decode benchmark on CPU via the interpreter; the process's env and device are restored after."""
+    global _DEV
+    import os
+
+    saved = os.environ.get("CHATSERVE_FORCE_TRITON")
+    os.environ["CHATSERVE_FORCE_TRITON"] = "1"
+    _DEV = "cpu"
+    try:
+        res = run_decode(args)
+    finally:
+        _DEV = "cuda"
+        if saved is None:
+            os.environ.pop("CHATSERVE_FORCE_TRITON", None)
+        else:
+            os.environ["CHATSERVE_FORCE_TRITON"] = saved
+    print(json.dumps(res, indent=1)) if args.json else print_decode_table(res)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         res = run_quality(args)
         print(json.dumps(res, indent=1)) if args.json else print_quality_table(res)
         return 0
+    if args.dry_run:
+        return _dry_run(args)
     if not torch.cuda.is_available():
         msg = "chatserve bench kernels: needs CUDA (no GPU visible); nothing measured"
         print(json.dumps({"benchmark": "kernels.decode", "skipped": "needs CUDA"}) if args.json else msg)

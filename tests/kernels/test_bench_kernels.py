@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -36,3 +37,20 @@ def test_quality_harness_on_the_default_model(capsys):
     (row,) = res["results"]
     assert row["kv_cache_dtype"] == "int8" and 0 < row["max_abs_logit_err"] < 5
     assert row["greedy_identical"].endswith("/2")
+
+
+def test_decode_bench_dry_run_exercises_the_gpu_code_path(capsys):
+    # the decode benchmark's code, on CPU through the Triton interpreter: catches errors before a GPU run
+    from chatserve_kernels.dispatch import interpreting
+    if not interpreting():
+        pytest.skip("needs triton's CPU interpreter")
+    before = os.environ.get("CHATSERVE_FORCE_TRITON")
+    assert bench.main(["--dry-run", "--json", "--batches", "1,2", "--contexts", "40", "--q-heads", "4",
+                       "--kv-heads", "2", "--head-dim", "64", "--no-baselines", "--dtype", "fp32"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["batch"], r["context"]) for r in res["rows"]] == [(1, 40), (2, 40)]
+    row = res["rows"][1]
+    # K/V of 2 seqs × 40 tokens × 2 kv heads × 64 dims × fp32 × (K and V), plus q and out
+    assert row["kv_bytes"] == 2 * 40 * 2 * 64 * 4 * 2 + 2 * (2 * 4 * 64 * 4)
+    assert row["triton_us"] > 0 and row["sdpa_us"] > 0
+    assert os.environ.get("CHATSERVE_FORCE_TRITON") == before   # nothing leaks into later tests
