@@ -368,32 +368,42 @@ class AsyncEngine:
             seq = self._seqs.get(ev.request_id)
             if seq is None or seq.finished:
                 continue
-            g = seq.group
-            d = Delta(index=seq.index)
-            if ev.num_prompt_tokens and not seq.num_prompt_tokens:
-                seq.num_prompt_tokens = ev.num_prompt_tokens
-                seq.num_cached_tokens = max(0, ev.num_cached_tokens)
-                self._stats.prompt_tokens += ev.num_prompt_tokens
-            d.num_prompt_tokens = seq.num_prompt_tokens or len(seq.request.prompt_token_ids)
-            d.num_cached_tokens = seq.num_cached_tokens
-            if ev.error:
-                self._finish_seq(seq, d, "error", now, error=ev.error)
-                continue
-            if ev.new_token_ids:
-                self._observe_tokens(seq, len(ev.new_token_ids), now)
-                d.token_ids = list(ev.new_token_ids)
-                d.logprobs = list(ev.logprobs)
-                d.text = seq.detok.push(list(ev.new_token_ids))
-            if seq.detok.stopped:
-                if not ev.finished:
-                    self.scheduler.finish_request(ev.request_id, FinishReason.STOP)
-                self._finish_seq(seq, d, "stop", now)
-            elif ev.finished:
-                d.text += seq.detok.flush()
-                reason = ev.finish_reason.value if ev.finish_reason else "stop"
-                self._finish_seq(seq, d, reason, now)
-            elif d.text or d.token_ids:
-                self._put(g, d)
+            try:
+                self._dispatch_one(seq, ev, now)
+            except Exception as e:  # e.g. a detokenizer bug: end this sequence, not the engine
+                log.exception("request %s: output processing failed", ev.request_id)
+                if not seq.finished:
+                    self.scheduler.finish_request(ev.request_id, FinishReason.ERROR)
+                    self._finish_seq(seq, Delta(index=seq.index), "error", now,
+                                     error=f"output processing failed: {type(e).__name__}")
+
+    def _dispatch_one(self, seq: _Seq, ev: RequestEvent, now: float) -> None:
+        g = seq.group
+        d = Delta(index=seq.index)
+        if ev.num_prompt_tokens and not seq.num_prompt_tokens:
+            seq.num_prompt_tokens = ev.num_prompt_tokens
+            seq.num_cached_tokens = max(0, ev.num_cached_tokens)
+            self._stats.prompt_tokens += ev.num_prompt_tokens
+        d.num_prompt_tokens = seq.num_prompt_tokens or len(seq.request.prompt_token_ids)
+        d.num_cached_tokens = seq.num_cached_tokens
+        if ev.error:
+            self._finish_seq(seq, d, "error", now, error=ev.error)
+            return
+        if ev.new_token_ids:
+            self._observe_tokens(seq, len(ev.new_token_ids), now)
+            d.token_ids = list(ev.new_token_ids)
+            d.logprobs = list(ev.logprobs)
+            d.text = seq.detok.push(list(ev.new_token_ids))
+        if seq.detok.stopped:
+            if not ev.finished:
+                self.scheduler.finish_request(ev.request_id, FinishReason.STOP)
+            self._finish_seq(seq, d, "stop", now)
+        elif ev.finished:
+            d.text += seq.detok.flush()
+            reason = ev.finish_reason.value if ev.finish_reason else "stop"
+            self._finish_seq(seq, d, reason, now)
+        elif d.text or d.token_ids:
+            self._put(g, d)
 
     def _observe_tokens(self, seq: _Seq, k: int, now: float) -> None:
         seq.num_output += k

@@ -257,3 +257,23 @@ async def test_real_scheduler_abort_mid_step_and_chunked_prefill():
     assert eng.stats().kv_used_blocks == 0 and not eng.scheduler.has_unfinished
     eng.kv.check_integrity()
     await eng.shutdown(0)
+
+
+async def test_a_failing_detokenizer_ends_only_its_request():
+    from fakes import FakeDetok
+
+    class Flaky(FakeDetok):
+        def push(self, ids):
+            if 5 in ids:
+                raise RuntimeError("bad bytes")
+            return super().push(ids)
+    eng = fake_engine()
+    eng._detok_factory = Flaky
+    await eng.start()
+    bad, good = await asyncio.gather(
+        collect(eng.generate([3], SamplingParams(max_tokens=5), request_id="bad")),
+        collect(eng.generate([10], SamplingParams(max_tokens=3), request_id="good")))
+    assert bad[-1].finish_reason == "error" and "output processing" in bad[-1].error
+    assert text_of(good) == "lmn" and good[-1].finish_reason == "length"
+    assert eng.stats().kv_used_blocks == 0
+    await eng.shutdown(0)

@@ -120,7 +120,7 @@ async def tokenize(request: Request) -> Response:
         try:
             ids = await asyncio.to_thread(st.tokenizer.apply_chat_template, msgs,
                                           add_generation_prompt=get_bool(body, "add_generation_prompt", True))
-        except ValueError as e:
+        except Exception as e:       # template errors are the messages' fault
             raise invalid(f"invalid messages: {e}"[:500], "messages") from None
     elif isinstance(body.get("prompt"), str):
         ids = await asyncio.to_thread(st.tokenizer.encode, body["prompt"])
