@@ -52,5 +52,5 @@ class ServerState:
         path = self.config.model.model
         if path:
             import os
-            names.add(os.path.basename(path.rstrip("/")))
+            names.update({path, os.path.basename(path.rstrip("/"))})
         return names
