@@ -235,6 +235,20 @@ class AsyncEngine:
         return self._accepting
 
     # ---- requests -----------------------------------------------------------------------------
+    def check_capacity(self) -> None:
+        """Raise AdmissionError(503) at once when the waiting queue is already full, so a server
+        under overload can refuse before tokenizing (the scheduler still has the final word)."""
+        if not self._accepting:
+            raise AdmissionError(503, "the server is shutting down", retry_after=5.0)
+        sched = self.scheduler
+        if sched is None:
+            return
+        waiting = sched.num_waiting
+        if waiting and waiting >= self.config.scheduler.max_waiting_requests:
+            ra = getattr(sched, "_retry_after", None)
+            raise AdmissionError(503, f"server busy: {waiting} requests waiting",
+                                 retry_after=ra() if callable(ra) else 1.0)
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
                cache_salt: str | None = None, keep_warm: bool = False,
                priority: int = 0) -> RequestStream:

@@ -277,3 +277,21 @@ async def test_a_failing_detokenizer_ends_only_its_request():
     assert text_of(good) == "lmn" and good[-1].finish_reason == "length"
     assert eng.stats().kv_used_blocks == 0
     await eng.shutdown(0)
+
+
+async def test_check_capacity_refuses_early_when_the_queue_is_full():
+    from dataclasses import replace
+
+    from chatserve.config import EngineConfig, SchedulerConfig
+    eng = fake_engine(EngineConfig(scheduler=replace(SchedulerConfig(), max_waiting_requests=2)),
+                      max_running=1, delay=0.05)
+    await eng.start()
+    eng.check_capacity()                                   # empty: fine
+    streams = [eng.submit([0], SamplingParams(max_tokens=5), request_id=str(i)) for i in range(3)]
+    await asyncio.sleep(0.01)                              # one running, two waiting
+    with pytest.raises(Exception) as e:
+        eng.check_capacity()
+    assert e.value.status == 503 and e.value.retry_after
+    for s in streams:
+        s.close()
+    await eng.shutdown(0)

@@ -21,12 +21,23 @@ from chatserve.server.identity import cache_salt
 from chatserve.server.protocol import (ChatRequest, CompletionRequest, GenerationRequest,
                                        parse_chat_body, parse_completion_body)
 
-__all__ = ["parse_chat_body", "parse_completion_body", "stream_chat", "stream_completion",
+__all__ = ["precheck", "parse_chat_body", "parse_completion_body", "stream_chat", "stream_completion",
            "sse_response", "error_response", "collect_chat", "collect_completion", "APIError",
            "ChatRequest", "CompletionRequest"]
 
 log = logging.getLogger("chatserve.server")
 SSE_PING_SECONDS = 15.0
+
+
+def precheck(state) -> None:
+    """Cheap overload check before parsing and tokenizing: 503 + Retry-After when the queue is full."""
+    check = getattr(state.engine, "check_capacity", None)
+    if check is None:
+        return
+    try:
+        check()
+    except AdmissionError as e:
+        raise APIError(503, e.message, code="server_overloaded", retry_after=e.retry_after or 1.0) from None
 
 
 def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, request_id: str,

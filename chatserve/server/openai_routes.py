@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatserve.server.body import read_json_object
-from chatserve.server.chat_service import (collect_chat, collect_completion, sse_response,
+from chatserve.server.chat_service import (collect_chat, collect_completion, precheck, sse_response,
                                            stream_chat, stream_completion)
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.identity import api_owner_of, rate_key_of
@@ -32,6 +32,12 @@ def state_of(request: Request) -> ServerState:
 async def _body(request: Request) -> dict:
     st = state_of(request)
     return await read_json_object(request, st.config.server.max_body_bytes)
+
+
+async def _generation_body(request: Request) -> dict:
+    body = await _body(request)
+    precheck(state_of(request))          # overloaded: refuse before tokenizing
+    return body
 
 
 async def _parse(fn, body: dict, st: ServerState):
@@ -76,7 +82,7 @@ async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], co
 
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
-    req = await _parse(parse_chat_body, await _body(request), st)
+    req = await _parse(parse_chat_body, await _generation_body(request), st)
     chunks = stream_chat(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
@@ -85,7 +91,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     st = state_of(request)
-    req = await _parse(parse_completion_body, await _body(request), st)
+    req = await _parse(parse_completion_body, await _generation_body(request), st)
     chunks = stream_completion(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
