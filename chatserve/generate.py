@@ -1,0 +1,66 @@
+"""`chatserve generate`: one completion printed on stdout (and nothing else), through the offline
+LLM driver — the same scheduler / KV cache manager / model runner path the server uses.
+
+Not a chat REPL (see `chatserve chat`); loading messages go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chatserve generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt", required=True, help="prompt text (with --chat: the user message)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--model", default=None, help="GGUF file or HF safetensors dir (default: SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--progress", action="store_true", help="show the weight-loading progress bar")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_tokens < 1:
+        print("chatserve generate: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    from chatserve.config import ModelConfig
+    from chatserve.core.request import SamplingParams
+    from chatserve.llm import LLM
+    from chatserve.tokenizer import Tokenizer
+
+    try:
+        path = ModelConfig(model=args.model).resolved_model()
+    except FileNotFoundError as e:
+        print(f"chatserve generate: {e}", file=sys.stderr)
+        return 2
+    tok = Tokenizer.from_model(path)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        ids = list(tok.apply_chat_template(messages))
+    else:
+        ids = tok.encode(args.prompt)
+    # a KV cache sized to this one request (plus a block of slack), not the server's default budget
+    block_size = 16
+    llm = LLM(path, dtype=args.dtype, device=args.device, block_size=block_size,
+              num_blocks=(len(ids) + args.max_tokens) // block_size + 2,
+              max_model_len=None, num_threads=args.num_threads, progress=args.progress,
+              eos_token_ids=sorted(set(tok.eos_token_ids)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    out = llm.generate([ids], params)[0]
+    eos = set(tok.eos_token_ids)
+    while out and out[-1] in eos:
+        out = out[:-1]
+    sys.stdout.write(tok.decode(out) + "\n")
+    sys.stdout.flush()
+    return 0

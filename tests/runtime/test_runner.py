@@ -1,0 +1,144 @@
+"""ModelRunner on tiny random checkpoints (block copies, per-request errors, sampler plumbing, cache
+sizing) and the offline LLM driver through the real scheduler and KV cache manager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatserve.core.outputs import CopyOp, ScheduledSeq, SchedulerOutput
+from chatserve.core.request import SamplingParams
+from chatserve.runtime.kv_cache import bytes_per_block
+from chatserve.runtime.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def seq(rid: str, ids: list[int], start: int, table: list[int], sample: bool = True) -> ScheduledSeq:
+    return ScheduledSeq(request_id=rid, token_ids=ids, start_pos=start, block_table=table,
+                        sample=sample, params=GREEDY)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_dirs) -> ModelRunner:
+    return ModelRunner(tiny_dirs["llama"], num_blocks=32, block_size=4, progress=False, num_threads=1)
+
+
+def test_attributes_and_budget_sizing(tiny_dirs, runner):
+    assert (runner.num_blocks, runner.block_size, runner.max_model_len) == (32, 4, 2048)
+    assert runner.config.num_layers == 2 and len(runner.kv_caches) == 2
+    assert runner.kv_caches[0][0].shape == (32, 4, 2, 16)
+    per_block = bytes_per_block(runner.config, 16, torch.bfloat16)
+    assert per_block == 2 * 2 * 16 * 2 * 16 * 2
+    r = ModelRunner(tiny_dirs["llama"], dtype="bfloat16", block_size=16,
+                    kv_cache_memory=10 * per_block + 5, progress=False, num_threads=1)
+    assert r.num_blocks == 10 and r.kv_caches[0][0].dtype == torch.bfloat16
+
+
+def test_prefill_then_decode_samples_greedy_argmax(runner, contiguous_forward):
+    prompt = [11, 22, 33, 44, 55, 66, 77]
+    table = [9, 3]
+    res = runner.execute(SchedulerOutput(1, [seq("a", prompt[:5], 0, table, sample=False)]))
+    assert res.sampled == {} and not res.errors
+    res = runner.execute(SchedulerOutput(2, [seq("a", prompt[5:], 5, table)]))
+    first = res.sampled["a"]
+    assert first == int(contiguous_forward(runner.model, prompt)[-1].argmax())
+    res = runner.execute(SchedulerOutput(3, [seq("a", [first], 7, table)]))
+    assert res.step_id == 3
+    assert res.sampled["a"] == int(contiguous_forward(runner.model, prompt + [first])[-1].argmax())
+
+
+def test_copy_ops_copy_blocks_in_every_layer(runner):
+    prompt = list(range(100, 108))
+    runner.execute(SchedulerOutput(1, [seq("p", prompt, 0, [20, 21], sample=False)]))
+    res = runner.execute(SchedulerOutput(2, [], copy_ops=[CopyOp(21, 30), CopyOp(20, 31)]))
+    assert not res.errors
+    for k, v in runner.kv_caches:
+        assert torch.equal(k[30], k[21]) and torch.equal(v[31], v[20]) and k[21].abs().sum() > 0
+    # the copied blocks serve a forked sequence: decoding from them matches decoding the original
+    a = runner.execute(SchedulerOutput(3, [seq("p", [5], 8, [20, 21, 22])])).sampled["p"]
+    b = runner.execute(SchedulerOutput(4, [seq("q", [5], 8, [31, 30, 23])])).sampled["q"]
+    assert a == b
+
+
+def test_bad_request_errors_alone(runner):
+    ok = seq("ok", [1, 2, 3], 0, [4])
+    bad_block = seq("bad-block", [1, 2], 0, [999])
+    bad_token = seq("bad-token", [10 ** 9], 0, [5])
+    short_table = seq("short", [1, 2, 3, 4, 5], 0, [6])
+    res = runner.execute(SchedulerOutput(7, [bad_block, ok, bad_token, short_table]))
+    assert set(res.errors) == {"bad-block", "bad-token", "short"}
+    assert set(res.sampled) == {"ok"}
+
+
+def test_sampler_interface(runner, monkeypatch):
+    calls = {}
+
+    class Recorder:
+        def __call__(self, logits, seqs):
+            calls["shape"] = tuple(logits.shape)
+            calls["dtype"] = logits.dtype
+            calls["ids"] = [s.request_id for s in seqs]
+            return [7] * len(seqs), [None] * len(seqs)
+
+        def drop(self, ids):
+            calls["dropped"] = list(ids)
+
+    monkeypatch.setattr(runner, "sampler", Recorder())
+    res = runner.execute(SchedulerOutput(1, [seq("x", [1, 2], 0, [10], sample=False),
+                                             seq("y", [3], 0, [11]), seq("z", [4, 5], 0, [12])],
+                                         finished_ids=["gone"]))
+    assert calls == {"dropped": ["gone"], "shape": (2, runner.vocab_size), "dtype": torch.float32,
+                     "ids": ["y", "z"]}
+    assert res.sampled == {"y": 7, "z": 7}
+
+
+def test_sampler_failure_isolated_to_its_row(runner, monkeypatch):
+    class Picky:
+        def __call__(self, logits, seqs):
+            if any(s.request_id == "boom" for s in seqs):
+                raise ValueError("bad params")
+            return [1] * len(seqs), [None] * len(seqs)
+
+        def drop(self, ids):
+            pass
+
+    monkeypatch.setattr(runner, "sampler", Picky())
+    res = runner.execute(SchedulerOutput(1, [seq("fine", [1], 0, [13]), seq("boom", [2], 0, [14])]))
+    assert res.sampled == {"fine": 1} and "boom" in res.errors
+
+
+# --------------------------------------------------------------------------- the offline driver
+@pytest.fixture(scope="module")
+def llm(tiny_dirs):
+    pytest.importorskip("chatserve.core.scheduler")
+    from chatserve.llm import LLM
+    return LLM(tiny_dirs["qwen2"], block_size=4, num_blocks=64, max_num_batched_tokens=16,
+               max_num_seqs=4, num_threads=1, eos_token_ids=[])
+
+
+def test_llm_generate_greedy_matches_stepwise_argmax(llm, contiguous_forward):
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [40, 41], [7] * 9]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    assert [len(o) for o in outs] == [6, 6, 6]
+    for p, o in zip(prompts, outs):       # chunked prefill (16-token budget) + batched decode
+        seqn = list(p)
+        for tok in o:
+            assert tok == int(contiguous_forward(llm.runner.model, seqn)[-1].argmax())
+            seqn.append(tok)
+    llm.kv.check_integrity()
+    assert llm.kv.num_free_blocks == llm.kv.num_blocks or llm.kv.enable_prefix_caching
+
+
+def test_llm_generate_n_and_eos(llm):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    outs = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=5, n=3, seed=11))
+    assert len(outs) == 1 and len(outs[0]) == 3 and all(len(o) == 5 for o in outs[0])
+    again = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=5, n=3, seed=11))
+    assert again == outs                                  # per-request seeds
+    greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    llm._eos = frozenset([greedy[2]])
+    try:
+        stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    finally:
+        llm._eos = frozenset()
+    assert stopped == greedy[:greedy.index(greedy[2]) + 1]
