@@ -34,6 +34,7 @@ def test_real_server_stream_stop_and_restart(browser, redis_server, tiny_model, 
             page.fill("#p-max_tokens", "1500")
             page.fill("#p-temperature", "1")
             page.click("#save-settings")
+            page.wait_for_selector("#save-settings:has-text('Saved')")
             wait_js(page, "location.hash.length > 10")
             page.click("#toggle-settings")
             send(page, "Tell me a long story")
@@ -46,6 +47,9 @@ def test_real_server_stream_stop_and_restart(browser, redis_server, tiny_model, 
             page.click("#toggle-settings")
             page.fill("#p-max_tokens", "6")
             page.click("#save-settings")
+            sid = page.evaluate("location.hash.slice(1)")
+            wait_until(lambda: page.request.get(f"{srv.url}/v1/sessions/{sid}").json()["params"]
+                       .get("max_tokens") == 6)                     # the PATCH landed
             page.click("#toggle-settings")
             send(page, "Shorter, please")
             wait_js(page, "document.querySelectorAll('.msg.assistant:not(.streaming) .stat-ttft').length == 2",
