@@ -191,6 +191,7 @@ function fillFoot(node, m, index, isLast) {
   if (m.streaming) return;
   tools.appendChild(button('Copy', 'copy', (ev) => copyText(m.content, ev.currentTarget), 'Copy message'));
   if (m.role === 'user') tools.appendChild(button('Edit', 'edit', () => startEdit(node, m, index), 'Edit and resend'));
+  if (m.role === 'user' && isLast) tools.appendChild(button('Retry', 'retry', () => sendTurn({ regenerate: true }), 'Answer this message'));
   if (m.role === 'assistant' && isLast) tools.appendChild(button('Regenerate', 'regenerate', () => sendTurn({ regenerate: true }), 'Regenerate'));
 }
 

@@ -305,3 +305,36 @@ def test_api_key_server_asks_for_a_key_and_keys_own_sessions(browser):
             assert len(page.request.get(f"{srv.url}/v1/sessions", headers=h).json()["data"]) == 1
         finally:
             ctx.close()
+
+
+def test_store_outage_notice_and_export_import(browser, redis_server, tmp_path):
+    from chatserve.server.sessions import RedisSessionStore
+    chat = ScriptedChat()
+    store = RedisSessionStore(redis_server.url, op_timeout_s=0.3, retry_interval_s=0.1)
+    with LiveServer(make_app(chat, store=store)) as srv:
+        ctx = browser.new_context(accept_downloads=True)
+        try:
+            page = ctx.new_page()
+            open_ui(page, srv)
+            assert page.is_hidden("#notice")
+            send(page, "before the outage")
+            page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=10_000)
+            redis_server.stop()
+            send(page, "during the outage")
+            page.wait_for_selector(".msg.assistant >> nth=1 >> .stat-ttft", timeout=10_000)
+            page.wait_for_selector("#notice.warn:has-text('unreachable')", timeout=10_000)
+            redis_server.start()
+            page.wait_for_selector("#notice", state="hidden", timeout=15_000)
+            # export through the button, import the file back as a new conversation
+            with page.expect_download() as dl:
+                page.click("#export-chat")
+            path = tmp_path / "chat.json"
+            dl.value.save_as(path)
+            page.set_input_files("#import-file", str(path))
+            wait_js(page, "document.querySelectorAll('.session-item').length == 2")
+            sid_new = page.evaluate("location.hash.slice(1)")
+            texts = page.locator(".msg .msg-body").all_inner_texts()
+            assert texts[0] == "before the outage" and texts[2] == "during the outage" and len(texts) == 4
+            assert len(sid_new) >= 22
+        finally:
+            ctx.close()
