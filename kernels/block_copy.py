@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from chatserve_kernels.dispatch import jit, tl, use_triton
+from chatserve_kernels.dispatch import cdiv, jit, tl, use_triton
 
 _CHUNK = 1024  # 32-bit words per program
 
@@ -64,12 +64,8 @@ def copy_blocks_triton(buffers: list[torch.Tensor], block_mapping: torch.Tensor)
     mapping = block_mapping.to(device=buffers[0].device, dtype=torch.int64).contiguous()
     table = _pointer_table(buffers)
     max_words = max(b[0].numel() * b.element_size() // 4 for b in buffers)
-    grid = (M, len(buffers), triton_cdiv(max_words, _CHUNK))
+    grid = (M, len(buffers), cdiv(max_words, _CHUNK))
     _copy_blocks_kernel[grid](table, mapping, NUM_BUFS=len(buffers), CHUNK=_CHUNK, num_warps=4)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 # --------------------------------------------------------------------------- torch twin

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.dispatch import compute_dtype, dot_precision, device_sms, jit, next_pow2, tl, use_triton
+from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl,
+                                        use_triton)
 from chatserve_kernels.quant import SCALE_TOKEN, dequantize_torch, scale_mode
 
 LOG2E = 1.4426950408889634
@@ -129,8 +130,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch
                       min_tokens: int = 256, max_splits: int = 64) -> int:
     """Enough splits for ~2 programs per SM, none shorter than `min_tokens` tokens."""
     programs = batch * kv_heads
-    want = -(-2 * device_sms(device) // max(programs, 1))
-    return max(1, min(want, -(-max_seq_len // min_tokens), max_splits))
+    want = cdiv(2 * device_sms(device), max(programs, 1))
+    return max(1, min(want, cdiv(max_seq_len, min_tokens), max_splits))
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -161,8 +162,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cfg = decode_config(D, q.device)
     block_n = block_n or cfg["block_n"]
     splits = num_splits or choose_num_splits(B, hkv, max_seq_len, q.device)
-    tps = -(-(-(-max_seq_len // splits)) // block_n) * block_n               # tokens per split
-    splits = -(-max_seq_len // tps)
+    tps = cdiv(cdiv(max_seq_len, splits), block_n) * block_n                 # tokens per split
+    splits = cdiv(max_seq_len, tps)
     group = hq // hkv
     d_pad = next_pow2(D)
     split = splits > 1

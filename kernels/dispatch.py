@@ -58,6 +58,10 @@ def use_triton(t: torch.Tensor) -> bool:
     return False
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from chatserve_kernels.decode_attention import LOG2E, gather_dequant
-from chatserve_kernels.dispatch import compute_dtype, dot_precision, jit, next_pow2, tl, use_triton
+from chatserve_kernels.dispatch import cdiv, compute_dtype, dot_precision, jit, next_pow2, tl, use_triton
 from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
 
 
@@ -139,7 +139,7 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert block_m * group_pad >= 16, "tl.dot needs at least 16 rows"
     dummy = k_cache
     compute = compute_dtype(q.dtype, q.device)
-    grid = (B, hkv, -(-max_query_len // block_m))
+    grid = (B, hkv, cdiv(max_query_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
         v_scale if v_scale is not None else dummy, out, block_tables, seq_lens, query_start_loc,

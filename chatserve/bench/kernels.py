@@ -1,4 +1,4 @@
-"""`chatserve bench kernels`: GPU bandwidth of the paged decode kernel, and the quality cost of KV quantization.
+"""`chatserve bench kernels`: GPU bandwidth of paged decode attention; quality cost of KV quantization.
 
 Decode (needs CUDA): time, achieved bandwidth, fraction of the device's peak and of a device-to-device
 copy, against SDPA on contiguous K/V and FlashInfer / flash-attn when installed. `--quality` (CPU or
@@ -20,7 +20,8 @@ PEAK_TBPS = {"H200": 4.8, "H100": 3.35, "H800": 3.35, "A100": 2.0, "L40S": 0.864
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
     "Give me three tips for learning Python.", "What is 17 times 23?", "Who wrote Romeo and Juliet?",
-    "Describe a cat in two sentences.", "How do airplanes stay in the air?", "Translate 'good morning' to Spanish.",
+    "Describe a cat in two sentences.", "How do airplanes stay in the air?",
+    "Translate 'good morning' to Spanish.",
     "What causes rain?", "Name three primary colors.", "Why is the sky blue?", "Tell me a short joke.",
     "What is a prime number?", "How many days are in a leap year?", "Summarize the plot of Cinderella.",
     "What does a CPU do?", "Suggest a name for a pet goldfish.", "What is the boiling point of water?",
@@ -194,7 +195,8 @@ def run_decode(args) -> dict:
             del q, k, v, ks, vs, meta
             _sync()
     return {
-        "benchmark": "kernels.decode", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "kernels.decode",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": name, "peak_tbps": peak, "copy_gbps": round(copy_gbps, 1),
         "shape": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": bs, "dtype": args.dtype,
                   "kv_cache_dtype": args.kv_cache_dtype},
@@ -363,7 +365,8 @@ def run_quality(args) -> dict:
                "mean_abs_logit_err": round(diff.mean().item(), 5),
                "rel_rms_logit_err": round((diff.norm() / ref.norm()).item(), 5),
                "mean_kl": round(kl.mean().item(), 6),
-               "top1_agree_teacher_forced": round((got.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
+               "top1_agree_teacher_forced":
+                   round((got.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
                "greedy_identical": f"{same}/{len(prompts)}",
                "greedy_mean_matching_prefix": round(sum(prefix) / len(prefix), 2)}
         out["results"].append(res)

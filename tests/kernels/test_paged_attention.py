@@ -104,7 +104,8 @@ def test_twin_decode_has_no_per_sequence_python_loop(monkeypatch):
     da = importlib.import_module("chatserve_kernels.decode_attention")
     calls = []
     real = da.F.scaled_dot_product_attention
-    monkeypatch.setattr(da.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(da.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     case = make_case([1] * 12, [5 + 3 * i for i in range(12)], q_heads=9, kv_heads=3, head_dim=64,
                      block_size=16, dtype=F32)
     paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
