@@ -237,14 +237,12 @@ class RedisSessionStore:
             if asyncio.iscoroutine(aw):
                 aw.close()
             raise _Down(self._last_error or "redis down")
+        from redis.exceptions import ResponseError
         try:
             return await asyncio.wait_for(aw, self.op_timeout_s)
-        except (OSError, asyncio.TimeoutError, Exception) as e:  # redis.exceptions.* and socket errors
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            from redis.exceptions import ResponseError
-            if isinstance(e, ResponseError) and "NOSCRIPT" not in str(e):
-                raise
+        except ResponseError:                 # a bug of ours, not an outage
+            raise
+        except Exception as e:                # timeouts, connection and socket errors
             self._mark_down(e)
             raise _Down(str(e)) from e
 
@@ -259,14 +257,10 @@ class RedisSessionStore:
     def _remember(self, s: Session) -> None:
         self._cache[s.id] = s.clone()
         self._cache.move_to_end(s.id)
-        while len(self._cache) > self.cache_limit:
-            old = next(iter(self._cache))
-            if old in self._outbox:                      # pending writes are never evicted
-                self._cache.move_to_end(old)
-                if all(k in self._outbox for k in self._cache):
-                    break
-                continue
-            self._cache.popitem(last=False)
+        excess = len(self._cache) - self.cache_limit
+        if excess > 0:                                   # least recently used first; pending writes stay
+            for sid in [k for k in self._cache if k not in self._outbox][:excess]:
+                del self._cache[sid]
 
     def _enqueue(self, op: str, s: Session) -> None:
         if s.id not in self._outbox and len(self._outbox) >= self.outbox_limit:

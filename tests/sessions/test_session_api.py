@@ -280,3 +280,44 @@ async def test_a_frozen_redis_does_not_hold_up_the_chat(redis_server):
     s = await fresh.get(chat.requests[-1]["owner"], sid)
     assert [m["content"] for m in s.messages if m["role"] == "user"] == ["one", "two", "three"]
     await fresh.aclose()
+
+
+async def test_engine_refusal_before_the_first_token_keeps_the_question():
+    from chatserve.server.errors import APIError
+
+    class Busy(ScriptedChat):
+        busy = True
+
+        async def stream(self, state, req, **kw):
+            if self.busy:
+                raise APIError(503, "server overloaded", code="server_overloaded", retry_after=1)
+            async for c in super().stream(state, req, **kw):
+                yield c
+
+    chat = Busy()
+    app = make_app(chat)
+    async with client(app) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        r = await c.post(f"/v1/sessions/{sid}/messages", json={"content": "are you there?"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "server_overloaded"
+        msgs = (await c.get(f"/v1/sessions/{sid}")).json()["messages"]
+        assert [m["role"] for m in msgs] == ["user"]                 # the question is kept, no reply
+        chat.busy = False
+        await say(c, sid, regenerate=True)                           # Retry answers it
+        msgs = (await c.get(f"/v1/sessions/{sid}")).json()["messages"]
+        assert [m["content"] for m in msgs] == ["are you there?", "echo: are you there?"]
+
+
+async def test_store_cache_is_bounded_but_keeps_pending_writes(redis_server):
+    from chatserve.server.sessions import Session, new_session_id
+    store = RedisSessionStore(redis_server.url, cache_limit=3, op_timeout_s=0.2, retry_interval_s=5)
+    made = [await store.create(Session(id=new_session_id(), owner="o")) for _ in range(3)]
+    redis_server.stop()
+    await store.update("o", made[0].id, lambda s: s.messages.append({"role": "user", "content": "x"}))
+    for _ in range(4):
+        await store.create(Session(id=new_session_id(), owner="o"))
+    st = store.status()
+    assert st["cached_sessions"] <= 5 and st["pending_writes"] == 5
+    assert (await store.get("o", made[0].id)).messages[0]["content"] == "x"   # pending: still here
+    await store.aclose()
