@@ -1,7 +1,6 @@
 """Helpers for browser tests: a live uvicorn server in a thread and how to launch Debian's Chromium."""
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import threading
@@ -28,7 +27,6 @@ class LiveServer:
                                                     ws="websockets-sansio" if _has_sansio() else "auto",
                                                     lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def url(self) -> str:

@@ -20,11 +20,15 @@ from browser_support import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Any]:
-    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+    exe = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
+    if exe is None:
         pytest.skip("Chromium not found: apt-get install -y chromium (tests never run `playwright install`)")
-    from playwright.sync_api import sync_playwright
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright (the Python package) is not installed: pip install playwright")
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=exe, headless=True, args=CHROMIUM_ARGS)
         try:
             yield b
         finally:
