@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from chatserve_kernels.decode_attention import LOG2E, gather_dequant
-from chatserve_kernels.dispatch import cdiv, compute_dtype, dot_precision, jit, next_pow2, tl, use_triton
+from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl,
+                                        use_triton)
 from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
 
 
@@ -134,7 +135,11 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = hq // hkv
     group_pad = next_pow2(group)
     cfg = extend_config(D, group_pad, q.device)
-    block_m = block_m or cfg["block_m"]
+    if block_m is None:
+        block_m = cfg["block_m"]
+        # few programs (one long chunk, few kv heads): smaller query tiles, so every SM gets work
+        while block_m * group_pad > 16 and B * hkv * cdiv(max_query_len, block_m) < device_sms(q.device):
+            block_m //= 2
     block_n = block_n or cfg["block_n"]
     assert block_m * group_pad >= 16, "tl.dot needs at least 16 rows"
     dummy = k_cache
