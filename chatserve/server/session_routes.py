@@ -621,24 +621,39 @@ routes = [
 # ── the browser edge: identity cookie and UI security headers ─────────────────────────────────
 class BrowserEdgeMiddleware:
     """Gives every client without a valid `chatserve_uid` cookie a new one (192 random bits), seen by
-    this very request too, and puts the CSP and friends on UI responses ("/" and "/static/...")."""
+    this very request too, and puts the CSP and friends on UI responses ("/" and "/static/...").
 
-    def __init__(self, app: Any) -> None:
+    A request or WebSocket from a foreign Origin (another site, or another port of this host) never
+    acts with the browser's cookie identity: it gets a throwaway one, and no Set-Cookie.
+    """
+
+    def __init__(self, app: Any, allowed_origins: tuple[str, ...] = ()) -> None:
         self.app = app
+        self.allowed_origins = tuple(allowed_origins)
+
+    def _foreign(self, scope: dict) -> bool:
+        origin = host = None
+        for k, v in scope.get("headers", []):
+            if k == b"origin":
+                origin = v.decode("latin-1")
+            elif k == b"host":
+                host = v.decode("latin-1")
+        if origin is None or origin in self.allowed_origins:
+            return False
+        return urlsplit(origin).netloc != host
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         set_cookie: str | None = None
-        if _cookie_from_scope(scope) is None:
+        foreign = self._foreign(scope)
+        if foreign or _cookie_from_scope(scope) is None:
             uid = secrets.token_urlsafe(24)
-            headers = [(k, v) for k, v in scope["headers"] if k != b"cookie"]
-            old = b"; ".join(v for k, v in scope["headers"] if k == b"cookie")
-            headers.append((b"cookie", (old + b"; " if old else b"") + f"{COOKIE}={uid}".encode()))
-            scope = {**scope, "headers": headers}
-            secure = "; Secure" if scope.get("scheme") in ("https", "wss") else ""
-            set_cookie = f"{COOKIE}={uid}; Path=/; Max-Age=31536000; HttpOnly; SameSite=Lax{secure}"
+            scope = {**scope, "headers": _with_cookie(scope["headers"], uid)}
+            if not foreign:
+                secure = "; Secure" if scope.get("scheme") in ("https", "wss") else ""
+                set_cookie = f"{COOKIE}={uid}; Path=/; Max-Age=31536000; HttpOnly; SameSite=Lax{secure}"
         path = scope.get("path", "")
         is_ui = scope["type"] == "http" and (path == "/" or path.startswith("/static/"))
         if scope["type"] != "http" or (set_cookie is None and not is_ui):
@@ -659,6 +674,18 @@ class BrowserEdgeMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_wrapped)
+
+
+def _with_cookie(headers: list, uid: str) -> list:
+    """The request headers with our cookie replaced by (or set to) `uid`; other cookies kept."""
+    others = []
+    for k, v in headers:
+        if k == b"cookie":
+            others += [p.strip() for p in v.decode("latin-1").split(";")
+                       if p.strip() and p.strip().partition("=")[0] != COOKIE]
+    out = [(k, v) for k, v in headers if k != b"cookie"]
+    out.append((b"cookie", "; ".join([*others, f"{COOKIE}={uid}"]).encode("latin-1")))
+    return out
 
 
 def _cookie_from_scope(scope: dict) -> str | None:
@@ -690,7 +717,8 @@ def install(app: Any, state: Any) -> None:
     if isinstance(handlers, dict):
         handlers[WS_MESSAGE_TYPE] = ws_session_handler(app.state)
     (log.warning if not store.persistent else log.info)("%s", store.describe())
-    app.add_middleware(BrowserEdgeMiddleware)
+    cfg = getattr(getattr(state, "config", None), "server", None)
+    app.add_middleware(BrowserEdgeMiddleware, allowed_origins=tuple(getattr(cfg, "cors_origins", ()) or ()))
     inner = app.router.lifespan_context
 
     @asynccontextmanager

@@ -327,3 +327,20 @@ async def test_store_cache_is_bounded_but_keeps_pending_writes(redis_server):
     assert st["cached_sessions"] <= 5 and st["pending_writes"] == 5
     assert (await store.get("o", made[0].id)).messages[0]["content"] == "x"   # pending: still here
     await store.aclose()
+
+
+def test_foreign_origins_never_act_with_the_browser_identity():
+    from starlette.testclient import TestClient
+    chat = ScriptedChat()
+    with TestClient(make_app(chat), base_url="http://chat.local") as c:
+        sid = c.post("/v1/sessions", json={"title": "mine"}).json()["id"]
+        uid = c.cookies.get("chatserve_uid")
+        evil = {"origin": "http://chat.local:3000", "cookie": f"chatserve_uid={uid}"}
+        r = c.get("/v1/sessions", headers=evil)                   # e.g. another app on this host
+        assert r.json()["data"] == [] and "set-cookie" not in r.headers
+        assert c.get("/v1/sessions", headers={"origin": "http://chat.local"}).json()["data"][0]["id"] == sid
+        with c.websocket_connect("/v1/ws", headers=evil) as ws:  # cross-site WebSocket hijacking
+            ws.send_json({"id": "x", "type": "session", "session_id": sid, "content": "leak?"})
+            assert ws.receive_json()["status"] == 404
+        assert chat.started == 0
+        assert [m for m in c.get(f"/v1/sessions/{sid}").json()["messages"]] == []
