@@ -251,8 +251,10 @@ class AsyncEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
                cache_salt: str | None = None, keep_warm: bool = False,
-               priority: int = 0) -> RequestStream:
-        """Queue one client request (params.n samples). Raises AdmissionError (400/503) at once."""
+               priority: int = 0, shared_prefix_tokens: int = 0) -> RequestStream:
+        """Queue one client request (params.n samples). Raises AdmissionError (400/503) at once.
+        shared_prefix_tokens: leading prompt tokens of an operator-shared system prompt, whose
+        full blocks are cached without the owner's salt (see KVCacheManager.add_seq)."""
         if not self._accepting or self._task is None:
             raise AdmissionError(503, "the server is shutting down" if not self._accepting
                                  else "the engine is not started", retry_after=5.0)
@@ -268,6 +270,7 @@ class AsyncEngine:
                                     stop_token_ids=list(params.stop_token_ids))
             req = Request(request_id=rid, prompt_token_ids=list(prompt_ids), params=p,
                           eos_token_ids=eos, priority=priority, cache_salt=cache_salt,
+                          shared_prefix_tokens=max(0, min(int(shared_prefix_tokens), len(prompt_ids))),
                           keep_warm=keep_warm, group_id=request_id if n > 1 else None,
                           sample_index=i)
             reqs.append(req)
@@ -294,6 +297,16 @@ class AsyncEngine:
                 yield d
         finally:
             stream.close()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix no live request holds (benchmarks start cold with it).
+        True if the cache is now empty; False if running requests still hold hashed blocks.
+        Runs on the event loop, like schedule/update, so it never races a step's bookkeeping."""
+        kv = self.kv if self.kv is not None else getattr(self.scheduler, "kv", None)
+        reset = getattr(kv, "reset_prefix_cache", None)
+        if reset is None:
+            return False
+        return bool(reset())
 
     def abort(self, request_id: str) -> None:
         """Stop every unfinished sample of a request and free its blocks (after the running step)."""

@@ -54,14 +54,20 @@ class KVCacheStats:
 
 
 class _Seq:
-    __slots__ = ("table", "computed", "granted", "hashes", "extra")
+    __slots__ = ("table", "computed", "granted", "hashes", "extra", "shared_extra", "shared_blocks")
 
-    def __init__(self, extra: bytes) -> None:
+    def __init__(self, extra: bytes, shared_extra: bytes = b"", shared_blocks: int = 0) -> None:
         self.table: list[int] = []
         self.computed = 0            # positions [0, computed) hold K/V
         self.granted = 0             # positions [computed, granted) may be written (exclusive blocks)
         self.hashes: list[BlockHash] = []   # chained hash of each full block (prefix caching only)
         self.extra = extra           # digest of (cache_salt, model_key)
+        self.shared_extra = shared_extra    # digest of (no salt, model_key): the shared-prefix blocks
+        self.shared_blocks = shared_blocks  # leading full blocks hashed with shared_extra
+
+    def extra_of(self, j: int) -> bytes:
+        """The extra key block j is hashed with: unsalted inside the shared prefix, salted after."""
+        return self.shared_extra if j < self.shared_blocks else self.extra
 
 
 class KVCacheManager:
@@ -116,14 +122,21 @@ class KVCacheManager:
         return len(self._seqs[seq_id].table) * self.block_size
 
     # ── lifecycle ─────────────────────────────────────────────────────────────────────────────
-    def add_seq(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+    def add_seq(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
+                shared_prefix_tokens: int = 0) -> int:
         """Register a sequence and take refs on its longest cached chain of full blocks.
 
         The match is capped so at least one token remains to compute. Returns the number of cached
-        tokens (a multiple of block_size); the seq's computed count starts there."""
+        tokens (a multiple of block_size); the seq's computed count starts there.
+
+        shared_prefix_tokens: the first tokens are an operator-marked shared prefix (a system prompt
+        shared across owners). Blocks lying entirely inside it are hashed without the cache salt, so
+        every owner shares them; later blocks keep the salt (the chain still isolates owners)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        seq = _Seq(self.hasher.extra_key(cache_salt, self.model_key))
+        shared_blocks = max(0, int(shared_prefix_tokens)) // self.block_size if cache_salt else 0
+        seq = _Seq(self.hasher.extra_key(cache_salt, self.model_key),
+                   self.hasher.extra_key(None, self.model_key) if shared_blocks else b"", shared_blocks)
         self._seqs[seq_id] = seq
         if not self.enable_prefix_caching:
             return 0
@@ -136,9 +149,10 @@ class KVCacheManager:
             h3, seed, extra = xxhash.xxh3_128_digest, self.hasher.seed, seq.extra
             buf = self.hasher.pack(token_ids[:max_blocks * bs])   # same bytes as hash_block()
             stride = 4 * bs
+            shared_end = seq.shared_blocks * stride
             h = ROOT_HASH
             for off in range(0, len(buf), stride):
-                h = h3(h + extra + buf[off:off + stride], seed)
+                h = h3(h + (seq.shared_extra if off < shared_end else extra) + buf[off:off + stride], seed)
                 b = lookup(h)
                 if b is None:
                     break
@@ -229,13 +243,20 @@ class KVCacheManager:
         seq.granted = num_tokens
         return ops
 
-    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
+               shared_prefix_tokens: int | None = None) -> None:
         """Positions [0, num_computed) now hold K/V: hash and register every block that became full.
 
         token_ids are the seq's tokens (prompt + generated), at least num_computed of them. If a
         block's hash already maps to another block, ours stays unregistered (no dedup). Raises
-        ValueError when num_computed goes backwards or past the slots granted by allocate_slots."""
+        ValueError when num_computed goes backwards or past the slots granted by allocate_slots.
+        shared_prefix_tokens: None keeps what add_seq registered; an int changes it for the blocks
+        not hashed yet (blocks inside it are hashed without the salt, see add_seq)."""
         seq = self._seqs[seq_id]
+        if shared_prefix_tokens is not None:
+            seq.shared_blocks = max(0, int(shared_prefix_tokens)) // self.block_size
+            if seq.shared_blocks and not seq.shared_extra:
+                seq.shared_extra = self.hasher.extra_key(None, self.model_key)
         if num_computed > seq.granted or num_computed < seq.computed:
             raise ValueError(f"commit({seq_id!r}, {num_computed}): must lie in [computed "
                              f"{seq.computed}, granted {seq.granted}] (call allocate_slots first)")
@@ -250,12 +271,12 @@ class KVCacheManager:
         k = len(hashes)
         if full <= k:
             return
-        pool, table, extra = self.pool, seq.table, seq.extra
+        pool, table, extra_of = self.pool, seq.table, seq.extra_of
         hash_block = self.hasher.hash_block
         block_hash, hash_to_block = pool.block_hash, pool.hash_to_block
         parent = hashes[-1] if k else ROOT_HASH
         for j in range(k, full):
-            parent = hash_block(parent, token_ids[j * bs:(j + 1) * bs], extra)
+            parent = hash_block(parent, token_ids[j * bs:(j + 1) * bs], extra_of(j))
             hashes.append(parent)
             b = table[j]
             if block_hash[b] is None and parent not in hash_to_block:
@@ -268,7 +289,7 @@ class KVCacheManager:
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already exists")
         p = self._seqs[parent_id]
-        c = _Seq(p.extra)
+        c = _Seq(p.extra, p.shared_extra, p.shared_blocks)
         take = self.pool.take
         for b in p.table:
             take(b)

@@ -66,6 +66,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0                 # lower value = served first (FCFS within a priority)
     cache_salt: str | None = None     # prefix-cache isolation key (per owner); None = shared
+    shared_prefix_tokens: int = 0     # leading tokens of an operator-shared system prompt (unsalted)
     keep_warm: bool = False           # session-aware caching: keep its blocks in the protected LRU tier
     max_model_len: int | None = None  # context length cap, set by the scheduler
     group_id: str | None = None       # n > 1 siblings share it; None for n == 1

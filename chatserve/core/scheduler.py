@@ -317,7 +317,7 @@ class Scheduler:
             if free_now == 0 or self._admit_blocked == (rid, free_now, reserve):
                 break
             tokens = e.tokens
-            cached = kv.add_seq(rid, tokens, req.cache_salt)
+            cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens)
             target = len(tokens) - 1 if pending else len(tokens)
             n_new = min(target - cached, budget)
             ops: list[CopyOp] | None = []

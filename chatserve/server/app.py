@@ -24,6 +24,7 @@ from chatserve.server.errors import APIError, error_response
 from chatserve.server.metrics import Metrics
 from chatserve.server.openapi import openapi_schema
 from chatserve.server.ratelimit import RateLimiter
+from chatserve.server.shared_prompts import SharedPrompts
 from chatserve.server.state import ServerState
 
 log = logging.getLogger("chatserve.server")
@@ -143,6 +144,8 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
             state.tokenizer = state.engine.tokenizer
         if state.vocab_size is None:
             state.vocab_size = _vocab_size(state)
+        if state.shared_prompts is None and cfg.shared_system_prompts:
+            state.shared_prompts = SharedPrompts(cfg.shared_system_prompts, state.tokenizer)
         for hook in state.startup_hooks:
             await hook()
         try:

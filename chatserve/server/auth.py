@@ -1,4 +1,5 @@
-"""API-key check as ASGI middleware: deny by default on /v1/*, /v1/ws, /tokenize and /detokenize.
+"""API-key check as ASGI middleware: deny by default on /v1/*, /v1/ws, /tokenize, /detokenize and
+/reset_prefix_cache.
 
 Keys are compared in constant time (HMAC digests of equal length); several keys may be configured.
 Not identity (identity.py reads what this records) and not rate limiting (ratelimit.py).
@@ -16,7 +17,7 @@ from chatserve.server.identity import SCOPE_KEY_ID, key_id
 
 WS_PROTOCOL = "chatserve"                 # browsers pass the key as a second subprotocol:
 WS_KEY_PREFIX = "chatserve.bearer."       # new WebSocket(url, ["chatserve", "chatserve.bearer.<key>"])
-PROTECTED_EXACT = ("/v1", "/tokenize", "/detokenize")
+PROTECTED_EXACT = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
 def _digest(s: str) -> bytes:

@@ -45,9 +45,13 @@ def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, reques
     """Admission: rate limit, then the engine queue. Raises APIError (400/429/503)."""
     if state.rate_limiter is not None:
         state.rate_limiter.charge(rate_key or owner, len(req.prompt_ids) + req.params.max_tokens * req.params.n)
+    kwargs = {}
+    shared = _shared_prefix_tokens(state, req)
+    if shared:
+        kwargs["shared_prefix_tokens"] = shared
     try:
         return state.engine.submit(req.prompt_ids, req.params, request_id=request_id,
-                                   cache_salt=cache_salt(state, owner), keep_warm=keep_warm)
+                                   cache_salt=cache_salt(state, owner), keep_warm=keep_warm, **kwargs)
     except AdmissionError as e:
         status = e.status if e.status in (400, 429, 503) else 503
         code = "server_overloaded" if status == 503 else ("context_length_exceeded"
@@ -55,6 +59,14 @@ def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, reques
                                                            else "invalid_value")
         raise APIError(status, e.message, code=code,
                        retry_after=(e.retry_after or 1.0) if status == 503 else e.retry_after) from None
+
+
+def _shared_prefix_tokens(state, req: GenerationRequest) -> int:
+    """Leading tokens of an operator-shared system prompt (cached across owners), else 0."""
+    prompts = getattr(state, "shared_prompts", None)
+    if prompts is None or not isinstance(req, ChatRequest):
+        return 0
+    return prompts.shared_tokens(req.messages, req.prompt_ids)
 
 
 def engine_error(message: str) -> dict:

@@ -1,6 +1,7 @@
 """HTTP handlers for the OpenAI-compatible API and the operational endpoints.
 
-/v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /tokenize, /detokenize, /metrics.
+/v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /tokenize, /detokenize, /metrics,
+/reset_prefix_cache.
 Not the WebSocket (ws.py), not sessions (session_routes.py), not the app wiring (app.py).
 """
 from __future__ import annotations
@@ -149,6 +150,13 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"prompt": text})
 
 
+async def reset_prefix_cache(request: Request) -> Response:
+    """Forget every cached prefix no running request holds ({"reset": false} while some do)."""
+    st = state_of(request)
+    reset = getattr(st.engine, "reset_prefix_cache", None)
+    return JSONResponse({"reset": bool(reset()) if reset is not None else False})
+
+
 async def metrics(request: Request) -> Response:
     st = state_of(request)
     if st.metrics is None:
@@ -165,4 +173,5 @@ routes = [
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
 ]

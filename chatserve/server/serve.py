@@ -51,6 +51,8 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
     a("--max-model-len", type=int, default=s.max_model_len)
     a("--api-key", action="append", default=None, help="require this key (repeat for several)")
     a("--cors-origin", action="append", default=None, help="allow this browser origin (repeatable)")
+    a("--shared-system-prompt", action="append", default=None, metavar="TEXT",
+      help="a system prompt whose prefix cache is shared across owners (repeatable)")
     a("--redis-url", default=v.redis_url, help="persist chat sessions in Redis (default: in-process)")
     a("--drain-timeout", type=float, default=v.drain_timeout)
     a("--stream-timeout", type=float, default=v.stream_timeout)
@@ -72,6 +74,8 @@ def config_from_args(args: argparse.Namespace, env: EngineConfig) -> EngineConfi
         server=replace(env.server, host=args.host, port=args.port,
                        api_keys=tuple(args.api_key) if args.api_key else env.server.api_keys,
                        cors_origins=tuple(args.cors_origin) if args.cors_origin else env.server.cors_origins,
+                       shared_system_prompts=(tuple(args.shared_system_prompt) if args.shared_system_prompt
+                                              else env.server.shared_system_prompts),
                        redis_url=args.redis_url, drain_timeout=args.drain_timeout,
                        stream_timeout=args.stream_timeout, max_body_bytes=args.max_body_bytes,
                        stats_interval=args.stats_interval),

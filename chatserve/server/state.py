@@ -23,6 +23,7 @@ class ServerState:
     session_secret: bytes = b""           # HMAC key for cache salts; random per process when unset
     vocab_size: int | None = None
     rate_limiter: Any = None              # chatserve.server.ratelimit.RateLimiter (None = off)
+    shared_prompts: Any = None            # chatserve.server.shared_prompts.SharedPrompts (None = off)
     started_at: float = field(default_factory=time.time)
     # extra WebSocket message types: type → async fn(state, msg, owner, request_id) -> AsyncIterator[dict]
     ws_handlers: dict[str, Callable[..., Any]] = field(default_factory=dict)
