@@ -47,8 +47,10 @@ class ModelRunner:
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int = 2 << 30,
                  max_model_len: int | None = None, num_threads: int | None = None,
-                 progress: bool = True, weights: LoadedWeights | None = None) -> None:
-        """weights: already-loaded weights of model_path (tests and benchmarks reuse one read)."""
+                 progress: bool = True, weights: LoadedWeights | None = None,
+                 weight_quant: str | None = None) -> None:
+        """weights: already-loaded weights of model_path (tests and benchmarks reuse one read).
+        weight_quant: None, or "int8" for weight-only int8 decode matmuls (see models.llama.Linear)."""
         t0 = time.perf_counter()
         self.device = resolve_device(device)
         if self.device.type == "cpu":
@@ -59,7 +61,9 @@ class ModelRunner:
             weights = load_weights(model_path, self.dtype, progress=progress)
         self.config: ArchConfig = weights.config
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
-        self.model = LlamaModel(self.config, weights.tensors, self.dtype, self.device, self.max_model_len)
+        self.weight_quant = weight_quant
+        self.model = LlamaModel(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
+                                weight_quant=weight_quant)
         del weights
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks) if num_blocks is not None else num_blocks_for_budget(

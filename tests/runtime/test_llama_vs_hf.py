@@ -123,3 +123,33 @@ def test_bf16_model_close_to_fp32(default_path, default_weights, default_model, 
     assert a.dtype == torch.float32
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
     assert int(a.argmax()) == int(b.argmax())
+
+
+def test_int8_weight_only_linear_close_to_dense():
+    from chatserve.runtime.models.llama import Linear
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    lin = Linear(w, b, "int8", small_m=4)
+    assert lin.wq.dtype == torch.int8 and lin.wq.shape == (96, 64)
+    dense = torch.nn.functional.linear(x, w, b)
+    assert rel_err(lin(x), dense) < 2e-2                              # int8 path (3 rows <= 4)
+    assert torch.equal(lin(x.repeat(2, 1)), torch.nn.functional.linear(x.repeat(2, 1), w, b))  # dense
+    with pytest.raises(ValueError):
+        Linear(w, None, "int3")
+
+
+def test_int8_decode_model_tracks_fp32(default_weights, default_model, contiguous_forward, hf_tokenizer):
+    from chatserve.runtime.models.llama import LlamaModel
+    q = LlamaModel(default_weights.config, default_weights.tensors, torch.float32, "cpu",
+                   max_model_len=1024, weight_quant="int8")
+    ids = chat_ids(hf_tokenizer, CHAT_PROMPTS[2])
+    # the prompt's layers run dense (more than 16 rows), its logits (<= 256 rows) int8
+    a = contiguous_forward(q, ids)[-1]
+    b = contiguous_forward(default_model, ids)[-1]
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+    assert int(a.argmax()) == int(b.argmax())
+    step_q = contiguous_forward(q, ids[-1:])[-1]
+    step_f = contiguous_forward(default_model, ids[-1:])[-1]
+    assert torch.nn.functional.cosine_similarity(step_q, step_f, dim=0) > 0.99
+    assert int(step_q.argmax()) == int(step_f.argmax())

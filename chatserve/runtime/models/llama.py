@@ -15,17 +15,46 @@ from chatserve_kernels import AttentionMetadata
 from chatserve.runtime.weights import ArchConfig, rope_inv_freq
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+WEIGHT_QUANTS = (None, "int8")
+
+
+class Linear:
+    """y = x Wᵀ + b. With weight_quant="int8", steps of at most `small_m` tokens (decode) use a
+    weight-only int8 copy of W (per-output-channel scales, bf16 activations) through
+    torch._weight_int8pack_mm: a quarter of fp32's bytes per token, which is what bounds decode.
+    Larger steps (prefill) keep the dense weight, where fp32 GEMMs are compute-bound and faster."""
+
+    __slots__ = ("w", "b", "wq", "scales", "small_m")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
+                 small_m: int = 16) -> None:
+        # w: [N, K]; b: [N]
+        self.w, self.b, self.small_m = w, b, small_m
+        self.wq = self.scales = None
+        if weight_quant == "int8":
+            wf = w.float()
+            scales = wf.abs().amax(1).clamp_min(1e-8) / 127.0                     # [N]
+            self.wq = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self.scales = scales.to(torch.bfloat16)
+        elif weight_quant is not None:
+            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] → [T, N]
+        if self.wq is not None and x.shape[0] <= self.small_m:
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.wq, self.scales).to(x.dtype)
+            return y if self.b is None else y + self.b
+        return F.linear(x, self.w, self.b)
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor          # [H]
-    qkv: torch.Tensor                 # [q_size + 2 * kv_size, H]  (q, k, v rows fused)
-    qkv_bias: torch.Tensor | None     # [q_size + 2 * kv_size]
-    o: torch.Tensor                   # [H, q_size]
+    qkv: Linear                       # [q_size + 2 * kv_size, H]  (q, k, v rows fused), bias (Qwen2)
+    o: Linear                         # [H, q_size]
     post_norm: torch.Tensor           # [H]
-    gate_up: torch.Tensor             # [2 * I, H]  (gate rows then up rows)
-    down: torch.Tensor                # [H, I]
+    gate_up: Linear                   # [2 * I, H]  (gate rows then up rows)
+    down: Linear                      # [H, I]
 
 
 class LlamaModel:
@@ -33,8 +62,9 @@ class LlamaModel:
 
     def __init__(self, config: ArchConfig, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, weight_quant: str | None = None) -> None:
         self.config = config
+        self.weight_quant = weight_quant
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
@@ -46,9 +76,14 @@ class LlamaModel:
         self.embed = t("model.embed_tokens.weight")                     # [V, H]
         self.norm = t("model.norm.weight")                               # [H]
         if config.tie_word_embeddings or "lm_head.weight" not in tensors:
-            self.lm_head = self.embed
+            lm_head = self.embed
         else:
-            self.lm_head = t("lm_head.weight")                           # [V, H]
+            lm_head = t("lm_head.weight")                                # [V, H]
+        self.lm_head = Linear(lm_head, None, weight_quant, small_m=256)  # logits rows are few
+
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
+            return Linear(w, b, weight_quant)
+
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -59,9 +94,9 @@ class LlamaModel:
                 bias = torch.cat([t(a + "q_proj.bias"), t(a + "k_proj.bias"), t(a + "v_proj.bias")])
             gate_up = torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
             self.layers.append(LayerWeights(
-                input_norm=t(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
-                o=t(a + "o_proj.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
-                gate_up=gate_up, down=t(p + "mlp.down_proj.weight")))
+                input_norm=t(p + "input_layernorm.weight"), qkv=lin(qkv, bias),
+                o=lin(t(a + "o_proj.weight")), post_norm=t(p + "post_attention_layernorm.weight"),
+                gate_up=lin(gate_up), down=lin(t(p + "mlp.down_proj.weight"))))
         # RoPE tables over every position, rotate-half layout with the sign folded into sin:
         #   rope(x) = x * cos + roll(x, d/2) * sin_signed,  roll(x, d/2) = [x2, x1], sin_signed = [-s, s]
         inv = rope_inv_freq(config).to(self.device)                      # [d/2]
@@ -99,20 +134,20 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)                           # [T, H]
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self._rms_norm(h, lw.input_norm)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(T, n_rope + hkv, d)  # [T, hq+2hkv, d]
+            qkv = lw.qkv(x).view(T, n_rope + hkv, d)                     # [T, hq+2hkv, d]
             qk = qkv[:, :n_rope]                                         # [T, hq+hkv, d]
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
             attn = self._attention(qk[:, :hq], qk[:, hq:], qkv[:, n_rope:], k_cache, v_cache,
                                    meta, self.scale)                     # [T, hq, d]
-            h = h + F.linear(attn.reshape(T, hq * d), lw.o)
+            h = h + lw.o(attn.reshape(T, hq * d))
             x = self._rms_norm(h, lw.post_norm)
-            gu = F.linear(x, lw.gate_up)                                 # [T, 2I]
+            gu = lw.gate_up(x)                                           # [T, 2I]
             g, u = gu.chunk(2, -1)
-            h = h + F.linear(F.silu(g) * u, lw.down)                     # [T, H]
+            h = h + lw.down(F.silu(g) * u)                               # [T, H]
         return self._rms_norm(h, self.norm)
 
     __call__ = forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, H] (already normed by forward) → logits [B, V] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,150 @@
+"""`chatserve bench model`: decode tokens/s at several batch sizes and prefill tokens/s for a model
+on this machine, per dtype, measured through ModelRunner.execute (metadata, forward, logits, sampling).
+
+Not a serving benchmark (no scheduler, HTTP or detokenizer: see `bench scheduler` and `bench serve`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+
+def _parse_list(s: str, cast=str) -> list:
+    return [cast(x) for x in s.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chatserve bench model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M Q4_1)")
+    p.add_argument("--dtypes", default="float32,bfloat16,float32+int8",
+                   help="comma list of float32 | bfloat16 | float16, each optionally +int8 "
+                        "(weight-only int8 decode matmuls)")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence before decoding")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="tokens in the timed prefill step")
+    p.add_argument("--repeats", type=int, default=3, help="prefill repeats (median reported)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def _decode(runner, batch: int, context: int, steps: int) -> dict:
+    from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
+    from chatserve.core.request import SamplingParams
+
+    bs = runner.block_size
+    params = SamplingParams(temperature=0.0)
+    per_seq = -(-(context + steps + 2) // bs)
+    if per_seq * batch > runner.num_blocks:
+        raise ValueError(f"batch {batch} x {context + steps} tokens needs {per_seq * batch} blocks")
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    prompt = [(17 * i + 5) % runner.vocab_size for i in range(context)]
+    step = 0
+    # prefill each sequence (untimed), in chunks the size a server would use
+    for b in range(batch):
+        for s in range(0, context, 512):
+            step += 1
+            chunk = prompt[s:s + 512]
+            runner.execute(SchedulerOutput(step, [ScheduledSeq(
+                f"s{b}", chunk, s, tables[b], s + len(chunk) == context, params)]))
+    last = [prompt[-1]] * batch
+    times = []
+    for i in range(steps + 2):
+        pos = context + i
+        out = SchedulerOutput(step + i + 1, [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params)
+                                             for b in range(batch)])
+        t0 = time.perf_counter()
+        res = runner.execute(out)
+        dt = time.perf_counter() - t0
+        if i >= 2:                      # two warm-up steps
+            times.append(dt)
+        last = [res.sampled[f"s{b}"] for b in range(batch)]
+    med = statistics.median(times)
+    return {"batch": batch, "context": context, "step_ms_median": med * 1e3,
+            "step_ms_min": min(times) * 1e3, "tokens_per_s": batch / med,
+            "tokens_per_s_best": batch / min(times)}
+
+
+def _prefill(runner, tokens: int, repeats: int) -> dict:
+    from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
+    from chatserve.core.request import SamplingParams
+
+    bs = runner.block_size
+    table = list(range(-(-tokens // bs)))
+    prompt = [(31 * i + 7) % runner.vocab_size for i in range(tokens)]
+    times = []
+    for r in range(repeats + 1):
+        out = SchedulerOutput(r, [ScheduledSeq("p", prompt, 0, table, True, SamplingParams(temperature=0.0))])
+        t0 = time.perf_counter()
+        runner.execute(out)
+        if r:                            # first run warms up
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"tokens": tokens, "ms_median": med * 1e3, "tokens_per_s": tokens / med,
+            "tokens_per_s_best": tokens / min(times)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from chatserve.config import ModelConfig
+    from chatserve.runtime.device import set_num_threads
+    from chatserve.runtime.model_runner import ModelRunner
+    from chatserve.runtime.weights import load_weights
+
+    path = ModelConfig(model=args.model).resolved_model()
+    threads = set_num_threads(args.threads)
+    batches = _parse_list(args.batches, int)
+    t0 = time.perf_counter()
+    weights = load_weights(path, "float32", progress=not args.json)
+    load_s = time.perf_counter() - t0
+    need = max(max(batches) * -(-(args.context + args.steps + 2) // args.block_size),
+               -(-args.prefill_tokens // args.block_size))
+    report: dict = {"model": os.path.basename(path), "threads": threads, "torch": torch.__version__,
+                    "cpu": platform.processor() or platform.machine(), "load_s": load_s, "results": []}
+    for dtype in _parse_list(args.dtypes):
+        base, _, quant = dtype.partition("+")
+        runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
+                             num_blocks=need, num_threads=threads, weights=weights, progress=False,
+                             weight_quant=quant or None)
+        entry: dict = {"dtype": dtype, "decode": [], "prefill": None}
+        for b in batches:
+            entry["decode"].append(_decode(runner, b, args.context, args.steps))
+            if not args.json:
+                d = entry["decode"][-1]
+                print(f"{dtype:12s} decode batch {b:3d}: {d['tokens_per_s']:8.1f} tok/s "
+                      f"(step {d['step_ms_median']:.1f} ms median, best {d['tokens_per_s_best']:.1f} tok/s)",
+                      file=sys.stderr, flush=True)
+        entry["prefill"] = _prefill(runner, args.prefill_tokens, args.repeats)
+        if not args.json:
+            p = entry["prefill"]
+            print(f"{dtype:12s} prefill {p['tokens']} tokens: {p['tokens_per_s']:8.1f} tok/s "
+                  f"({p['ms_median']:.0f} ms)", file=sys.stderr, flush=True)
+        report["results"].append(entry)
+        del runner
+    return report
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    report = run(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"model {report['model']}, {report['threads']} threads, torch {report['torch']}, "
+              f"weights read in {report['load_s']:.1f} s")
+        print(f"{'dtype':14s}{'batch':>6s}{'tok/s':>10s}{'step ms':>10s}")
+        for e in report["results"]:
+            for d in e["decode"]:
+                print(f"{e['dtype']:14s}{d['batch']:6d}{d['tokens_per_s']:10.1f}{d['step_ms_median']:10.1f}")
+            p = e["prefill"]
+            print(f"{e['dtype']:14s}{'pf' + str(p['tokens']):>6s}{p['tokens_per_s']:10.1f}{p['ms_median']:10.1f}")
+    return 0
