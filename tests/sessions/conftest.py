@@ -22,3 +22,9 @@ def redis_server():
         yield srv
     finally:
         srv.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:                       # `-m "not redis"` deselects everything needing redis-server
+        if "redis_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)
