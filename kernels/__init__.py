@@ -8,10 +8,10 @@ from chatserve_kernels.metadata import AttentionMetadata
 from chatserve_kernels.kv_store import store_kv
 from chatserve_kernels.block_copy import copy_blocks
 from chatserve_kernels.paged_attention import paged_attention
-from chatserve_kernels.decode_attention import decode_attention
-from chatserve_kernels.extend_attention import extend_attention
 from chatserve_kernels.quant import KV_CACHE_DTYPES, allocate_kv_cache, kv_bytes_per_token
 from chatserve_kernels.dispatch import HAS_TRITON
 
-__all__ = ["AttentionMetadata", "store_kv", "copy_blocks", "paged_attention", "decode_attention",
-           "extend_attention", "allocate_kv_cache", "kv_bytes_per_token", "KV_CACHE_DTYPES", "HAS_TRITON"]
+# (decode_attention / extend_attention stay in their modules: a same-named function exported here
+#  would shadow the module attribute, as `paged_attention` does for paged_attention.py)
+__all__ = ["AttentionMetadata", "store_kv", "copy_blocks", "paged_attention", "allocate_kv_cache",
+           "kv_bytes_per_token", "KV_CACHE_DTYPES", "HAS_TRITON"]

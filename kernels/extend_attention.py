@@ -98,16 +98,27 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, block_tables_pt
 
 
 # --------------------------------------------------------------------------- launcher
-def extend_config(head_dim: int, group_pad: int, device: torch.device) -> dict:
-    """Tile sizes: BLOCK_M query tokens (so BLOCK_M × padded group ≈ 64–128 rows), BLOCK_N keys."""
-    rows = 128 if device.type == "cuda" else 32
+def extend_config(head_dim: int, group_pad: int, device: torch.device, fp32: bool = False) -> dict:
+    """Tile sizes: BLOCK_M query tokens (so BLOCK_M × padded group ≈ 32–128 rows), BLOCK_N keys.
+
+    Compiled for sm_90 without a GPU: bf16/fp16/int8/fp8 with 128 rows and 8 warps use ~200-230
+    registers without spilling; fp32 (FMA dots) needs 32 rows × 32 keys (8 warps at d 128).
+    """
+    if device.type != "cuda":
+        rows, cfg = 32, {"block_n": 32, "num_stages": 1}
+    elif fp32:
+        rows, cfg = 32, {"block_n": 32, "num_stages": 1}
+    else:
+        rows, cfg = 128, {"block_n": 64, "num_stages": 2}
     block_m = max(1, min(64, rows // group_pad))
     if block_m * group_pad < 16:
         block_m = 16 // group_pad
-    if device.type != "cuda":
-        return {"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 1}
-    return {"block_m": block_m, "block_n": 64, "num_warps": 4 if head_dim <= 64 else 8,
-            "num_stages": 2}
+    return {"block_m": block_m, **cfg}
+
+
+def extend_num_warps(rows: int, head_dim: int, fp32: bool) -> int:
+    """8 warps once a tile holds ≥ 8192 accumulator values (fp32 dots count double), else 4."""
+    return 8 if rows * head_dim * (2 if fp32 else 1) >= 8192 else 4
 
 
 def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,7 +145,8 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     group = hq // hkv
     group_pad = next_pow2(group)
-    cfg = extend_config(D, group_pad, q.device)
+    compute = compute_dtype(q.dtype, q.device)
+    cfg = extend_config(D, group_pad, q.device, fp32=compute == tl.float32)
     if block_m is None:
         block_m = cfg["block_m"]
         # few programs (one long chunk, few kv heads): smaller query tiles, so every SM gets work
@@ -143,7 +155,6 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n = block_n or cfg["block_n"]
     assert block_m * group_pad >= 16, "tl.dot needs at least 16 rows"
     dummy = k_cache
-    compute = compute_dtype(q.dtype, q.device)
     grid = (B, hkv, cdiv(max_query_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
@@ -155,7 +166,8 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=D, D_PAD=next_pow2(D),
         BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute,
         PRECISION=dot_precision(compute), WINDOW=bool(sliding_window), SKIP_DECODE=skip_decode,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=extend_num_warps(block_m * group_pad, D, compute == tl.float32),
+        num_stages=cfg["num_stages"],
     )
     return out
 
