@@ -412,11 +412,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _decoder_type(backend: tokenizers.Tokenizer) -> str | None:
-    try:
-        dec = json.loads(backend.to_str()).get("decoder") or {}
-    except Exception:
-        return None
-    return dec.get("type")
+    dec = backend.decoder
+    return None if dec is None else type(dec).__name__
 
 
 @lru_cache(maxsize=1)
