@@ -202,10 +202,9 @@ class Tokenizer:
         malformed, or the template itself rejects them (e.g. roles that do not alternate).
         """
         if not self.chat_template:
-            raise ValueError(
-                f"the model {self.name or ''} has no chat template; use the completions endpoint "
-                "or configure a chat template".replace("  ", " ")
-            )
+            model = f"the model {self.name}" if self.name else "this model"
+            raise ValueError(f"{model} has no chat template; use the completions endpoint "
+                             "or configure a chat template")
         msgs = _normalize_messages(messages)
         if tools is not None:
             _check_plain(tools, "tools")

@@ -151,7 +151,7 @@ class Sampler:
         out = torch.empty(S, dtype=torch.long, device=dev)
         plain = [r for r in range(S) if not truncate[r]]
         if plain:  # sample over the whole vocabulary, in vocabulary order
-            out[plain] = _inverse_cdf(torch.softmax(x[plain], dim=-1), u[plain])
+            out[plain] = _inverse_cdf(torch.softmax(_take(x, plain), dim=-1), u[plain])
         # Rows that truncate, grouped by how many sorted candidates they need (top_k, or V for top_p
         # alone): a row's arithmetic then never depends on the other rows in the batch.
         groups: dict[int, list[int]] = {}
