@@ -221,9 +221,21 @@ class Tokenizer:
             raise ValueError(f"the chat template could not render these messages: {e}") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
-        """Prompt token ids: the rendered template, tokenized without adding special tokens."""
+                            tools: list[dict] | None = None, prefix_ids: Sequence[int] | None = None,
+                            **template_kwargs: Any) -> list[int]:
+        """Prompt token ids: the rendered template, tokenized without adding special tokens.
+
+        `prefix_ids` (optional): the ids already in the KV cache for this chat — the previous prompt +
+        the reply as sampled + the end-of-turn id. When the new text starts with exactly their text and
+        they end in a special token (a hard tokenization boundary), they are kept verbatim and only the
+        rest is tokenized: the prefix cache then hits even for a reply the model spelled with
+        non-canonical tokens. Otherwise the plain tokenization is returned.
+        """
         text = self.render_chat(messages, add_generation_prompt, tools=tools, **template_kwargs)
+        if prefix_ids and prefix_ids[-1] in self._special_ids:
+            head = self.decode(prefix_ids, skip_special_tokens=False)
+            if text.startswith(head):
+                return list(prefix_ids) + self.encode(text[len(head):], add_special_tokens=False)
         return self.encode(text, add_special_tokens=False)
 
     def _probe_end_of_turn(self) -> int | None:
@@ -243,12 +255,13 @@ class Tokenizer:
 
     # ── multi-turn prefix reuse ──────────────────────────────────────────────────────────────────
     def chat_prefix_fraction(self, user_turns: Sequence[str], reply_ids: Sequence[Sequence[int]],
-                             system: str | None = None) -> "PrefixReuse":
+                             system: str | None = None, keep_ids: bool = False) -> "PrefixReuse":
         """How much of each turn's prompt is the previous prompt + the reply as the model sampled it.
 
         For turn n: prev = prompt_n + reply_ids[n] (+ the end-of-turn id unless the reply ends in an
         EOS id), next = prompt_{n+1} (the chat with the decoded reply appended and the next user
-        message). The prefix cache can serve exactly their longest common prefix.
+        message). The prefix cache can serve exactly their longest common prefix. `keep_ids`: build
+        next with `apply_chat_template(prefix_ids=prev)`, as a session that keeps its ids would.
         """
         if len(reply_ids) < len(user_turns) - 1:
             raise ValueError("need a reply for every turn but the last")
@@ -265,7 +278,7 @@ class Tokenizer:
             text = self.decode([t for t in reply if t not in self.eos_token_ids])
             msgs = msgs + [{"role": "assistant", "content": text},
                            {"role": "user", "content": user_turns[n]}]
-            prompt = self.apply_chat_template(msgs)
+            prompt = self.apply_chat_template(msgs, prefix_ids=prev if keep_ids else None)
             turns.append((_common_prefix(prev, prompt), len(prev), len(prompt)))
         return PrefixReuse(turns)
 

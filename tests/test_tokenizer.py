@@ -237,3 +237,21 @@ def test_prefix_property_breaks_on_trim_and_reasoning_strip(tok):
     assert tok.chat_prefix_fraction(USER_TURNS, thinking).exact
     stripped = tok.with_chat_template(THINK_STRIP_TEMPLATE).chat_prefix_fraction(USER_TURNS, thinking)
     assert not stripped.exact and stripped.reuse_fraction < 0.9
+
+
+def test_prefix_ids_keep_a_non_canonical_reply(tok):
+    odd = tok.encode(" Par") + tok.encode("is") + tok.encode(" is nice.")
+    assert tok.chat_prefix_fraction(USER_TURNS[:3], [odd, tok.encode("Yes.")], keep_ids=True).exact
+    msgs = [{"role": "user", "content": USER_TURNS[0]}]
+    prev = tok.apply_chat_template(msgs) + odd + [tok.end_of_turn_id]
+    msgs += [{"role": "assistant", "content": tok.decode(odd)}, {"role": "user", "content": USER_TURNS[1]}]
+    ids = tok.apply_chat_template(msgs, prefix_ids=prev)
+    assert ids[: len(prev)] == prev and ids != tok.apply_chat_template(msgs)
+    assert tok.decode(ids, skip_special_tokens=False) == tok.render_chat(msgs)       # same text, model's tokens
+    # the text no longer starts with the cached ids (history rewritten): plain tokenization
+    msgs[1]["content"] = "Something else"
+    assert tok.apply_chat_template(msgs, prefix_ids=prev) == tok.apply_chat_template(msgs)
+    # reasoning stripped from history: the cached reply cannot be kept
+    think = tok.encode("<think>\nhmm\n</think>\n") + odd
+    stripped = tok.with_chat_template(THINK_STRIP_TEMPLATE)
+    assert not stripped.chat_prefix_fraction(USER_TURNS[:2], [think], keep_ids=True).exact
