@@ -229,7 +229,8 @@ class Tokenizer:
         the reply as sampled + the end-of-turn id. When the new text starts with exactly their text and
         they end in a special token (a hard tokenization boundary), they are kept verbatim and only the
         rest is tokenized: the prefix cache then hits even for a reply the model spelled with
-        non-canonical tokens. Otherwise the plain tokenization is returned.
+        non-canonical tokens. Otherwise the plain tokenization is returned. Server-side state only:
+        ids from a client would let it place arbitrary tokens in the prompt.
         """
         text = self.render_chat(messages, add_generation_prompt, tools=tools, **template_kwargs)
         if prefix_ids and prefix_ids[-1] in self._special_ids:
