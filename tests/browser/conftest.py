@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from browser_support import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     exe = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
     if exe is None:
