@@ -22,6 +22,13 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
 
+# The model step runs in a worker thread; whenever the event loop thread releases the GIL (every
+# socket send, every select) it must win it back from that thread, which by default keeps it for up to
+# 5 ms. Under load a loop iteration does dozens of sends, so 503s, pings and first chunks queue behind
+# the model. 1 ms keeps the loop responsive at a small throughput cost (see docs/reliability.md).
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
 def parse_bytes(text: str) -> int:
     """'2GiB', '512MiB', '1.5G', '1000000' → bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
@@ -58,6 +65,9 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
     a("--stream-timeout", type=float, default=v.stream_timeout)
     a("--max-body-bytes", type=parse_bytes, default=v.max_body_bytes)
     a("--stats-interval", type=float, default=v.stats_interval, help="seconds between stats lines; 0 = off")
+    a("--gil-switch-interval", type=float, default=GIL_SWITCH_INTERVAL_S, metavar="SECONDS",
+      help="sys.setswitchinterval: how long the model thread may hold the GIL before the event loop "
+           "gets it back (lower = snappier 503s, pings and streams under load)")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -213,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(env).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args, env)
+    if args.gil_switch_interval > 0:
+        sys.setswitchinterval(args.gil_switch_interval)
     try:
         model_path = cfg.model.resolved_model()
     except FileNotFoundError as e:

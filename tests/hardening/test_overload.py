@@ -1,0 +1,79 @@
+"""Overload: with the engine busy and its queue full, a new request is refused with 503 + Retry-After
+in well under 50 ms (median, timed at the socket by a client that does nothing else)."""
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import metric, start_real_server
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _timed_post(host: str, port: int, body: bytes) -> tuple[int, float, bytes]:
+    """(status, ms to the status line, the response head) for one POST on a fresh connection."""
+    s = socket.create_connection((host, port))
+    try:
+        req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        t0 = time.perf_counter()
+        s.sendall(req)
+        head = s.recv(4096)
+        return int(head[9:12]), (time.perf_counter() - t0) * 1000, head
+    finally:
+        s.close()
+
+
+def test_503_with_retry_after_in_under_50_ms_while_busy(tiny_model, tmp_path):
+    srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "512", "--max-model-len",
+                            "1024", "--max-num-seqs", "8", "--max-waiting-requests", "4", startup_timeout=120)
+    stop = threading.Event()
+
+    def long_stream(i: int) -> None:         # keeps the engine busy and the queue full
+        body = {"prompt": f"busy {i}", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        while not stop.is_set():
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                    if r.status_code != 200:
+                        time.sleep(0.05)
+                        continue
+                    for _ in r.iter_lines():
+                        if stop.is_set():
+                            return
+            except httpx.HTTPError:
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=long_stream, args=(i,), daemon=True) for i in range(12)]
+    for t in threads:
+        t.start()
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+        deadline = time.time() + 30
+        while time.time() < deadline:           # wait until the queue is full
+            text = httpx.get(srv.url + "/metrics", timeout=10).text
+            if metric(text, "chatserve:num_requests_waiting") >= 4:
+                break
+            time.sleep(0.1)
+        lat = []
+        for _ in range(40):
+            status, ms, head = _timed_post(host, int(port), body)
+            if status == 503:
+                assert b"retry-after:" in head.lower()
+                lat.append(ms)
+            time.sleep(0.03)
+        assert len(lat) >= 20, f"only {len(lat)} of 40 probes were refused"
+        p50 = statistics.median(lat)
+        print(f"503 while busy: n={len(lat)} p50 {p50:.1f} ms, max {max(lat):.1f} ms")
+        assert p50 < 50, lat
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        srv.stop()
