@@ -35,6 +35,7 @@ _BASE: dict[str, object] = {
 _ARCHS = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False},
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False},
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None},
 }
 
 

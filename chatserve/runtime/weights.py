@@ -57,6 +57,7 @@ class ArchConfig:
     rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs` (llama3 scaling baked in)
     tie_word_embeddings: bool = False
     attention_bias: bool = False            # Q/K/V projections have biases (Qwen2)
+    sliding_window: int | None = None       # Mistral: a token sees the last N positions (itself included)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
@@ -272,6 +273,9 @@ def config_from_hf(hf: dict) -> ArchConfig:
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     bias = bool(hf.get("attention_bias", False)) or arch == "qwen2"
+    window = hf.get("sliding_window") if arch == "mistral" else None
+    if arch == "qwen2" and hf.get("use_sliding_window"):
+        log.warning("Qwen2 per-layer sliding windows are not supported; using full attention")
     return ArchConfig(
         arch=arch,
         hidden_size=hidden,
@@ -287,6 +291,7 @@ def config_from_hf(hf: dict) -> ArchConfig:
         rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bias,
+        sliding_window=int(window) if window else None,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )

@@ -36,13 +36,16 @@ def hf_config(cfg, **extra):
     if cfg.arch == "qwen2":
         kw.pop("head_dim")
         return transformers.Qwen2Config(**kw)
+    if cfg.arch == "mistral":
+        return transformers.MistralConfig(sliding_window=cfg.sliding_window, **kw)
     return transformers.LlamaConfig(attention_bias=cfg.attention_bias, **kw)
 
 
 def hf_model(cfg, tensors: dict[str, torch.Tensor]):
     transformers = pytest.importorskip("transformers")
     c = hf_config(cfg)
-    cls = transformers.Qwen2ForCausalLM if cfg.arch == "qwen2" else transformers.LlamaForCausalLM
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "mistral": transformers.MistralForCausalLM}.get(
+        cfg.arch, transformers.LlamaForCausalLM)
     torch.manual_seed(0)
     m = cls(c).eval().float()
     state = {k: v.float() for k, v in tensors.items()}
@@ -120,4 +123,5 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
                                   rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                 "original_max_position_embeddings": 64}),
+        "mistral": make_tiny_model(root / "mistral", "mistral", seed=4, tokenizer=False, sliding_window=24),
     }

@@ -95,7 +95,7 @@ def test_capital_of_france_is_paris(default_runner):
     assert "Paris" in tok.decode(out)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama3", "mistral"])
 def test_tiny_models_match_transformers(tiny_dirs, contiguous_forward, hf_oracle, name):
     from chatserve.runtime.models.llama import LlamaModel
     from chatserve.runtime.weights import load_weights

@@ -114,13 +114,15 @@ class LlamaModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return w * xf.to(x.dtype)
 
-    @staticmethod
-    def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The one attention call site: write this step's K/V into the cache, attend over it."""
         # q: [T, hq, d]; k, v: [T, hkv, d]; caches: [num_blocks, block_size, hkv, d] → [T, hq, d]
         chatserve_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return chatserve_kernels.paged_attention(q, k_cache, v_cache, meta, scale)
+        if self.config.sliding_window:
+            return chatserve_kernels.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                                     sliding_window=self.config.sliding_window)
+        return chatserve_kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -138,7 +140,7 @@ class LlamaModel:
             qk = qkv[:, :n_rope]                                         # [T, hq+hkv, d]
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
             attn = self._attention(qk[:, :hq], qk[:, hq:], qkv[:, n_rope:], k_cache, v_cache,
-                                   meta, self.scale)                     # [T, hq, d]
+                                   meta)                                 # [T, hq, d]
             h = h + lw.o(attn.reshape(T, hq * d))
             x = self._rms_norm(h, lw.post_norm)
             gu = lw.gate_up(x)                                           # [T, 2I]
