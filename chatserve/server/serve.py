@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import signal
 import sys
@@ -166,6 +167,11 @@ class StatsLine:
             prev, t_prev = s, now
 
 
+def exit_reserve(drain_timeout: float) -> float:
+    """Seconds of the drain timeout kept for closing sockets and exiting (at most 1 s, a quarter)."""
+    return min(1.0, 0.25 * max(0.0, drain_timeout))
+
+
 def make_server(app, cfg: EngineConfig, engine):
     import uvicorn
 
@@ -191,7 +197,10 @@ def make_server(app, cfg: EngineConfig, engine):
             print(f"[chatserve] {name}: draining (up to {cfg.server.drain_timeout:.0f} s), "
                   f"no new requests", flush=True)
             try:
-                await engine.shutdown(cfg.server.drain_timeout)
+                # streams get the drain timeout less a small reserve for closing, so the whole
+                # process is gone within --drain-timeout (main() skips the slow interpreter teardown)
+                drain = cfg.server.drain_timeout
+                await engine.shutdown(max(0.0, drain - exit_reserve(drain)))
                 await asyncio.sleep(0.3)          # let the last events reach their clients
             finally:
                 self.should_exit = True
@@ -253,4 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     server = make_server(app, cfg, engine)
     server.run()
     print("[chatserve] stopped", flush=True)
+    if server.draining:
+        # a signal ended a clean shutdown (engine drained, shutdown hooks run): skip the second or so
+        # of interpreter teardown (torch, thread pools) so the process exits within --drain-timeout
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

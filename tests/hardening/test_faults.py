@@ -175,7 +175,9 @@ def test_sigterm_under_load_drains_then_exits(tiny_model, tmp_path):
                 finished += 1
         srv.proc.wait(drain + 10)
         took = time.time() - t0
-        assert srv.proc.returncode == 0 and took < drain + 5, took
+        # streams get drain - reserve; the process is gone within the drain timeout (+ slack for a
+        # loaded test machine and this client reading the last events)
+        assert srv.proc.returncode == 0 and took < drain + 1.5, took
         assert finished >= 6 and finished + errored == 12
         print(f"SIGTERM: {finished} streams finished, {errored} ended with one error event; exit after {took:.1f} s")
     finally:
