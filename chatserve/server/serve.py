@@ -59,6 +59,9 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
     a("--max-model-len", type=int, default=s.max_model_len)
     a("--api-key", action="append", default=None, help="require this key (repeat for several)")
     a("--cors-origin", action="append", default=None, help="allow this browser origin (repeatable)")
+    a("--rate-limit-rpm", type=int, default=v.rate_limit_rpm, help="requests per minute per key; 0 = off")
+    a("--rate-limit-tpm", type=int, default=v.rate_limit_tpm,
+      help="tokens (prompt + max_tokens × n) per minute per key; 0 = off")
     a("--shared-system-prompt", action="append", default=None, metavar="TEXT",
       help="a system prompt whose prefix cache is shared across owners (repeatable)")
     a("--redis-url", default=v.redis_url, help="persist chat sessions in Redis (default: in-process)")
@@ -89,7 +92,8 @@ def config_from_args(args: argparse.Namespace, env: EngineConfig) -> EngineConfi
                                               else env.server.shared_system_prompts),
                        redis_url=args.redis_url, drain_timeout=args.drain_timeout,
                        stream_timeout=args.stream_timeout, max_body_bytes=args.max_body_bytes,
-                       stats_interval=args.stats_interval),
+                       stats_interval=args.stats_interval, rate_limit_rpm=args.rate_limit_rpm,
+                       rate_limit_tpm=args.rate_limit_tpm),
     )
 
 
