@@ -149,10 +149,10 @@ class KVCacheManager:
             h3, seed, extra = xxhash.xxh3_128_digest, self.hasher.seed, seq.extra
             buf = self.hasher.pack(token_ids[:max_blocks * bs])   # same bytes as hash_block()
             stride = 4 * bs
-            shared_end = seq.shared_blocks * stride
+            shared_end, shared_extra = seq.shared_blocks * stride, seq.shared_extra
             h = ROOT_HASH
             for off in range(0, len(buf), stride):
-                h = h3(h + (seq.shared_extra if off < shared_end else extra) + buf[off:off + stride], seed)
+                h = h3(h + (extra if off >= shared_end else shared_extra) + buf[off:off + stride], seed)
                 b = lookup(h)
                 if b is None:
                     break
@@ -271,12 +271,14 @@ class KVCacheManager:
         k = len(hashes)
         if full <= k:
             return
-        pool, table, extra_of = self.pool, seq.table, seq.extra_of
+        pool, table, extra = self.pool, seq.table, seq.extra
+        shared_blocks, shared_extra = seq.shared_blocks, seq.shared_extra
         hash_block = self.hasher.hash_block
         block_hash, hash_to_block = pool.block_hash, pool.hash_to_block
         parent = hashes[-1] if k else ROOT_HASH
         for j in range(k, full):
-            parent = hash_block(parent, token_ids[j * bs:(j + 1) * bs], extra_of(j))
+            parent = hash_block(parent, token_ids[j * bs:(j + 1) * bs],
+                                extra if j >= shared_blocks else shared_extra)
             hashes.append(parent)
             b = table[j]
             if block_hash[b] is None and parent not in hash_to_block:
