@@ -65,10 +65,6 @@ class _Seq:
         self.shared_extra = shared_extra    # digest of (no salt, model_key): the shared-prefix blocks
         self.shared_blocks = shared_blocks  # leading full blocks hashed with shared_extra
 
-    def extra_of(self, j: int) -> bytes:
-        """The extra key block j is hashed with: unsalted inside the shared prefix, salted after."""
-        return self.shared_extra if j < self.shared_blocks else self.extra
-
 
 class KVCacheManager:
     """Block tables for every live sequence, backed by one BlockPool. Not thread-safe: the

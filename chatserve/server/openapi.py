@@ -115,6 +115,12 @@ def openapi_schema(model_name: str = "chatserve", vocab_size: int | None = None)
                 "responses": {"200": {"description": "text", "content": {"application/json": {
                     "schema": {"type": "object", "properties": {"prompt": {"type": "string"}}}}}},
                     **_errors(400, 401, 413, 415)}}},
+            "/reset_prefix_cache": {"post": {"operationId": "resetPrefixCache", "responses": {
+                "200": {"description": "reset is false while running requests still hold cached blocks",
+                        "content": {"application/json": {"schema": {
+                            "type": "object", "required": ["reset"],
+                            "properties": {"reset": {"type": "boolean"}}}}}},
+                **_errors(401)}}},
             "/metrics": {"get": {"operationId": "metrics", "responses": {
                 "200": {"description": "Prometheus text format",
                         "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
