@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import metric, start_real_server
+from conftest import metric, real_model_available, start_real_server
 from websockets.sync.client import connect
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -164,7 +164,6 @@ def test_metrics_after_traffic(live_server):
 @pytest.mark.slow
 def test_preemption_under_a_tiny_cache_then_sigterm_drain(tmp_path):
     """Issue 4's acceptance: 48 blocks, 8 × (250-token prompt + 96 tokens) all finish via preemption."""
-    from conftest import real_model_available
     if not real_model_available():
         pytest.skip("default model not available")
     srv = start_real_server(str(tmp_path), "--kv-blocks", "48", "--max-num-seqs", "16",
