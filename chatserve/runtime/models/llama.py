@@ -109,7 +109,7 @@ class LlamaModel:
     # ---------------------------------------------------------------------------------------
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # x: [T, H] → [T, H]; statistics in float32, weight applied in the model dtype (as transformers).
-        # Spelled out: F.rms_norm on CPU dispatches ~10 small ops and costs 2-3x more for one token.
+        # Spelled out: F.rms_norm on CPU dispatches ~10 small ops (≈ 43 µs vs ≈ 30 µs per decode row).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return w * xf.to(x.dtype)
