@@ -48,9 +48,10 @@ class ModelRunner:
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int = 2 << 30,
                  max_model_len: int | None = None, num_threads: int | None = None,
                  progress: bool = True, weights: LoadedWeights | None = None,
-                 weight_quant: str | None = None) -> None:
+                 weight_quant: str | None = None, kv_cache_dtype: str = "auto") -> None:
         """weights: already-loaded weights of model_path (tests and benchmarks reuse one read).
-        weight_quant: None, or "int8" for weight-only int8 decode matmuls (see models.llama.Linear)."""
+        weight_quant: None, or "int8" for weight-only int8 decode matmuls (see models.llama.Linear).
+        kv_cache_dtype: "auto" (= dtype), or a quantized cache: "int8", "fp8", "fp8_per_tensor"."""
         t0 = time.perf_counter()
         self.device = resolve_device(device)
         if self.device.type == "cpu":
@@ -66,11 +67,12 @@ class ModelRunner:
                                 weight_quant=weight_quant)
         del weights
         self.block_size = int(block_size)
+        self.kv_cache_dtype = kv_cache_dtype
         self.num_blocks = int(num_blocks) if num_blocks is not None else num_blocks_for_budget(
-            self.config, self.block_size, self.dtype, kv_cache_memory)
+            self.config, self.block_size, self.dtype, kv_cache_memory, kv_cache_dtype)
         self.kv_caches = allocate_kv_caches(self.config, self.block_size, self.dtype, self.device,
-                                            num_blocks=self.num_blocks)
-        self.bytes_per_block = bytes_per_block(self.config, self.block_size, self.dtype)
+                                            num_blocks=self.num_blocks, kv_cache_dtype=kv_cache_dtype)
+        self.bytes_per_block = bytes_per_block(self.config, self.block_size, self.dtype, kv_cache_dtype)
         self.sampler = _make_sampler()
         self.load_seconds = time.perf_counter() - t0
 
@@ -105,8 +107,11 @@ class ModelRunner:
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1, 2)  # [M, 2]
-        chatserve_kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
-                                      mapping)
+        caches = self.kv_caches
+        kw = {}
+        if len(caches[0]) == 4:
+            kw = {"k_scales": [c[2] for c in caches], "v_scales": [c[3] for c in caches]}
+        chatserve_kernels.copy_blocks([c[0] for c in caches], [c[1] for c in caches], mapping, **kw)
 
     def _check(self, s: ScheduledSeq) -> str | None:
         n = len(s.token_ids)

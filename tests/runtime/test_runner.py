@@ -9,6 +9,7 @@ from chatserve.core.outputs import CopyOp, ScheduledSeq, SchedulerOutput
 from chatserve.core.request import SamplingParams
 from chatserve.runtime.kv_cache import bytes_per_block
 from chatserve.runtime.model_runner import ModelRunner
+from chatserve_kernels import AttentionMetadata
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -142,3 +143,31 @@ def test_llm_generate_n_and_eos(llm):
     finally:
         llm._eos = frozenset()
     assert stopped == greedy[:greedy.index(greedy[2]) + 1]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_tracks_full_precision(tiny_dirs, runner, contiguous_forward, kv_dtype):
+    q = ModelRunner(tiny_dirs["llama"], num_blocks=8, block_size=4, progress=False, num_threads=1,
+                    kv_cache_dtype=kv_dtype)
+    k, v, ks, vs = q.kv_caches[0]
+    assert ks.shape == (8, 4, 2) and k.element_size() == 1
+    # 2 layers x 4 tokens x (K and V: 2 heads x 16 one-byte codes + 2 fp32 scales)
+    assert q.bytes_per_block == 2 * 4 * 2 * (2 * 16 + 2 * 4) == 640
+    assert runner.bytes_per_block == 2 * 4 * 2 * (2 * 16 * 4) == 2048
+    prompt = [11, 22, 33, 44, 55, 66, 77, 88, 99]
+    q.execute(SchedulerOutput(1, [seq("a", prompt[:-1], 0, [5, 1, 7], sample=False)]))
+    # CoW of the two full blocks (codes and scales), then decode the last token from the copies
+    q.execute(SchedulerOutput(2, [], copy_ops=[CopyOp(5, 2), CopyOp(1, 3)]))
+    assert torch.equal(q.kv_caches[1][2][2], q.kv_caches[1][2][5])
+    logits = {}
+    for table in ([5, 1, 7], [2, 3, 6]):
+        q.execute(SchedulerOutput(3, [seq("a", prompt[-1:], 8, table, sample=False)]))
+        meta_ids = torch.tensor(prompt[-1:])
+        meta = AttentionMetadata.build([1], [9], [table], 4)
+        with torch.inference_mode():
+            h = q.model.forward(meta_ids, torch.tensor([8]), q.kv_caches, meta)
+            logits[tuple(table)] = q.model.compute_logits(h)[0]
+    a, b = logits.values()
+    assert torch.equal(a, b)
+    ref = contiguous_forward(runner.model, prompt)[-1]
+    assert torch.nn.functional.cosine_similarity(a, ref, dim=0) > 0.99

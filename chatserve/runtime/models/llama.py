@@ -14,7 +14,7 @@ import chatserve_kernels
 from chatserve_kernels import AttentionMetadata
 from chatserve.runtime.weights import ArchConfig, rope_inv_freq
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
 WEIGHT_QUANTS = (None, "int8")
 
 
@@ -114,15 +114,18 @@ class LlamaModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return w * xf.to(x.dtype)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         """The one attention call site: write this step's K/V into the cache, attend over it."""
-        # q: [T, hq, d]; k, v: [T, hkv, d]; caches: [num_blocks, block_size, hkv, d] → [T, hq, d]
-        chatserve_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # q: [T, hq, d]; k, v: [T, hkv, d]; cache: (k, v[, k_scale, v_scale]) with k, v of
+        # [num_blocks, block_size, hkv, d] → [T, hq, d]
+        kw = {}
+        if len(cache) == 4:
+            kw = {"k_scale": cache[2], "v_scale": cache[3]}
+        chatserve_kernels.store_kv(k, v, cache[0], cache[1], meta.slot_mapping, **kw)
         if self.config.sliding_window:
-            return chatserve_kernels.paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                                     sliding_window=self.config.sliding_window)
-        return chatserve_kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            kw["sliding_window"] = self.config.sliding_window
+        return chatserve_kernels.paged_attention(q, cache[0], cache[1], meta, self.scale, **kw)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -134,13 +137,12 @@ class LlamaModel:
         cos = self.rope_cos[positions].unsqueeze(1)                      # [T, 1, d]
         sin = self.rope_sin[positions].unsqueeze(1)
         h = F.embedding(input_ids, self.embed)                           # [T, H]
-        for lw, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for lw, cache in zip(self.layers, kv_caches):
             x = self._rms_norm(h, lw.input_norm)
             qkv = lw.qkv(x).view(T, n_rope + hkv, d)                     # [T, hq+2hkv, d]
             qk = qkv[:, :n_rope]                                         # [T, hq+hkv, d]
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
-            attn = self._attention(qk[:, :hq], qk[:, hq:], qkv[:, n_rope:], k_cache, v_cache,
-                                   meta)                                 # [T, hq, d]
+            attn = self._attention(qk[:, :hq], qk[:, hq:], qkv[:, n_rope:], cache, meta)  # [T, hq, d]
             h = h + lw.o(attn.reshape(T, hq * d))
             x = self._rms_norm(h, lw.post_norm)
             gu = lw.gate_up(x)                                           # [T, 2I]
