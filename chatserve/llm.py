@@ -24,7 +24,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  num_threads: int | None = None, eos_token_ids: list[int] | None = None,
                  progress: bool = False, weight_quant: str | None = None,
-                 runner: ModelRunner | None = None) -> None:
+                 kv_cache_dtype: str = "auto", runner: ModelRunner | None = None) -> None:
         """runner: an already-built ModelRunner (then model/dtype/cache arguments are its own)."""
         path = model or default_model_path()
         if path is None and runner is None:
@@ -32,7 +32,7 @@ class LLM:
         self.runner = runner or ModelRunner(
             path, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, num_threads=num_threads,
-            progress=progress, weight_quant=weight_quant)
+            progress=progress, weight_quant=weight_quant, kv_cache_dtype=kv_cache_dtype)
         self.model_path = self.runner.model_path
         self.kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
                                  enable_prefix_caching=enable_prefix_caching,
