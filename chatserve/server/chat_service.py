@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -305,7 +305,10 @@ class ChunkStreamResponse(Response):
 
             resp = EventSourceResponse(events(), ping=self.ping, send_timeout=self.send_timeout,
                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            await resp(scope, receive, send)
+            try:
+                await resp(scope, receive, send)
+            except SendTimeoutError:       # the client stopped reading: end the stream, not an error
+                log.warning("stream ended: the client did not read for %s s", self.send_timeout)
         finally:
             await chunks.aclose()          # aborts the request in the engine if it is still running
 

@@ -28,6 +28,10 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
 # 5 ms. Under load a loop iteration does dozens of sends, so 503s, pings and first chunks queue behind
 # the model. 1 ms keeps the loop responsive at a small throughput cost (see docs/reliability.md).
 GIL_SWITCH_INTERVAL_S = 0.001
+# Linux autotunes a connection's send buffer up to net.ipv4.tcp_wmem's max (4 MiB), so a client that
+# stops reading would absorb ~4,000 streamed tokens before a send ever blocks and --stream-timeout
+# could start counting. Accepted sockets inherit SO_SNDBUF from the listener (the kernel doubles it).
+SOCKET_SEND_BUFFER = 128 << 10
 
 
 def parse_bytes(text: str) -> int:
@@ -69,6 +73,9 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
     a("--stream-timeout", type=float, default=v.stream_timeout)
     a("--max-body-bytes", type=parse_bytes, default=v.max_body_bytes)
     a("--stats-interval", type=float, default=v.stats_interval, help="seconds between stats lines; 0 = off")
+    a("--socket-send-buffer", type=parse_bytes, default=SOCKET_SEND_BUFFER, metavar="BYTES",
+      help="SO_SNDBUF of client connections (0 = kernel autotuning): bounds what a stalled reader "
+           "absorbs before --stream-timeout applies")
     a("--gil-switch-interval", type=float, default=GIL_SWITCH_INTERVAL_S, metavar="SECONDS",
       help="sys.setswitchinterval: how long the model thread may hold the GIL before the event loop "
            "gets it back (lower = snappier 503s, pings and streams under load)")
@@ -219,6 +226,15 @@ def make_server(app, cfg: EngineConfig, engine):
     return DrainingServer(config)
 
 
+def listener(config, send_buffer: int):
+    """The listening socket, bound by uvicorn's own code, with SO_SNDBUF set for every connection."""
+    import socket
+    sock = config.bind_socket()
+    if send_buffer > 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    return sock
+
+
 def env_config(environ: dict[str, str] | None = None) -> EngineConfig:
     """EngineConfig.from_env, plus CHATSERVE_API_KEY (one key, or several comma-separated)."""
     import os
@@ -264,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(state)
     print(banner(cfg, engine, name, time.perf_counter() - t0), flush=True)
     server = make_server(app, cfg, engine)
-    server.run()
+    server.run(sockets=[listener(server.config, args.socket_send_buffer)])
     print("[chatserve] stopped", flush=True)
     if server.draining:
         # a signal ended a clean shutdown (engine drained, shutdown hooks run): skip the second or so

@@ -90,12 +90,21 @@ def test_kv_exhaustion_preempts_without_crash_and_greedy_output_is_unchanged(tin
     assert tight == roomy
 
 
+def _finished(url: str, reason: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    tag = f'finished_reason="{reason}"'
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("chatserve:request_success_total{") and tag in ln)
+
+
 def test_slow_reader_is_ended_after_stream_timeout_while_others_are_served(tiny_model, tmp_path):
-    srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "256",
-                            "--max-model-len", "1024", "--stream-timeout", "2", startup_timeout=120)
+    # 4,000 tokens take the tiny model ~10 s here: far longer than the 2 s stream timeout, so the
+    # stream must be ended by the server, not by running out of tokens into the socket buffers
+    srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "300",
+                            "--max-model-len", "4096", "--stream-timeout", "2", startup_timeout=120)
     try:
         host, port = srv.url.removeprefix("http://").split(":")
-        body = json.dumps({"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+        body = json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True,
                            "logprobs": 20, "temperature": 0}).encode()
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # a small window fills fast
@@ -117,7 +126,10 @@ def test_slow_reader_is_ended_after_stream_timeout_while_others_are_served(tiny_
             while kv_used(srv.url) and time.time() < deadline:
                 time.sleep(0.2)
             ended_after = time.time() - t0
+            assert ended_after < 10, f"the stalled stream took {ended_after:.1f} s to end"
             assert kv_used(srv.url) == 0, "the stalled stream was not ended"
+            # ended by the server (an abort), not finished by reaching max_tokens into the buffers
+            assert _finished(srv.url, "abort") == 1 and _finished(srv.url, "length") == 3
             text = httpx.get(srv.url + "/metrics").text
             assert metric(text, "chatserve:num_requests_running") == 0
         finally:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _timed_post(host: str, port: int, body: bytes) -> tuple[int, float, bytes]:
     """(status, ms to the status line, the response head) for one POST on a fresh connection."""
-    s = socket.create_connection((host, port))
+    s = socket.create_connection((host, port), timeout=30)
     try:
         req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -49,7 +49,8 @@ def test_503_with_retry_after_in_under_50_ms_while_busy(tiny_model, tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.05)
 
-    threads = [threading.Thread(target=long_stream, args=(i,), daemon=True) for i in range(12)]
+    # 16 clients for 8 seats + 4 queue places: the spare 4 keep the queue refilled at once
+    threads = [threading.Thread(target=long_stream, args=(i,), daemon=True) for i in range(16)]
     for t in threads:
         t.start()
     try:
