@@ -33,23 +33,3 @@ def browser() -> Iterator[Any]:
             yield b
         finally:
             b.close()
-
-
-@pytest.fixture
-def redis_server():
-    from session_fakes import RedisServer, redis_binary
-    binary = redis_binary()
-    if binary is None:
-        pytest.skip("redis-server not found: apt-get install -y redis-server (or set PATH)")
-    srv = RedisServer(binary)
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:                       # `-m "not redis"` deselects everything needing redis-server
-        if "redis_server" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.redis)

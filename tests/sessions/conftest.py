@@ -1,30 +1,7 @@
-"""Fixtures for session tests: a real redis-server (skipped with a hint when it is not installed)."""
+"""Session tests: the redis_server fixture lives in tests/conftest.py; session_fakes sits beside this file."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent))
-
-from session_fakes import RedisServer, redis_binary  # noqa: E402
-
-
-@pytest.fixture
-def redis_server():
-    binary = redis_binary()
-    if binary is None:
-        pytest.skip("redis-server not found: apt-get install -y redis-server (or set PATH)")
-    srv = RedisServer(binary)
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:                       # `-m "not redis"` deselects everything needing redis-server
-        if "redis_server" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.redis)
