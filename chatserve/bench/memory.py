@@ -13,6 +13,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
+from chatserve.bench.report import goal_table, goals_met
 from chatserve.core.kv_cache_manager import KVCacheManager
 
 GOALS: dict[str, tuple[str, float]] = {       # key → (comparison, bound)
@@ -302,7 +303,7 @@ def run(num_requests: int = 1000, *, prompt_range: tuple[int, int] = (16, 2048),
     res.update(parallel_sampling(samples, sample_prompt, sample_output, 16, seed))
     res.update(fork_tree(tree_width, tree_rounds, tree_prompt, tree_tokens_per_round, 16, seed))
     res.update(speed(speed_seqs, speed_len, 16, seed=seed))
-    res["goals_met"] = {k: (res[k] < b if op == "<" else res[k] >= b) for k, (op, b) in GOALS.items()}
+    res["goals_met"] = goals_met(res, GOALS)
     res["config"] = {"num_requests": num_requests, "prompt_range": list(prompt_range),
                      "output_range": list(output_range), "budget_slots": budget_slots,
                      "contiguous_slots": contiguous_slots, "samples": samples,
@@ -332,14 +333,7 @@ def _table(res: dict) -> str:
         ("free_us", "µs per free (whole seq)", "{:.1f}"),
         ("match_us", "µs per 2k-token prefix match", "{:.1f}"),
     ]
-    lines = [f"{'metric':<42} {'value':>10}  goal"]
-    for key, label, fmt in rows:
-        goal = ""
-        if key in GOALS:
-            op, b = GOALS[key]
-            goal = f"{op} {b:g}  " + ("ok" if res["goals_met"][key] else "MISSED")
-        lines.append(f"{label:<42} {fmt.format(res[key]):>10}  {goal}")
-    return "\n".join(lines)
+    return goal_table(res, rows, GOALS, label_width=42)
 
 
 def main(argv: list[str] | None = None) -> int:

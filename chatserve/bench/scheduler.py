@@ -15,6 +15,7 @@ import time
 from datetime import datetime, timezone
 
 from chatserve.config import SchedulerConfig
+from chatserve.bench.report import goal_table, goals_met
 from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.request import Request, SamplingParams
@@ -113,7 +114,7 @@ def run(seqs: int = 256, steps: int = 300, *, block_size: int = 16, prompt_len: 
 
     res.update(_summary("mixed", _timed_steps(sched, steps, arrive)))
     res["num_preemptions"] = sched.num_preemptions
-    res["goals_met"] = {k: (res[k] < b if op == "<" else res[k] >= b) for k, (op, b) in GOALS.items()}
+    res["goals_met"] = goals_met(res, GOALS)
     res["config"] = {"seqs": seqs, "steps": steps, "block_size": block_size, "prompt_len": prompt_len,
                      "max_num_batched_tokens": budget, "seed": seed,
                      "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
@@ -135,14 +136,7 @@ def _table(res: dict) -> str:
         ("mixed_step_cpu_ms", "  CPU time, mean (ms)", "{:.3f}"),
         ("mixed_seqs_per_step", "  sequences per step", "{:.1f}"),
     ]
-    lines = [f"{'metric':<50} {'value':>9}  goal"]
-    for key, label, fmt in rows:
-        goal = ""
-        if key in GOALS:
-            op, b = GOALS[key]
-            goal = f"{op} {b:g}  " + ("ok" if res["goals_met"][key] else "MISSED")
-        lines.append(f"{label:<50} {fmt.format(res[key]):>9}  {goal}")
-    return "\n".join(lines)
+    return goal_table(res, rows, GOALS, label_width=50)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,24 @@
+"""Shared reporting for the in-process benchmarks: goal checks and the metric/value/goal table.
+
+Only formatting; each benchmark module owns its measurements and its GOALS.
+"""
+from __future__ import annotations
+
+Goals = dict[str, tuple[str, float]]          # key → (comparison "<" or ">=", bound)
+Row = tuple[str, str, str]                    # (key, label, format)
+
+
+def goals_met(res: dict, goals: Goals) -> dict[str, bool]:
+    return {k: (res[k] < b if op == "<" else res[k] >= b) for k, (op, b) in goals.items()}
+
+
+def goal_table(res: dict, rows: list[Row], goals: Goals, label_width: int = 42) -> str:
+    """One line per row: label, formatted value, and the goal with ok/MISSED where there is one."""
+    lines = [f"{'metric':<{label_width}} {'value':>10}  goal"]
+    for key, label, fmt in rows:
+        goal = ""
+        if key in goals:
+            op, b = goals[key]
+            goal = f"{op} {b:g}  " + ("ok" if res["goals_met"][key] else "MISSED")
+        lines.append(f"{label:<{label_width}} {fmt.format(res[key]):>10}  {goal}")
+    return "\n".join(lines)
