@@ -1,5 +1,5 @@
 """Fixtures for the hardening tests: the tiny random model served by `chatserve serve` in a subprocess,
-and the server/session test helpers reused from tests/server and tests/sessions (loaded by path)."""
+and the server test helpers reused from tests/server (loaded by path; redis_server is in tests/conftest.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,7 +26,6 @@ def _load(name: str, path: Path):
 
 
 server_helpers = _load("server_conftest", TESTS / "server" / "conftest.py")
-session_fakes = _load("session_fakes", TESTS / "sessions" / "session_fakes.py")
 start_real_server = server_helpers.start_real_server
 start_fake_server = server_helpers.start_fake_server
 metric = server_helpers.metric

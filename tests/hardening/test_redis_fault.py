@@ -1,5 +1,5 @@
 """Redis stopped and restarted under load, on a real `chatserve serve` (tiny model) with a real
-redis-server (tests/sessions helpers): generation is unaffected and no chat turn is lost, as a second
+redis-server (the redis_server fixture of tests/conftest.py): generation is unaffected and no chat turn is lost, as a second
 server process reading the same Redis shows."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import session_fakes, start_real_server, wait_kv_zero
+from conftest import start_real_server, wait_kv_zero
 
 pytestmark = pytest.mark.timeout(180)
 KEY = "redis-fault-key"
@@ -30,12 +30,8 @@ def _reply_of(text: str) -> str:
     return out
 
 
-def test_redis_restart_under_load_loses_no_turn_and_generation_goes_on(tiny_model, tmp_path):
-    binary = session_fakes.redis_binary()
-    if binary is None:
-        pytest.skip("redis-server not found")
-    redis = session_fakes.RedisServer(binary)
-    redis.start()
+def test_redis_restart_under_load_loses_no_turn_and_generation_goes_on(tiny_model, tmp_path, redis_server):
+    redis = redis_server                         # tests/conftest.py: a throwaway redis-server
     args = ("--model", tiny_model, "--kv-blocks", "256", "--max-model-len", "1024", "--api-key", KEY,
             "--redis-url", redis.url)
     srv = start_real_server(str(tmp_path), *args, startup_timeout=120)
@@ -104,4 +100,3 @@ def test_redis_restart_under_load_loses_no_turn_and_generation_goes_on(tiny_mode
               f"{plain_ok} plain completions, 0 failed")
     finally:
         srv.stop(signal.SIGKILL)
-        redis.stop()
