@@ -1,6 +1,6 @@
 """Redis stopped and restarted under load, on a real `chatserve serve` (tiny model) with a real
-redis-server (the redis_server fixture of tests/conftest.py): generation is unaffected and no chat turn is lost, as a second
-server process reading the same Redis shows."""
+redis-server (the redis_server fixture of tests/conftest.py): generation is unaffected and no chat
+turn is lost, as a second server process reading the same Redis shows."""
 from __future__ import annotations
 
 import asyncio
