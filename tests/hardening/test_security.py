@@ -10,7 +10,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from conftest import start_fake_server, start_real_server
+from conftest import server_helpers, start_fake_server, start_real_server
 
 M = [{"role": "user", "content": "hi"}]
 
@@ -152,5 +152,37 @@ def test_prefix_cache_isolation_and_shared_system_prompt_on_the_real_engine(tiny
         assert cached("owner-a", long_prompt)[0] == 0
         print(f"isolation: {n}-token prompt, other owner 0 cached, same owner {hit_a2}; shared system "
               f"prompt {sys_tokens} tokens → other owner {hit_b} cached")
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_no_timing_advantage_across_owners_on_the_default_model(tmp_path):
+    """The timing side channel itself: with the default model a ~600-token prefill is slow enough to
+    see, so another owner's time to first token must look cold, while the same owner's looks warm."""
+    if not server_helpers.real_model_available():
+        pytest.skip("default model not available")
+    srv = start_real_server(str(tmp_path), "--kv-blocks", "256", "--max-model-len", "2048",
+                            "--api-key", "owner-a", "--api-key", "owner-b")
+    try:
+        def ttft(key: str, text: str) -> tuple[float, int]:
+            r = httpx.post(srv.url + "/v1/chat/completions", headers=_h(key), timeout=120, json={
+                "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0})
+            assert r.status_code == 200, r.text
+            u = r.json()["usage"]
+            return u["chatserve"]["ttft_s"], u["prompt_tokens_details"]["cached_tokens"]
+
+        ttft("owner-a", "warm up the model once")
+        text = "Please read this carefully. " + " ".join(f"item {i} is a plain sentence." for i in range(90))
+        a1, c1 = ttft("owner-a", text)
+        b1, cb = ttft("owner-b", text)
+        a2, c2 = ttft("owner-a", text)
+        print(f"TTFT: owner A cold {a1 * 1000:.0f} ms, owner B (same prompt) {b1 * 1000:.0f} ms, "
+              f"owner A again {a2 * 1000:.0f} ms ({c2} cached tokens)")
+        # A's cold request shares only the chat template's default system block with the warm-up
+        assert c1 <= 32 and cb == 0 and c2 > 500
+        assert b1 > 3 * a2, "another owner's request was as fast as a cache hit"
+        assert b1 > 0.5 * a1
     finally:
         srv.stop()
