@@ -103,7 +103,7 @@ def blocks_in_use(m: dict[str, float] | None) -> int | None:
 
 async def wait_idle(client: httpx.AsyncClient, timeout: float = 30.0,
                     settle: float = 0.5) -> dict[str, float] | None:
-    """Poll /metrics until no request is running or waiting (or timeout); return the last scrape."""
+    """Poll /metrics until nothing runs or waits, twice `settle` apart (or timeout); return the last scrape."""
     deadline = time.monotonic() + timeout
     last = None
     while True:
@@ -114,7 +114,13 @@ async def wait_idle(client: httpx.AsyncClient, timeout: float = 30.0,
         waiting = lookup(last, "num_requests_waiting") or 0
         if running == 0 and waiting == 0:
             await asyncio.sleep(settle)
-            return await scrape(client) or last
+            again = await scrape(client)
+            if again is None:
+                return last
+            # idle only if it still is after the settle (another client may have started work meanwhile)
+            if not (lookup(again, "num_requests_running") or 0) and not (lookup(again, "num_requests_waiting") or 0):
+                return again
+            last = again
         if time.monotonic() > deadline:
             return last
         await asyncio.sleep(0.2)
