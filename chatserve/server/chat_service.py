@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.requests import Request
@@ -211,7 +211,8 @@ def _raise_chunk_error(c: dict) -> None:
     raise APIError(status, e["message"], code=e.get("code"), type="server_error")
 
 
-async def collect_chat(chunks: AsyncIterator[dict], n: int) -> dict:
+async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str]):
+    """Fold streamed chunks into per-choice text, finish reason and logprobs, plus head and usage."""
     texts, reasons, lps = [""] * n, [None] * n, [None] * n
     head: dict[str, Any] = {}
     usage = None
@@ -223,12 +224,18 @@ async def collect_chat(chunks: AsyncIterator[dict], n: int) -> dict:
             usage = c["usage"]
         for ch in c["choices"]:
             i = ch["index"]
-            texts[i] += ch["delta"].get("content") or ""
+            texts[i] += piece(ch)
             if ch.get("finish_reason"):
                 reasons[i] = ch["finish_reason"]
             if ch.get("logprobs"):
-                lps[i] = lps[i] or {"content": []}
-                lps[i]["content"] += ch["logprobs"]["content"]
+                lps[i] = lps[i] or {}
+                for k, v in ch["logprobs"].items():     # chat: content; completions: tokens, token_logprobs, ...
+                    lps[i].setdefault(k, []).extend(v or [])
+    return head, texts, reasons, lps, usage
+
+
+async def collect_chat(chunks: AsyncIterator[dict], n: int) -> dict:
+    head, texts, reasons, lps, usage = await _fold(chunks, n, lambda ch: ch["delta"].get("content") or "")
     return {"id": head["id"], "object": "chat.completion", "created": head["created"],
             "model": head["model"], "system_fingerprint": None,
             "choices": [{"index": i, "message": {"role": "assistant", "content": texts[i]},
@@ -237,25 +244,7 @@ async def collect_chat(chunks: AsyncIterator[dict], n: int) -> dict:
 
 
 async def collect_completion(chunks: AsyncIterator[dict], n: int) -> dict:
-    texts, reasons, lps = [""] * n, [None] * n, [None] * n
-    head: dict[str, Any] = {}
-    usage = None
-    async for c in chunks:
-        if "error" in c:
-            _raise_chunk_error(c)
-        head = head or c
-        if c.get("usage"):
-            usage = c["usage"]
-        for ch in c["choices"]:
-            i = ch["index"]
-            texts[i] += ch["text"]
-            if ch.get("finish_reason"):
-                reasons[i] = ch["finish_reason"]
-            if ch.get("logprobs"):
-                if lps[i] is None:
-                    lps[i] = {k: [] for k in ch["logprobs"]}
-                for k, v in ch["logprobs"].items():
-                    lps[i][k] += v
+    head, texts, reasons, lps, usage = await _fold(chunks, n, lambda ch: ch["text"])
     return {"id": head.get("id"), "object": "text_completion", "created": head.get("created"),
             "model": head.get("model"), "system_fingerprint": None,
             "choices": [{"index": i, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i]}
