@@ -19,10 +19,11 @@ BENCH: dict[str, str] = {
     "kernels": "chatserve.bench.kernels:main",     # GPU paged-attention bandwidth
     "serve": "chatserve.bench.serve:main",         # OpenAI-API serving benchmark
     "load": "chatserve.bench.load:main",           # load + cancellation + stream validation
+    "sessions": "chatserve.bench.sessions:main",   # session-aware caching: turn N+1 hits under load
 }
 
 USAGE = """usage: chatserve {serve,chat,generate} [options]
-       chatserve bench {memory,scheduler,model,kernels,serve,load} [options]
+       chatserve bench {memory,scheduler,model,kernels,serve,load,sessions} [options]
 Run `chatserve COMMAND --help` for a command's options."""
 
 

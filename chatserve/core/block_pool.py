@@ -21,12 +21,18 @@ class BlockPool:
 
     The free queue is clean ‖ lru ‖ warm; allocation pops its head. A popped block that still holds
     a hash is evicted then (lazy eviction): its hash leaves the map only at reuse.
+
+    max_warm bounds the warm tier (None = unbounded): past it, the oldest warm block is demoted to
+    the lru tail (segmented LRU), so protected blocks can never crowd every other prefix out.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, max_warm: int | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if max_warm is not None and max_warm < 0:
+            raise ValueError(f"max_warm must be >= 0, got {max_warm}")
         self.num_blocks = num_blocks
+        self.max_warm = max_warm
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.hash_to_block: dict[BlockHash, int] = {}
@@ -34,6 +40,7 @@ class BlockPool:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._warm: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0
+        self.warm_demotions = 0
 
     # ── counts ────────────────────────────────────────────────────────────────────────────────
     @property
@@ -96,9 +103,10 @@ class BlockPool:
     def release(self, blocks: Iterable[int], keep_warm: bool = False) -> None:
         """Drop one reference on each block, in the given order. Blocks reaching ref 0 join the free
         queue: hashed ones at the tail of lru (or warm when keep_warm), unhashed ones at the head of
-        clean (reused first)."""
+        clean (reused first). A warm tier over max_warm demotes its oldest blocks to the lru tail."""
         refs, hashes = self.ref_counts, self.block_hash
         tier = self._warm if keep_warm else self._lru
+        cap = self.max_warm if keep_warm else None
         for b in blocks:
             r = refs[b] - 1
             if r < 0:
@@ -109,6 +117,9 @@ class BlockPool:
                     self._clean.appendleft(b)
                 else:
                     tier[b] = None
+                    if cap is not None and len(tier) > cap:
+                        self._lru[tier.popitem(last=False)[0]] = None
+                        self.warm_demotions += 1
 
     # ── hashes ────────────────────────────────────────────────────────────────────────────────
     def lookup(self, h: BlockHash) -> int | None:

@@ -71,18 +71,24 @@ class KVCacheManager:
     scheduler owns it and calls it from one thread."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True,
-                 watermark: float = 0.01, hash_seed: int | None = None, model_key: str = "") -> None:
+                 watermark: float = 0.01, hash_seed: int | None = None, model_key: str = "",
+                 max_warm_fraction: float | None = 0.5) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if max_warm_fraction is not None and not 0.0 <= max_warm_fraction <= 1.0:
+            raise ValueError(f"max_warm_fraction must be in [0, 1], got {max_warm_fraction}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
         self.watermark_blocks = math.ceil(watermark * num_blocks)
         self.model_key = model_key
-        self.pool = BlockPool(num_blocks)
+        # keep_warm blocks beyond this share of the cache are demoted to the normal LRU tier
+        self.max_warm_fraction = max_warm_fraction
+        self.pool = BlockPool(num_blocks, None if max_warm_fraction is None
+                              else int(max_warm_fraction * num_blocks))
         self.hasher = PrefixHasher(block_size, hash_seed)
         self._seqs: dict[str, _Seq] = {}
         self.prefix_queries = 0
