@@ -308,7 +308,8 @@ class KVCacheManager:
         Blocks reaching ref 0 are released in reverse table order: hashed ones join the LRU tail
         (a chain's tail is evicted before its head), unhashed ones the head of the free queue.
         keep_warm puts hashed blocks in the protected tier, evicted only when the normal tier is
-        empty (a live chat's next turn still hits under pressure)."""
+        empty (a live chat's next turn still hits under pressure). That tier holds at most
+        max_warm_fraction of the blocks; past it, its oldest blocks are demoted to the LRU tail."""
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.pool.release(reversed(seq.table), keep_warm)
