@@ -55,7 +55,8 @@ def _runner(out: SchedulerOutput) -> RunnerOutput:
     """Scripted model: a deterministic token per (request, position); the content is irrelevant to
     the cache, only that the next turn's prompt repeats exactly what was generated."""
     return RunnerOutput(step_id=out.step_id, sampled={
-        s.request_id: 3 + zlib.crc32(f"{s.request_id}:{s.seq_len}".encode()) % (VOCAB - 3) for s in out.seqs if s.sample})
+        s.request_id: 3 + zlib.crc32(f"{s.request_id}:{s.seq_len}".encode()) % (VOCAB - 3)
+        for s in out.seqs if s.sample})
 
 
 def simulate(w: Workload, num_blocks: int, keep_warm: bool, *,
