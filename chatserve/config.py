@@ -56,6 +56,7 @@ class ModelConfig:
     served_model_name: str | None = None
     device: str = "auto"                 # auto | cpu | cuda
     num_threads: int | None = None       # torch intra-op threads; None = cores available
+    weight_quant: str | None = None      # None | "int8" | "int4" (weight-only quantized decode matmuls)
 
     def resolved_model(self) -> str:
         path = self.model or default_model_path()
@@ -114,6 +115,8 @@ def _env_overrides(obj: object, env: dict[str, str]) -> dict:
 
 def _parse(raw: str, default: object, type_str: object):
     t = str(type_str)
+    if default is None and raw.strip().lower() in ("", "none", "null"):
+        return None
     if isinstance(default, bool):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if t.startswith("tuple"):

@@ -189,7 +189,7 @@ class AsyncEngine:
                 mc.resolved_model(), dtype=mc.dtype, device=mc.device, block_size=cc.block_size,
                 num_blocks=cc.num_blocks, kv_cache_memory=cc.kv_cache_memory,
                 max_model_len=self.config.scheduler.max_model_len, num_threads=mc.num_threads,
-                progress=progress)
+                progress=progress, weight_quant=mc.weight_quant, kv_cache_dtype=cc.kv_cache_dtype)
         if self.tokenizer is None:
             from chatserve.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_model(mc.resolved_model())

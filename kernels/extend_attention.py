@@ -173,22 +173,33 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 # --------------------------------------------------------------------------- torch twin
-def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_len: int, scale: float,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
-    # One sequence: q [ql, q_heads, D] for positions seq_len-ql .. seq_len-1 → [ql, q_heads, D]
-    ql, hq, d = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    nblk = (seq_len + bs - 1) // bs
+def extend_prep(block_table: torch.Tensor, seq_len: int, query_len: int, block_size: int,
+                sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step and sequence, shared by the layers: (table [nblk] int64, causal mask [ql, sl] bool)."""
+    nblk = (seq_len + block_size - 1) // block_size
     table = block_table[:nblk].long()
-    k = gather_dequant(k_cache, k_scale, table, q.dtype)[:seq_len].transpose(0, 1)   # [hkv, sl, d]
-    v = gather_dequant(v_cache, v_scale, table, q.dtype)[:seq_len].transpose(0, 1)
-    qpos = torch.arange(seq_len - ql, seq_len, device=q.device)[:, None]
-    kpos = torch.arange(seq_len, device=q.device)[None, :]
+    qpos = torch.arange(seq_len - query_len, seq_len, device=block_table.device)[:, None]
+    kpos = torch.arange(seq_len, device=block_table.device)[None, :]
     mask = kpos <= qpos                                                       # [ql, sl]
     if sliding_window:
         mask &= (qpos - kpos) < sliding_window
+    return table, mask
+
+
+def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_len: int, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None,
+                           prep: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    # One sequence: q [ql, q_heads, D] for positions seq_len-ql .. seq_len-1 → [ql, q_heads, D]
+    # prep: extend_prep(...) of this step (built here when None).
+    ql, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if prep is None:
+        prep = extend_prep(block_table, seq_len, ql, k_cache.shape[1], sliding_window)
+    table, mask = prep
+    k = gather_dequant(k_cache, k_scale, table, q.dtype)[:seq_len].transpose(0, 1)   # [hkv, sl, d]
+    v = gather_dequant(v_cache, v_scale, table, q.dtype)[:seq_len].transpose(0, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=hq != hkv)                # [hq, ql, d]
     return out.transpose(0, 1)

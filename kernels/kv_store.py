@@ -117,15 +117,16 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
 # --------------------------------------------------------------------------- torch twin
 def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None) -> None:
+                   v_scale: torch.Tensor | None = None, all_valid: bool = False) -> None:
     # key, value:       [T, kv_heads, head_dim]
     # k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]
     # slot_mapping:     [T] int64
     nb, bs, h, d = k_cache.shape
     mode = scale_mode(k_cache, k_scale)
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if not all_valid:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         if mode == SCALE_NONE:
             cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, x.to(cache.dtype))
@@ -140,8 +141,10 @@ def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 # --------------------------------------------------------------------------- public
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
+             v_scale: torch.Tensor | None = None, all_valid: bool = False) -> None:
     """Write key/value [T, kv_heads, head_dim] into the paged caches at slot_mapping [T] (-1 = skip).
+
+    all_valid: the caller knows no slot is -1, so the CPU path skips a per-call check (a sync).
 
     Quantized caches (int8, float8_e4m3fn) take their scale tensors (see quant.allocate_kv_cache).
     """
@@ -151,4 +154,4 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if use_triton(k_cache):
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, all_valid)

@@ -4,7 +4,7 @@ Built once per step by the model runner and shared by every layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
+    # derived tensors memoized by the CPU attention path (gather tables, masks): built by the first
+    # layer of a step, reused by the others
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from chatserve_kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from chatserve_kernels.decode_attention import decode_attention_torch, decode_attention_triton, decode_prep
 from chatserve_kernels.dispatch import use_triton
-from chatserve_kernels.extend_attention import extend_attention_torch, extend_attention_triton
+from chatserve_kernels.extend_attention import extend_attention_torch, extend_attention_triton, extend_prep
 from chatserve_kernels.metadata import AttentionMetadata
 
 
@@ -20,26 +20,46 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           sliding_window: int | None = None) -> torch.Tensor:
     # q: [T, q_heads, head_dim] → out: [T, q_heads, head_dim]
     # Decode rows run batched in one SDPA call; each prefill chunk is one SDPA call (no per-token loop).
+    # Index tables and masks are built once per step (meta.scratch) and shared by every layer.
+    bs = k_cache.shape[1]
+    key = ("torch", bs, sliding_window)
+    prep = meta.scratch.get(key)
+    if prep is None:
+        prep = meta.scratch[key] = _prepare(meta, bs, sliding_window)
+    dprep, rows, extends = prep
     if meta.is_decode_only:
         return decode_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.max_seq_len, scale, k_scale, v_scale, sliding_window)
+                                      meta.max_seq_len, scale, k_scale, v_scale, sliding_window,
+                                      prep=dprep)
     out = torch.empty_like(q)
+    if dprep is not None:     # the tables below are unused once prep is given
+        out[rows] = decode_attention_torch(q[rows], k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                           0, scale, k_scale, v_scale, sliding_window, prep=dprep)
+    for s, ql, sl, ext in extends:
+        out[s:s + ql] = extend_attention_torch(q[s:s + ql], k_cache, v_cache, None, sl, scale,
+                                               k_scale, v_scale, sliding_window, prep=ext)
+    return out
+
+
+def _prepare(meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> tuple:
+    """(decode prep or None, decode rows, [(start, ql, seq_len, extend prep)])."""
+    if meta.is_decode_only:
+        return (decode_prep(meta.block_tables, meta.seq_lens, meta.max_seq_len, block_size,
+                            sliding_window), None, [])
     starts = [0]                                       # host copy of query_start_loc (no device sync)
     for ql in meta.query_lens:
         starts.append(starts[-1] + ql)
+    dev = meta.block_tables.device
     decode = [b for b, ql in enumerate(meta.query_lens) if ql == 1]
+    dprep = rows = None
     if decode:
-        rows = torch.tensor([starts[b] for b in decode], device=q.device)
-        idx = torch.tensor(decode, device=q.device)
-        out[rows] = decode_attention_torch(
-            q[rows], k_cache, v_cache, meta.block_tables[idx], meta.seq_lens[idx],
-            max(meta.seq_lens_list[b] for b in decode), scale, k_scale, v_scale, sliding_window)
-    for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
-        if ql > 1:
-            s = starts[b]
-            out[s:s + ql] = extend_attention_torch(q[s:s + ql], k_cache, v_cache, meta.block_tables[b],
-                                                   sl, scale, k_scale, v_scale, sliding_window)
-    return out
+        rows = torch.tensor([starts[b] for b in decode], device=dev)
+        idx = torch.tensor(decode, device=dev)
+        dprep = decode_prep(meta.block_tables[idx], meta.seq_lens[idx],
+                            max(meta.seq_lens_list[b] for b in decode), block_size, sliding_window)
+    extends = [(starts[b], ql, sl, extend_prep(meta.block_tables[b], sl, ql, block_size, sliding_window))
+               for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list)) if ql > 1]
+    return dprep, rows, extends
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -50,6 +50,11 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
     a("--model", default=m.model, help="GGUF file or HF/safetensors directory (default: SmolLM2-135M-Instruct)")
     a("--dtype", default=m.dtype, choices=["float32", "bfloat16", "float16"])
     a("--device", default=m.device, help="auto | cpu | cuda")
+    a("--weight-quant", default=m.weight_quant, type=lambda x: None if x.lower() in ("none", "") else x,
+      choices=[None, "int8", "int4"],
+      help="none | int8 | int4: weight-only quantized decode matmuls (int4: CPU, int8 LM head)")
+    a("--kv-cache-dtype", default=c.kv_cache_dtype, choices=["auto", "int8", "fp8"],
+      help="auto (= --dtype) | int8 | fp8: quantized KV cache (about half of fp16's bytes)")
     a("--served-model-name", default=m.served_model_name)
     a("--host", default=v.host)
     a("--port", type=int, default=v.port)
@@ -86,8 +91,9 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, env: EngineConfig) -> EngineConfig:
     return EngineConfig(
         model=replace(env.model, model=args.model, dtype=args.dtype, device=args.device,
-                      served_model_name=args.served_model_name),
+                      served_model_name=args.served_model_name, weight_quant=args.weight_quant),
         cache=replace(env.cache, block_size=args.block_size, num_blocks=args.kv_blocks,
+                      kv_cache_dtype=args.kv_cache_dtype,
                       kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching),
         scheduler=replace(env.scheduler, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,

@@ -139,12 +139,43 @@ def test_int8_weight_only_linear_close_to_dense():
         Linear(w, None, "int3")
 
 
+def test_int4_weight_only_linear_close_to_dense():
+    from chatserve.runtime.models.llama import Linear
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    lin = Linear(w, b, "int4", small_m=4)
+    assert lin.kind == "int4" and lin.scales.shape == (2, 96, 2)      # [K/32 groups, N, (scale, zero)]
+    dense = torch.nn.functional.linear(x, w, b)
+    assert rel_err(lin(x), dense) < 0.15                              # 16 levels per group of 32
+    # a weight already on a 16-level grid per group (as GGUF Q4_1 is) comes back near-exactly
+    lo = torch.randn(96, 2, 1, generator=g)
+    grid = lo + 0.05 * torch.randint(0, 16, (96, 2, 32), generator=g)
+    grid[..., 0], grid[..., 1] = lo[..., 0], lo[..., 0] + 0.75      # codes 0 and 15 in every group
+    wg = grid.reshape(96, 64)
+    assert rel_err(Linear(wg, None, "int4", small_m=4)(x), x @ wg.t()) < 1e-2   # bf16 activations
+    assert torch.equal(lin(x.repeat(2, 1)), torch.nn.functional.linear(x.repeat(2, 1), w, b))  # dense
+    assert Linear(torch.randn(8, 48), None, "int4").kind == "int8"    # K % 32 != 0 falls back
+
+
+def test_int4_decode_model_tracks_fp32(default_weights, default_model, contiguous_forward, hf_tokenizer):
+    from chatserve.runtime.models.llama import LlamaModel
+    q = LlamaModel(default_weights.config, default_weights.tensors, torch.float32, "cpu",
+                   max_model_len=1024, weight_quant="int4")
+    assert q.lm_head.kind == "int8"                                   # the head stays int8
+    ids = chat_ids(hf_tokenizer, CHAT_PROMPTS[2])
+    step_q = contiguous_forward(q, ids[-1:])[-1]                      # one row: the int4 path
+    step_f = contiguous_forward(default_model, ids[-1:])[-1]
+    assert torch.nn.functional.cosine_similarity(step_q, step_f, dim=0) > 0.99
+    assert int(step_q.argmax()) == int(step_f.argmax())
+
+
 def test_int8_decode_model_tracks_fp32(default_weights, default_model, contiguous_forward, hf_tokenizer):
     from chatserve.runtime.models.llama import LlamaModel
     q = LlamaModel(default_weights.config, default_weights.tensors, torch.float32, "cpu",
                    max_model_len=1024, weight_quant="int8")
     ids = chat_ids(hf_tokenizer, CHAT_PROMPTS[2])
-    # the prompt's layers run dense (more than 16 rows), its logits (<= 256 rows) int8
+    # the prompt's layers run dense (more than 8 rows); one-row steps run int8
     a = contiguous_forward(q, ids)[-1]
     b = contiguous_forward(default_model, ids)[-1]
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999

@@ -15,34 +15,56 @@ from chatserve_kernels import AttentionMetadata
 from chatserve.runtime.weights import ArchConfig, rope_inv_freq
 
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
-WEIGHT_QUANTS = (None, "int8")
+WEIGHT_QUANTS = (None, "int8", "int4")
+INT4_GROUP = 32
 
 
 class Linear:
-    """y = x Wᵀ + b. With weight_quant="int8", steps of at most `small_m` tokens (decode) use a
-    weight-only int8 copy of W (per-output-channel scales, bf16 activations) through
-    torch._weight_int8pack_mm: a quarter of fp32's bytes per token, which is what bounds decode.
-    Larger steps (prefill) keep the dense weight, where fp32 GEMMs are compute-bound and faster."""
+    """y = x Wᵀ + b. With a weight_quant, steps of at most `small_m` tokens (decode) use a weight-only
+    quantized copy of W; larger steps (prefill) keep the dense weight, where GEMMs are compute-bound.
+      int8: per-output-channel scales, torch._weight_int8pack_mm (a quarter of fp32's bytes);
+      int4: groups of 32 along K with a scale and a zero (min/max, asymmetric; GGUF Q4_1 blocks map onto
+            it), torch._weight_int4pack_mm_for_cpu (CPU only; an eighth of fp32's bytes plus scales).
+    Activations go in as bf16 (with fp32 the kernels fall back to a path 3-6× slower). Both kernels cost about one GEMV per row: on this model's layer shapes int8
+    beats fp32 up to M ≈ 8 (M=1: 243 vs 495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595),
+    and on the 49k-row LM head up to M = 16 (17.7 vs 20.2 ms), hence the two defaults."""
 
-    __slots__ = ("w", "b", "wq", "scales", "small_m")
+    __slots__ = ("w", "b", "wq", "scales", "small_m", "kind", "act")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
-                 small_m: int = 16) -> None:
+                 small_m: int = 8) -> None:
         # w: [N, K]; b: [N]
-        self.w, self.b, self.small_m = w, b, small_m
+        if weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
+        self.w, self.b, self.small_m, self.kind = w, b, small_m, weight_quant
+        self.act = torch.bfloat16      # both kernels take fp32 too, but 3-6× slower (a generic path)
         self.wq = self.scales = None
+        N, K = w.shape
+        if weight_quant == "int4" and (K % INT4_GROUP or w.device.type != "cpu"):
+            self.kind = weight_quant = "int8"          # the int4 kernel needs K % 32 == 0 and a CPU
         if weight_quant == "int8":
             wf = w.float()
             scales = wf.abs().amax(1).clamp_min(1e-8) / 127.0                     # [N]
             self.wq = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-            self.scales = scales.to(torch.bfloat16)
-        elif weight_quant is not None:
-            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
+            self.scales = scales.to(self.act)
+        elif weight_quant == "int4":
+            g = w.float().reshape(N, K // INT4_GROUP, INT4_GROUP)                 # [N, G, 32]
+            lo, hi = g.amin(-1), g.amax(-1)                                       # [N, G]
+            sc = ((hi - lo) / 15.0).clamp_min(1e-8)
+            q = torch.round((g - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32)
+            self.wq = torch._convert_weight_to_int4pack_for_cpu(q.reshape(N, K), 1)
+            # dequant: (q - 8) * scale + zero, zero = lo + 8 * scale;  [G, N, 2]
+            self.scales = torch.stack([sc, lo + 8.0 * sc], -1).transpose(0, 1).contiguous().to(self.act)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] → [T, N]
         if self.wq is not None and x.shape[0] <= self.small_m:
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.wq, self.scales).to(x.dtype)
+            xa = x if x.dtype == self.act else x.to(self.act)
+            if self.kind == "int8":
+                y = torch._weight_int8pack_mm(xa, self.wq, self.scales)
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(xa, self.wq, INT4_GROUP, self.scales)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if self.b is None else y + self.b
         return F.linear(x, self.w, self.b)
 
@@ -79,7 +101,9 @@ class LlamaModel:
             lm_head = self.embed
         else:
             lm_head = t("lm_head.weight")                                # [V, H]
-        self.lm_head = Linear(lm_head, None, weight_quant, small_m=256)  # logits rows are few
+        # [V, H]: int8 wins to M = 16. The head stays int8 under int4: its error is what the logits show
+        head_quant = "int8" if weight_quant == "int4" else weight_quant
+        self.lm_head = Linear(lm_head, None, head_quant, small_m=16)
 
         def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
             return Linear(w, b, weight_quant)
@@ -122,7 +146,10 @@ class LlamaModel:
         kw = {}
         if len(cache) == 4:
             kw = {"k_scale": cache[2], "v_scale": cache[3]}
-        chatserve_kernels.store_kv(k, v, cache[0], cache[1], meta.slot_mapping, **kw)
+        valid = meta.scratch.get("slots_valid")          # checked once per step, not per layer
+        if valid is None:
+            valid = meta.scratch["slots_valid"] = bool((meta.slot_mapping >= 0).all())
+        chatserve_kernels.store_kv(k, v, cache[0], cache[1], meta.slot_mapping, all_valid=valid, **kw)
         if self.config.sliding_window:
             kw["sliding_window"] = self.config.sliding_window
         return chatserve_kernels.paged_attention(q, cache[0], cache[1], meta, self.scale, **kw)

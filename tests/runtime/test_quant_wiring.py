@@ -1,0 +1,44 @@
+"""weight_quant / kv_cache_dtype travel from flags and CHATSERVE_* variables to the ModelRunner."""
+from __future__ import annotations
+
+import pytest
+
+from chatserve.config import EngineConfig
+from chatserve.engine import AsyncEngine
+
+
+def test_env_sets_weight_quant_and_none_clears_it():
+    assert EngineConfig.from_env({}).model.weight_quant is None
+    assert EngineConfig.from_env({"CHATSERVE_WEIGHT_QUANT": "int4"}).model.weight_quant == "int4"
+    assert EngineConfig.from_env({"CHATSERVE_WEIGHT_QUANT": "none"}).model.weight_quant is None
+    assert EngineConfig.from_env({"CHATSERVE_KV_CACHE_DTYPE": "int8"}).cache.kv_cache_dtype == "int8"
+
+
+def test_serve_flags_reach_the_config():
+    from chatserve.server.serve import build_parser, config_from_args
+    env = EngineConfig.from_env({"CHATSERVE_WEIGHT_QUANT": "int8"})
+    p = build_parser(env)
+    cfg = config_from_args(p.parse_args(["--weight-quant", "int4", "--kv-cache-dtype", "fp8"]), env)
+    assert (cfg.model.weight_quant, cfg.cache.kv_cache_dtype) == ("int4", "fp8")
+    assert config_from_args(p.parse_args([]), env).model.weight_quant == "int8"    # env default
+    assert config_from_args(p.parse_args(["--weight-quant", "none"]), env).model.weight_quant is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--weight-quant", "int3"])
+
+
+def test_engine_load_passes_both_to_the_runner(monkeypatch):
+    import chatserve.runtime.model_runner as mr
+    seen = {}
+
+    class StubRunner:
+        def __init__(self, path, **kw):
+            seen.update(kw)
+            self.num_blocks, self.max_model_len = 8, 64
+    monkeypatch.setattr(mr, "ModelRunner", StubRunner)
+    from dataclasses import replace
+    base = EngineConfig()
+    cfg = replace(base, model=replace(base.model, model="/nonexistent.gguf", weight_quant="int4"),
+                  cache=replace(base.cache, kv_cache_dtype="int8"))
+    eng = AsyncEngine(cfg, tokenizer=object())
+    eng.load()
+    assert seen["weight_quant"] == "int4" and seen["kv_cache_dtype"] == "int8"
