@@ -258,18 +258,6 @@ def print_decode_table(res: dict) -> None:
 
 
 # ============================================================================ quantization quality
-def _quant_attention(scales: dict[int, tuple]):
-    """A LlamaModel._attention that hands each layer's KV scales to store_kv and paged_attention."""
-    from chatserve_kernels import paged_attention, store_kv
-
-    def attention(q, k, v, k_cache, v_cache, meta, scale):
-        ks, vs = scales.get(k_cache.data_ptr(), (None, None))
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=ks, v_scale=vs)
-        return paged_attention(q, k_cache, v_cache, meta, scale, k_scale=ks, v_scale=vs)
-
-    return attention
-
-
 def greedy_generate(model, prompts: list[list[int]], steps: int, kv_cache_dtype: str = "auto",
                     block_size: int = 16, teacher: list[list[int]] | None = None,
                     ) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -285,39 +273,31 @@ def greedy_generate(model, prompts: list[list[int]], steps: int, kv_cache_dtype:
     nbps = -(-(max(len(p) for p in prompts) + steps) // block_size)
     caches = [allocate_kv_cache(n * nbps, block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                 kv_cache_dtype, dev) for _ in range(cfg.num_layers)]
-    kv = [(c[0], c[1]) for c in caches]
-    scales = {c[0].data_ptr(): (c[2], c[3]) for c in caches}
+    # the model's one attention call site takes (k, v) or (k, v, k_scale, v_scale) per layer
+    kv = [c if c[2] is not None else (c[0], c[1]) for c in caches]
     tables = [list(range(i * nbps, (i + 1) * nbps)) for i in range(n)]
-    saved = model.__dict__.get("_attention")
-    model._attention = _quant_attention(scales)
-    try:
-        lens = [len(p) for p in prompts]
-        ids = torch.tensor([t for p in prompts for t in p], device=dev)
-        pos = torch.tensor([i for p in prompts for i in range(len(p))], device=dev)
-        meta = AttentionMetadata.build(lens, lens, tables, block_size, dev)
-        with torch.inference_mode():
-            hidden = model.forward(ids, pos, kv, meta)                         # [T, H]
-            last = torch.tensor([sum(lens[:i + 1]) - 1 for i in range(n)], device=dev)
-            logits = model.compute_logits(hidden[last])                        # [N, V]
-            chosen: list[list[int]] = [[] for _ in range(n)]
-            all_logits = []
-            for t in range(steps):
-                all_logits.append(logits.float().cpu())
-                nxt = logits.argmax(-1).tolist() if teacher is None else [teacher[i][t] for i in range(n)]
-                for i in range(n):
-                    chosen[i].append(int(nxt[i]))
-                if t == steps - 1:
-                    break
-                pos = torch.tensor(lens, device=dev)
-                lens = [x + 1 for x in lens]
-                meta = AttentionMetadata.build([1] * n, lens, tables, block_size, dev)
-                hidden = model.forward(torch.tensor(nxt, device=dev), pos, kv, meta)
-                logits = model.compute_logits(hidden)
-    finally:
-        if saved is None:
-            model.__dict__.pop("_attention", None)
-        else:
-            model._attention = saved
+    lens = [len(p) for p in prompts]
+    ids = torch.tensor([t for p in prompts for t in p], device=dev)
+    pos = torch.tensor([i for p in prompts for i in range(len(p))], device=dev)
+    meta = AttentionMetadata.build(lens, lens, tables, block_size, dev)
+    with torch.inference_mode():
+        hidden = model.forward(ids, pos, kv, meta)                         # [T, H]
+        last = torch.tensor([sum(lens[:i + 1]) - 1 for i in range(n)], device=dev)
+        logits = model.compute_logits(hidden[last])                        # [N, V]
+        chosen: list[list[int]] = [[] for _ in range(n)]
+        all_logits = []
+        for t in range(steps):
+            all_logits.append(logits.float().cpu())
+            nxt = logits.argmax(-1).tolist() if teacher is None else [teacher[i][t] for i in range(n)]
+            for i in range(n):
+                chosen[i].append(int(nxt[i]))
+            if t == steps - 1:
+                break
+            pos = torch.tensor(lens, device=dev)
+            lens = [x + 1 for x in lens]
+            meta = AttentionMetadata.build([1] * n, lens, tables, block_size, dev)
+            hidden = model.forward(torch.tensor(nxt, device=dev), pos, kv, meta)
+            logits = model.compute_logits(hidden)
     return chosen, all_logits
 
 
