@@ -56,7 +56,8 @@ class ModelConfig:
     served_model_name: str | None = None
     device: str = "auto"                 # auto | cpu | cuda
     num_threads: int | None = None       # torch intra-op threads; None = cores available
-    weight_quant: str | None = None      # None | "int8" | "int4" (weight-only quantized decode matmuls)
+    weight_quant: str | None = "auto"    # auto | None | "int8" | "int4" (weight-only decode matmuls);
+                                         # auto = int4 for a 4-bit GGUF on CPU (the default model), else None
 
     def resolved_model(self) -> str:
         path = self.model or default_model_path()
@@ -115,7 +116,7 @@ def _env_overrides(obj: object, env: dict[str, str]) -> dict:
 
 def _parse(raw: str, default: object, type_str: object):
     t = str(type_str)
-    if default is None and raw.strip().lower() in ("", "none", "null"):
+    if "None" in t and raw.strip().lower() in ("", "none", "null"):
         return None
     if isinstance(default, bool):
         return raw.strip().lower() in ("1", "true", "yes", "on")

@@ -76,6 +76,8 @@ class LoadedWeights:
     config: ArchConfig
     tensors: dict[str, torch.Tensor]   # HF names: model.layers.0.self_attn.q_proj.weight, ...
     source: str                        # "gguf" | "safetensors"
+    four_bit: bool = False             # GGUF whose matrices are mostly 4-bit (Q4_0/Q4_1/Q4_K): int4
+                                       # weight-only decode reproduces them at no added error
 
 
 def load_weights(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
@@ -220,6 +222,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     permuted = _GGUF_ARCHS[cfg.arch]
     tensors: dict[str, torch.Tensor] = {}
     freq_factors = None
+    n4 = sum(1 for t in reader.tensors if t.tensor_type.name in ("Q4_0", "Q4_1", "Q4_K"))
+    n_matrices = sum(1 for t in reader.tensors if len(t.shape) == 2)
     bar = tqdm(reader.tensors, desc=f"loading {Path(path).name}", unit="tensor",
                disable=not progress, file=sys.stderr, leave=False)
     for t in bar:
@@ -241,7 +245,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     bar.close()
     if freq_factors is not None:
         cfg = replace(cfg, rope_freq_factors=freq_factors)
-    return LoadedWeights(cfg, tensors, "gguf")
+    return LoadedWeights(cfg, tensors, "gguf", four_bit=n4 * 2 > n_matrices)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,8 +51,9 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
     a("--dtype", default=m.dtype, choices=["float32", "bfloat16", "float16"])
     a("--device", default=m.device, help="auto | cpu | cuda")
     a("--weight-quant", default=m.weight_quant, type=lambda x: None if x.lower() in ("none", "") else x,
-      choices=[None, "int8", "int4"],
-      help="none | int8 | int4: weight-only quantized decode matmuls (int4: CPU, int8 LM head)")
+      choices=["auto", None, "int8", "int4"],
+      help="auto | none | int8 | int4: weight-only quantized decode matmuls (int4: CPU, int8 LM head); "
+           "auto = int4 for a 4-bit GGUF on CPU, else none")
     a("--kv-cache-dtype", default=c.kv_cache_dtype, choices=["auto", "int8", "fp8"],
       help="auto (= --dtype) | int8 | fp8: quantized KV cache (about half of fp16's bytes)")
     a("--served-model-name", default=m.served_model_name)

@@ -8,7 +8,7 @@ from chatserve.engine import AsyncEngine
 
 
 def test_env_sets_weight_quant_and_none_clears_it():
-    assert EngineConfig.from_env({}).model.weight_quant is None
+    assert EngineConfig.from_env({}).model.weight_quant == "auto"
     assert EngineConfig.from_env({"CHATSERVE_WEIGHT_QUANT": "int4"}).model.weight_quant == "int4"
     assert EngineConfig.from_env({"CHATSERVE_WEIGHT_QUANT": "none"}).model.weight_quant is None
     assert EngineConfig.from_env({"CHATSERVE_KV_CACHE_DTYPE": "int8"}).cache.kv_cache_dtype == "int8"
@@ -42,3 +42,20 @@ def test_engine_load_passes_both_to_the_runner(monkeypatch):
     eng = AsyncEngine(cfg, tokenizer=object())
     eng.load()
     assert seen["weight_quant"] == "int4" and seen["kv_cache_dtype"] == "int8"
+
+
+def test_auto_picks_int4_for_the_4bit_default_model_on_cpu(default_weights):
+    import torch
+    from chatserve.runtime.model_runner import auto_weight_quant
+    assert default_weights.four_bit                                   # SmolLM2 Q4_1 GGUF
+    assert auto_weight_quant(default_weights, torch.device("cpu")) == "int4"
+    assert auto_weight_quant(default_weights, torch.device("cuda")) is None
+
+
+def test_auto_keeps_dense_weights_for_a_float_checkpoint(tmp_path):
+    import torch
+    from chatserve.runtime.model_runner import ModelRunner
+    from chatserve.runtime.tiny import make_tiny_model
+    path = make_tiny_model(tmp_path / "tiny")
+    r = ModelRunner(str(path), num_blocks=8, progress=False, weight_quant="auto")
+    assert r.weight_quant is None
