@@ -251,11 +251,13 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if prep is None:
         prep = decode_prep(block_tables, seq_lens, max_seq_len, k_cache.shape[1], sliding_window)
     table, mask = prep
-    k = gather_dequant(k_cache, k_scale, table, q.dtype).transpose(1, 2)      # [B, hkv, nblk*bs, d]
-    v = gather_dequant(v_cache, v_scale, table, q.dtype).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,
+    # a 16-bit cache is attended in its own dtype (no upcast copy of the gathered K/V)
+    cd = k_cache.dtype if k_cache.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    k = gather_dequant(k_cache, k_scale, table, cd).transpose(1, 2)           # [B, hkv, nblk*bs, d]
+    v = gather_dequant(v_cache, v_scale, table, cd).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None, :].to(cd), k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=hq != hkv)   # [B, hq, 1, d]
-    return out[:, :, 0, :]
+    return out[:, :, 0, :].to(q.dtype)
 
 
 # --------------------------------------------------------------------------- public

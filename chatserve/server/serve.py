@@ -54,8 +54,8 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
       choices=["auto", None, "int8", "int4"],
       help="auto | none | int8 | int4: weight-only quantized decode matmuls (int4: CPU, int8 LM head); "
            "auto = int4 for a 4-bit GGUF on CPU, else none")
-    a("--kv-cache-dtype", default=c.kv_cache_dtype, choices=["auto", "int8", "fp8"],
-      help="auto (= --dtype) | int8 | fp8: quantized KV cache (about half of fp16's bytes)")
+    a("--kv-cache-dtype", default=c.kv_cache_dtype, choices=["auto", "bfloat16", "int8", "fp8"],
+      help="auto (= --dtype) | bfloat16 | int8 | fp8 (8-bit: about half of fp16's bytes)")
     a("--served-model-name", default=m.served_model_name)
     a("--host", default=v.host)
     a("--port", type=int, default=v.port)
