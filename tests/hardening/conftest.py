@@ -1,35 +1,17 @@
-"""Fixtures for the hardening tests: the tiny random model served by `chatserve serve` in a subprocess,
-and the server test helpers reused from tests/server (loaded by path; redis_server is in tests/conftest.py)."""
+"""Fixtures for the hardening tests: the tiny random model served by `chatserve serve` in a subprocess.
+Helpers to import live in hardening_support.py; redis_server is in tests/conftest.py."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hardening_support import start_real_server  # noqa: E402
 
-
-def _load(name: str, path: Path):
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod                  # dataclasses look their module up by name
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
-
-
-server_helpers = _load("server_conftest", TESTS / "server" / "conftest.py")
-start_real_server = server_helpers.start_real_server
-start_fake_server = server_helpers.start_fake_server
-metric = server_helpers.metric
-free_port = server_helpers.free_port
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 @pytest.fixture(scope="session")
@@ -49,25 +31,3 @@ def tiny_server(tiny_model, tmp_path_factory):
                             "--max-waiting-requests", "512", startup_timeout=120)
     yield srv
     srv.stop()
-
-
-def kv_used(url: str, headers: dict | None = None) -> float:
-    return metric(httpx.get(url + "/metrics", headers=headers, timeout=10).text,
-                  "chatserve:kv_cache_usage_perc")
-
-
-def wait_kv_zero(url: str, timeout: float = 20.0) -> float:
-    """Poll /metrics until KV usage is 0 (returns it, 0.0 on success; the last value on timeout)."""
-    deadline = time.time() + timeout
-    v = kv_used(url)
-    while v and time.time() < deadline:
-        time.sleep(0.1)
-        v = kv_used(url)
-    return v
-
-
-def sse_datas(lines) -> list[str]:
-    return [ln[6:] for ln in lines if ln.startswith("data: ")]
-
-
-os.environ.setdefault("PYTHONUNBUFFERED", "1")

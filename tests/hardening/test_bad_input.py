@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from websockets.sync.client import connect
 
-from conftest import start_fake_server
+from hardening_support import start_fake_server
 
 M = [{"role": "user", "content": "hi"}]
 ERROR_KEYS = {"message", "type", "param", "code"}

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import metric, start_real_server
+from hardening_support import metric, start_real_server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import start_real_server, wait_kv_zero
+from hardening_support import start_real_server, wait_kv_zero
 
 pytestmark = pytest.mark.timeout(180)
 KEY = "redis-fault-key"

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from conftest import server_helpers, start_fake_server, start_real_server
+from hardening_support import server_helpers, start_fake_server, start_real_server
 
 M = [{"role": "user", "content": "hi"}]
 

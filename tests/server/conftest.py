@@ -1,66 +1,15 @@
 """Server fixtures: a fake-engine server in a thread (fast), and the real default model served once
-per test session by `chatserve serve` in a subprocess (shared by every tests/server file)."""
+per test session by `chatserve serve` in a subprocess (shared by every tests/server file).
+Helpers to import live in server_support.py (a `from conftest import` would find another folder's)."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, replace
-from typing import Any
 
-import httpx
 import pytest
-import uvicorn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fakes import FakeTokenizer, VOCAB, fake_engine  # noqa: E402
-
-from chatserve.config import EngineConfig, ServerConfig, default_model_path  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ThreadServer:
-    url: str
-    state: Any
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def start_fake_server(*, delay: float = 0.002, max_waiting: int = 64, max_running: int = 8,
-                      **server_cfg) -> ThreadServer:
-    from chatserve.server.app import build_app
-    from chatserve.server.state import ServerState
-    cfg = EngineConfig(server=replace(ServerConfig(), **server_cfg))
-    eng = fake_engine(cfg, delay=delay, max_waiting=max_waiting, max_running=max_running)
-    state = ServerState(config=cfg, engine=eng, tokenizer=FakeTokenizer(), model_name="fake-model",
-                        vocab_size=VOCAB)
-    app = build_app(state)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           ws_max_size=cfg.server.max_body_bytes + 1024))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.01)
-    assert server.started, "fake server did not start"
-    return ThreadServer(f"http://127.0.0.1:{port}", state, server, th)
+from server_support import real_model_available, start_fake_server, start_real_server  # noqa: E402
 
 
 @pytest.fixture
@@ -77,62 +26,6 @@ def shared_fake_server():
     srv.stop()
 
 
-# ---- the real model -----------------------------------------------------------------------------
-@dataclass
-class ProcServer:
-    url: str
-    proc: subprocess.Popen
-    log_path: str
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
-
-
-def real_model_available() -> bool:
-    if default_model_path() is None:
-        return False
-    try:
-        import chatserve.core.scheduler  # noqa: F401
-        import chatserve.runtime.model_runner  # noqa: F401
-        import chatserve.tokenizer  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def start_real_server(tmp_dir: str, *args: str, startup_timeout: float = 240) -> ProcServer:
-    port = free_port()
-    log_path = os.path.join(tmp_dir, f"serve-{port}.log")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    logf = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "chatserve.cli", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--stats-interval", "0", *args],
-                            cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
-    srv = ProcServer(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.time() + startup_timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"chatserve serve exited {proc.returncode}:\n{srv.log()[-4000:]}")
-        try:
-            if httpx.get(srv.url + "/ready", timeout=1).status_code == 200:
-                return srv
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    srv.stop(signal.SIGKILL)
-    raise RuntimeError(f"chatserve serve not ready in {startup_timeout}s:\n{srv.log()[-4000:]}")
-
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory):
@@ -143,14 +36,3 @@ def live_server(tmp_path_factory):
                             "--max-model-len", "2048")
     yield srv
     srv.stop()
-
-
-def metric(text: str, name: str) -> float:
-    """Sum of a metric's samples in Prometheus text (labels ignored)."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    assert found, f"{name} not in /metrics"
-    return total

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import metric, real_model_available, start_real_server
+from server_support import metric, real_model_available, start_real_server
 from websockets.sync.client import connect
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

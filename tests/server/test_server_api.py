@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import metric, start_fake_server
+from server_support import metric, start_fake_server
 
 MSG = [{"role": "user", "content": "abc"}]
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 
-from conftest import VOCAB
+from server_support import VOCAB
 from fakes import FakeTokenizer, fake_engine
 
 from chatserve.config import EngineConfig

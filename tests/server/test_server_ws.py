@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from conftest import metric, start_fake_server
+from server_support import metric, start_fake_server
 from websockets.sync.client import connect
 
 MSG = [{"role": "user", "content": "abc"}]
