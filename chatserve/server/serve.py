@@ -17,6 +17,7 @@ from dataclasses import replace
 from types import FrameType
 
 from chatserve.config import EngineConfig
+from chatserve.server.sessions import redact_url
 
 log = logging.getLogger("chatserve.serve")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
@@ -131,13 +132,15 @@ def banner(cfg: EngineConfig, engine, name: str, load_s: float) -> str:
     host = cfg.server.host
     shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
     base = f"http://{shown}:{cfg.server.port}"
-    sessions = (f"Redis at {cfg.server.redis_url}" if cfg.server.redis_url
+    sessions = (f"Redis at {redact_url(cfg.server.redis_url)}" if cfg.server.redis_url
                 else "in-process memory (NOT persisted; set --redis-url)")
     lines = [
         "",
         f"  chatserve · {name}",
         f"  model      {cfg.model.resolved_model()}",
-        f"  dtype      {cfg.model.dtype} on {getattr(r, 'device', cfg.model.device)}   (loaded in {load_s:.1f} s)",
+        f"  dtype      {cfg.model.dtype} on {getattr(r, 'device', cfg.model.device)}, "
+        f"weights {getattr(r, 'weight_quant', None) or 'dense'}, KV {getattr(r, 'kv_cache_dtype', 'auto')}"
+        f"   (loaded in {load_s:.1f} s)",
         f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens"
         + (f" ({mem / (1 << 20):.0f} MiB)" if mem else "")
         + f", prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}",

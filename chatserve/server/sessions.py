@@ -468,7 +468,7 @@ class RedisSessionStore:
                 "cached_sessions": len(self._cache), "error": self._last_error}
 
     def describe(self) -> str:
-        return f"sessions: redis at {_redact(self.url)} (persisted, TTL {self.ttl_s // 86400} d)"
+        return f"sessions: redis at {redact_url(self.url)} (persisted, TTL {self.ttl_s // 86400} d)"
 
     async def ping(self) -> bool:
         try:
@@ -496,7 +496,8 @@ class RedisSessionStore:
             self._client = None
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
+    """The URL with any user:password part replaced, for banners and logs."""
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
