@@ -13,57 +13,18 @@ from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.request import FinishReason, Request, RequestStatus, SamplingParams
 from chatserve.core.scheduler import AdmissionError, Scheduler
 
+import scripted_model
+
 VOCAB = 64
 EOS = 0
 
 
 def next_token(ctx: tuple[int, ...], seed: int | None) -> int:
-    """The scripted model: the next token is a fixed function of the whole context (and seed)."""
-    return hash((ctx, -1 if seed is None else seed)) % VOCAB
-
-
-class PagedSimModel:
-    """Runs a SchedulerOutput the way a paged model would, on token ids instead of K/V.
-
-    Memory is slot → token ((block, offset) keys). Copy ops copy whole blocks, every scheduled token
-    is written at its slot, then each sampling sequence reads its context back through its block
-    table. A wrong block table, a missing copy-on-write or a bad prefix hit changes the output.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        self.bs = block_size
-        self.mem: dict[tuple[int, int], int] = {}
-
-    def step(self, out: SchedulerOutput, errors: dict[str, str] | None = None) -> RunnerOutput:
-        bs, mem = self.bs, self.mem
-        for op in out.copy_ops:
-            for o in range(bs):
-                if (op.src, o) in mem:
-                    mem[(op.dst, o)] = mem[(op.src, o)]
-                else:
-                    mem.pop((op.dst, o), None)
-        for s in out.seqs:
-            assert len(s.block_table) * bs >= s.seq_len, "block table too short"
-            for j, t in enumerate(s.token_ids):
-                p = s.start_pos + j
-                mem[(s.block_table[p // bs], p % bs)] = t
-        sampled = {}
-        for s in out.seqs:
-            if s.sample:
-                ctx = tuple(mem[(s.block_table[p // bs], p % bs)] for p in range(s.seq_len))
-                sampled[s.request_id] = next_token(ctx, s.seed)
-        return RunnerOutput(step_id=out.step_id, sampled=sampled, errors=dict(errors or {}))
+    return scripted_model.next_token(ctx, seed, VOCAB)
 
 
 def reference(prompt: list[int], params: SamplingParams, seed: int | None, max_len: int) -> list[int]:
-    out: list[int] = []
-    while True:
-        t = next_token(tuple(prompt + out), seed)
-        out.append(t)
-        if t in params.stop_token_ids or (not params.ignore_eos and t == EOS):
-            return out
-        if len(out) >= params.max_tokens or len(prompt) + len(out) >= max_len:
-            return out
+    return scripted_model.reference(prompt, params, seed, max_len, vocab=VOCAB, eos=EOS)
 
 
 def make(num_blocks: int = 64, block_size: int = 4, *, budget: int = 64, max_seqs: int = 8,
@@ -98,7 +59,7 @@ class Driver:
 
     def __init__(self, sched: Scheduler) -> None:
         self.s = sched
-        self.model = PagedSimModel(sched.kv.block_size)
+        self.model = scripted_model.PagedSimModel(sched.kv.block_size, VOCAB)
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.final: dict[str, object] = {}
         self.steps = 0
@@ -461,7 +422,7 @@ def test_abort_frees_blocks_at_once_and_is_reported_to_the_runner():
 
 def test_abort_between_schedule_and_update():
     s = make(block_size=4)
-    model = PagedSimModel(4)
+    model = scripted_model.PagedSimModel(4, VOCAB)
     s.add_request(req("a", range(1, 6)))
     s.add_request(req("b", range(1, 6)))
     out = s.schedule()

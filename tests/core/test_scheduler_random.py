@@ -10,9 +10,10 @@ from collections import defaultdict
 
 from chatserve.config import SchedulerConfig
 from chatserve.core.kv_cache_manager import KVCacheManager
-from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.request import FinishReason, Request, SamplingParams
 from chatserve.core.scheduler import AdmissionError, Scheduler
+
+import scripted_model
 
 VOCAB = 48
 EOS = 0
@@ -23,42 +24,11 @@ HASH_SEED = 1
 
 
 def next_token(ctx: tuple[int, ...], seed: int | None) -> int:
-    return hash((ctx, -1 if seed is None else seed)) % VOCAB
+    return scripted_model.next_token(ctx, seed, VOCAB)
 
 
 def reference(prompt: list[int], params: SamplingParams, seed: int | None) -> list[int]:
-    out: list[int] = []
-    while True:
-        t = next_token(tuple(prompt + out), seed)
-        out.append(t)
-        if t in params.stop_token_ids or (not params.ignore_eos and t == EOS):
-            return out
-        if len(out) >= params.max_tokens or len(prompt) + len(out) >= MAX_LEN:
-            return out
-
-
-class PagedSimModel:
-    """Token ids written to and read back from (block, offset) slots through the block tables."""
-
-    def __init__(self) -> None:
-        self.mem: dict[tuple[int, int], int] = {}
-
-    def step(self, out: SchedulerOutput, errors: dict[str, str]) -> RunnerOutput:
-        mem = self.mem
-        for op in out.copy_ops:
-            for o in range(BS):
-                if (op.src, o) in mem:
-                    mem[(op.dst, o)] = mem[(op.src, o)]
-        for s in out.seqs:
-            for j, t in enumerate(s.token_ids):
-                p = s.start_pos + j
-                mem[(s.block_table[p // BS], p % BS)] = t
-        sampled = {}
-        for s in out.seqs:
-            if s.sample and s.request_id not in errors:
-                ctx = tuple(mem[(s.block_table[p // BS], p % BS)] for p in range(s.seq_len))
-                sampled[s.request_id] = next_token(ctx, s.seed)
-        return RunnerOutput(step_id=out.step_id, sampled=sampled, errors=errors)
+    return scripted_model.reference(prompt, params, seed, MAX_LEN, vocab=VOCAB, eos=EOS)
 
 
 PREFIXES = [[], list(range(1, 9)), list(range(9, 21)), [5] * 6, list(range(30, 37))]
@@ -85,7 +55,7 @@ def test_ten_thousand_random_requests():
     sched = Scheduler(SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=40,
                                       max_waiting_requests=48, max_waiting_tokens=600),
                       kv, max_model_len=MAX_LEN)
-    model = PagedSimModel()
+    model = scripted_model.PagedSimModel(BS, VOCAB)
 
     total = 10_000
     submitted = 0
