@@ -151,27 +151,21 @@ def parallel_sampling(n: int, prompt_len: int, out_len: int, block_size: int,
     shared = used(m)
     cow = m.stats().cow_copies
     # prefix cache: n requests, each looks the prompt up (the last block is recomputed)
-    m = KVCacheManager(nb, block_size, watermark=0.0, hash_seed=seed)
-    seqs = {}
-    for k in range(n):
-        sid = f"s{k}"
-        m.add_seq(sid, prompt)
-        m.allocate_slots(sid, prompt_len)
-        m.commit(sid, prompt, prompt_len)
-        seqs[sid] = list(prompt)
-    _decode_all(m, seqs, out_len, rng)
-    cached = used(m)
+    def separate_requests(m: KVCacheManager) -> int:
+        """n independent requests of the prompt on m; slots used once all have decoded."""
+        seqs = {}
+        for k in range(n):
+            sid = f"s{k}"
+            m.add_seq(sid, prompt)
+            m.allocate_slots(sid, prompt_len)
+            m.commit(sid, prompt, prompt_len)
+            seqs[sid] = list(prompt)
+        _decode_all(m, seqs, out_len, rng)
+        return used(m)
+
+    cached = separate_requests(KVCacheManager(nb, block_size, watermark=0.0, hash_seed=seed))
     # no sharing at all
-    m = KVCacheManager(nb, block_size, watermark=0.0, enable_prefix_caching=False)
-    seqs = {}
-    for k in range(n):
-        sid = f"s{k}"
-        m.add_seq(sid, prompt)
-        m.allocate_slots(sid, prompt_len)
-        m.commit(sid, prompt, prompt_len)
-        seqs[sid] = list(prompt)
-    _decode_all(m, seqs, out_len, rng)
-    alone = used(m)
+    alone = separate_requests(KVCacheManager(nb, block_size, watermark=0.0, enable_prefix_caching=False))
     return {"parallel_sampling_saving": 1 - shared / alone,
             "parallel_sampling_saving_prefix_cache": 1 - cached / alone,
             "parallel_sampling_slots_shared": shared, "parallel_sampling_slots_unshared": alone,
