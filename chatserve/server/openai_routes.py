@@ -81,22 +81,22 @@ async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], co
         await chunks.aclose()
 
 
-async def chat_completions(request: Request) -> Response:
+async def _generation(request: Request, parse, stream, collect) -> Response:
+    """Parse the body, then stream SSE chunks or answer once with the folded chunks."""
     st = state_of(request)
-    req = await _parse(parse_chat_body, await _generation_body(request), st)
-    chunks = stream_chat(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
+    req = await _parse(parse, await _generation_body(request), st)
+    chunks = stream(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
-    return await _collect_unless_gone(request, chunks, collect_chat, req.params.n)
+    return await _collect_unless_gone(request, chunks, collect, req.params.n)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generation(request, parse_chat_body, stream_chat, collect_chat)
 
 
 async def completions(request: Request) -> Response:
-    st = state_of(request)
-    req = await _parse(parse_completion_body, await _generation_body(request), st)
-    chunks = stream_completion(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
-    if req.stream:
-        return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
-    return await _collect_unless_gone(request, chunks, collect_completion, req.params.n)
+    return await _generation(request, parse_completion_body, stream_completion, collect_completion)
 
 
 async def models(request: Request) -> Response:
