@@ -52,7 +52,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None             # GGUF file or safetensors/HF directory; None = default model
-    dtype: str = "float32"               # float32 | bfloat16 | float16
+    dtype: str = "auto"                  # auto (bf16 on CUDA and bf16-capable CPUs, else fp32) | float32 | bfloat16 | float16
     served_model_name: str | None = None
     device: str = "auto"                 # auto | cpu | cuda
     num_threads: int | None = None       # torch intra-op threads; None = cores available

@@ -197,7 +197,7 @@ class AsyncEngine:
             from chatserve.core.kv_cache_manager import KVCacheManager
             self.kv = KVCacheManager(
                 self.runner.num_blocks, cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
-                hash_seed=cc.hash_seed, model_key=f"{mc.resolved_model()}:{mc.dtype}")
+                hash_seed=cc.hash_seed, model_key=f"{mc.resolved_model()}:{getattr(self.runner, 'dtype', mc.dtype)}")
         if self.scheduler is None:
             from chatserve.core.scheduler import Scheduler
             self.scheduler = Scheduler(self.config.scheduler, self.kv, max_model_len=self.max_model_len)

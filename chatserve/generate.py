@@ -20,9 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--model", default=None, help="GGUF file or HF safetensors dir (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--weight-quant", default=None, choices=["int8"],
-                   help="weight-only int8 matmuls for decode steps (faster on CPU)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--weight-quant", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantized matmuls for decode steps (faster on CPU); auto = int4 "
+                        "for a 4-bit GGUF on CPU (the default model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--progress", action="store_true", help="show the weight-loading progress bar")
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
     llm = LLM(path, dtype=args.dtype, device=args.device, block_size=block_size,
               num_blocks=(len(ids) + args.max_tokens) // block_size + 2,
               max_model_len=None, num_threads=args.num_threads, progress=args.progress,
-              eos_token_ids=sorted(set(tok.eos_token_ids)), weight_quant=args.weight_quant)
+              eos_token_ids=sorted(set(tok.eos_token_ids)), weight_quant=None if args.weight_quant == "none" else args.weight_quant)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     out = llm.generate([ids], params)[0]

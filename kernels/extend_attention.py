@@ -175,15 +175,20 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # --------------------------------------------------------------------------- torch twin
 def extend_prep(block_table: torch.Tensor, seq_len: int, query_len: int, block_size: int,
                 sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per step and sequence, shared by the layers: (table [nblk] int64, causal mask [ql, sl] bool)."""
+    """Per step and sequence, shared by the layers: (table [nblk] int64, causal bias [ql, sl] float32:
+    0 where a key is visible, -inf where it is not)."""
     nblk = (seq_len + block_size - 1) // block_size
     table = block_table[:nblk].long()
     qpos = torch.arange(seq_len - query_len, seq_len, device=block_table.device)[:, None]
     kpos = torch.arange(seq_len, device=block_table.device)[None, :]
-    mask = kpos <= qpos                                                       # [ql, sl]
+    visible = kpos <= qpos                                                    # [ql, sl]
     if sliding_window:
-        mask &= (qpos - kpos) < sliding_window
-    return table, mask
+        visible &= (qpos - kpos) < sliding_window
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+    return table, bias.masked_fill_(~visible, float("-inf"))
+
+
+SCORE_ELEMS = 1 << 24    # fp32 scores held at once (64 MiB): longer contexts run in query slices
 
 
 def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -193,16 +198,26 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            prep: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     # One sequence: q [ql, q_heads, D] for positions seq_len-ql .. seq_len-1 → [ql, q_heads, D]
     # prep: extend_prep(...) of this step (built here when None).
+    # Two batched GEMMs per KV head group (the query heads of a group stacked as rows) around an fp32
+    # softmax: on CPU, SDPA with a mask takes its math path, ~4× slower in bf16 on a 512-token chunk.
     ql, hq, d = q.shape
     hkv = k_cache.shape[2]
+    g = hq // hkv
     if prep is None:
         prep = extend_prep(block_table, seq_len, ql, k_cache.shape[1], sliding_window)
-    table, mask = prep
-    k = gather_dequant(k_cache, k_scale, table, q.dtype)[:seq_len].transpose(0, 1)   # [hkv, sl, d]
-    v = gather_dequant(v_cache, v_scale, table, q.dtype)[:seq_len].transpose(0, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=hq != hkv)                # [hq, ql, d]
-    return out.transpose(0, 1)
+    table, bias = prep
+    kt = gather_dequant(k_cache, k_scale, table, q.dtype)[:seq_len].permute(1, 2, 0)  # [hkv, d, sl]
+    v = gather_dequant(v_cache, v_scale, table, q.dtype)[:seq_len].transpose(0, 1)    # [hkv, sl, d]
+    out = torch.empty_like(q)
+    step = max(1, SCORE_ELEMS // (hq * seq_len))
+    for a in range(0, ql, step):
+        z = min(ql, a + step)
+        qg = (q[a:z] * scale).view(z - a, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * (z - a), d)
+        s = torch.matmul(qg, kt).float().view(hkv, g, z - a, seq_len) + bias[a:z]   # [hkv, g, m, sl]
+        p = torch.softmax(s, -1).to(q.dtype).view(hkv, g * (z - a), seq_len)
+        o = torch.matmul(p, v)                                                      # [hkv, g*m, d]
+        out[a:z] = o.view(hkv, g, z - a, d).permute(2, 0, 1, 3).reshape(z - a, hq, d)
+    return out
 
 
 # --------------------------------------------------------------------------- public

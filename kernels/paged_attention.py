@@ -1,13 +1,15 @@
 """Paged attention over a flattened varlen batch: decode tokens and prefill chunks with a cached prefix.
 
-Dispatches: 1-token sequences go to the split-K decode kernel, longer chunks to the extend kernel (both
-in one batch when it is mixed). Each new token attends to every cached token of its sequence and
+Dispatches: on CUDA, 1-token sequences go to the split-K decode kernel, longer chunks to the extend
+kernel (both in one batch when it is mixed); on CPU, one C kernel reads the blocks in place
+(cpu_attention), and the torch twin takes what it cannot. Each new token attends to every cached token of its sequence and
 causally to the new tokens before it. The K/V of this step must already be stored (store_kv).
 """
 from __future__ import annotations
 
 import torch
 
+from chatserve_kernels import cpu_attention
 from chatserve_kernels.decode_attention import decode_attention_torch, decode_attention_triton, decode_prep
 from chatserve_kernels.dispatch import use_triton
 from chatserve_kernels.extend_attention import extend_attention_torch, extend_attention_triton, extend_prep
@@ -17,8 +19,10 @@ from chatserve_kernels.metadata import AttentionMetadata
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None,
-                          sliding_window: int | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None, cpu_decode: bool = False) -> torch.Tensor:
     # q: [T, q_heads, head_dim] → out: [T, q_heads, head_dim]
+    # cpu_decode: decode rows through the C kernel when it takes them (cpu_attention); the default,
+    # False, is the pure-torch twin (the test oracle)
     # Decode rows run batched in one SDPA call; each prefill chunk is one SDPA call (no per-token loop).
     # Index tables and masks are built once per step (meta.scratch) and shared by every layer.
     bs = k_cache.shape[1]
@@ -27,12 +31,16 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if prep is None:
         prep = meta.scratch[key] = _prepare(meta, bs, sliding_window)
     dprep, rows, extends = prep
+    out = torch.empty_like(q)
+    fast = (cpu_decode and k_scale is None and dprep is not None
+            and cpu_attention.decode_attention_cpu(q, k_cache, v_cache, meta, scale, out, sliding_window))
     if meta.is_decode_only:
+        if fast:
+            return out
         return decode_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       meta.max_seq_len, scale, k_scale, v_scale, sliding_window,
                                       prep=dprep)
-    out = torch.empty_like(q)
-    if dprep is not None:     # the tables below are unused once prep is given
+    if dprep is not None and not fast:     # the tables below are unused once prep is given
         out[rows] = decode_attention_torch(q[rows], k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            0, scale, k_scale, v_scale, sliding_window, prep=dprep)
     for s, ql, sl, ext in extends:
@@ -98,4 +106,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window,
                                       num_splits)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, sliding_window,
+                                 cpu_decode=True)

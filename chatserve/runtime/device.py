@@ -1,9 +1,11 @@
-"""Device and thread choices for the runtime: "auto" → CUDA when present, else CPU; torch threads.
+"""Device, dtype and thread choices for the runtime: "auto" → CUDA when present, else CPU; "auto" dtype
+→ bf16 where the hardware computes in it; torch threads.
 
 Not a placement policy for tensors (each runtime module takes the device it is given).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,3 +30,27 @@ def set_num_threads(num_threads: int | None) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_bf16() -> bool:
+    """The CPU has bf16 dot instructions (AVX512-BF16 or AMX) that oneDNN's GEMMs use."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return torch.backends.mkldnn.is_available() and bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """"auto" → bfloat16 on CUDA and on CPUs with bf16 instructions, else float32.
+
+    On such a CPU (AMD Zen 4/5, Intel Sapphire Rapids+) prepacked bf16 GEMMs run 3-5× faster than
+    fp32 and the KV cache takes half the bytes; elsewhere oneDNN would emulate bf16, slower than fp32.
+    """
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if cpu_has_bf16() else "float32"

@@ -13,7 +13,7 @@ import torch
 
 import chatserve_kernels
 from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
-from chatserve.runtime.device import resolve_device, set_num_threads
+from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_threads
 from chatserve.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from chatserve.runtime.models.llama import LlamaModel
 from chatserve.runtime.weights import ArchConfig, LoadedWeights, load_weights, torch_dtype
@@ -59,6 +59,7 @@ class ModelRunner:
         """weights: already-loaded weights of model_path (tests and benchmarks reuse one read).
         weight_quant: None, "int8" or "int4" for weight-only quantized decode matmuls (see
         models.llama.Linear), or "auto" (auto_weight_quant: int4 for a 4-bit GGUF on CPU, else None).
+        dtype: float32 | bfloat16 | float16, or "auto" (device.resolve_dtype: bf16 where the hardware has it).
         kv_cache_dtype: "auto" (= dtype), or a quantized cache: "int8", "fp8", "fp8_per_tensor"."""
         t0 = time.perf_counter()
         self.device = resolve_device(device)
@@ -72,7 +73,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._threads_big = set_num_threads(num_threads)
             self._threads_small = self._threads_big if num_threads else max(1, self._threads_big - 1)
-        self.dtype = torch_dtype(dtype)
+        self.dtype = torch_dtype(resolve_dtype(dtype, self.device) if isinstance(dtype, str) else dtype)
         self.model_path = model_path
         if weights is None:
             weights = load_weights(model_path, self.dtype, progress=progress)

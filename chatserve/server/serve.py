@@ -49,7 +49,8 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
                                 "OpenAI-compatible API and the web chat UI. CHATSERVE_* variables set defaults.")
     a = p.add_argument
     a("--model", default=m.model, help="GGUF file or HF/safetensors directory (default: SmolLM2-135M-Instruct)")
-    a("--dtype", default=m.dtype, choices=["float32", "bfloat16", "float16"])
+    a("--dtype", default=m.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+      help="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16/AMX), else float32")
     a("--device", default=m.device, help="auto | cpu | cuda")
     a("--weight-quant", default=m.weight_quant, type=lambda x: None if x.lower() in ("none", "") else x,
       choices=["auto", None, "int8", "int4"],
@@ -138,7 +139,8 @@ def banner(cfg: EngineConfig, engine, name: str, load_s: float) -> str:
         "",
         f"  chatserve · {name}",
         f"  model      {cfg.model.resolved_model()}",
-        f"  dtype      {cfg.model.dtype} on {getattr(r, 'device', cfg.model.device)}, "
+        f"  dtype      {str(getattr(r, 'dtype', cfg.model.dtype)).replace('torch.', '')} on "
+        f"{getattr(r, 'device', cfg.model.device)}, "
         f"weights {getattr(r, 'weight_quant', None) or 'dense'}, KV {getattr(r, 'kv_cache_dtype', 'auto')}"
         f"   (loaded in {load_s:.1f} s)",
         f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens"

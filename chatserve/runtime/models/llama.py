@@ -17,6 +17,7 @@ from chatserve.runtime.weights import ArchConfig, rope_inv_freq
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
 WEIGHT_QUANTS = (None, "int8", "int4")
 INT4_GROUP = 32
+PACKED_SMALL_M = 4   # beside packed bf16 GEMMs the int4/int8 kernels win only up to 4 rows (see Linear)
 
 
 class Linear:
@@ -27,9 +28,14 @@ class Linear:
             it), torch._weight_int4pack_mm_for_cpu (CPU only; an eighth of fp32's bytes plus scales).
     Activations go in as bf16 (with fp32 the kernels fall back to a path 3-6× slower). Both kernels cost about one GEMV per row: on this model's layer shapes int8
     beats fp32 up to M ≈ 8 (M=1: 243 vs 495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595),
-    and on the 49k-row LM head up to M = 16 (17.7 vs 20.2 ms), hence the two defaults."""
+    and on the 49k-row LM head up to M = 16 (17.7 vs 20.2 ms), hence the two defaults.
+    Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise):
+    aten's bf16 matmul reorders W on every call (2-AMD EPYC, 2 threads, the 4 layer matrices: M=16
+    255 → 182 µs, M=256 1.95 → 1.84 ms, both ≈ 4.5× fp32's MKL sgemm on that CPU). Beside them the
+    quantized kernels win only up to M = 4 (layers M=8: int4 189 vs 134 µs; LM head M=8: int8 1.79 vs
+    1.22 ms, M=4: 0.83 vs 1.06), so small_m drops to PACKED_SMALL_M."""
 
-    __slots__ = ("w", "b", "wq", "scales", "small_m", "kind", "act")
+    __slots__ = ("w", "b", "wq", "scales", "small_m", "kind", "act", "packed")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
                  small_m: int = 8) -> None:
@@ -38,8 +44,11 @@ class Linear:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
         self.w, self.b, self.small_m, self.kind = w, b, small_m, weight_quant
         self.act = torch.bfloat16      # both kernels take fp32 too, but 3-6× slower (a generic path)
-        self.wq = self.scales = None
+        self.wq = self.scales = self.packed = None
         N, K = w.shape
+        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
+            self.small_m = min(small_m, PACKED_SMALL_M)
         if weight_quant == "int4" and (K % INT4_GROUP or w.device.type != "cpu"):
             self.kind = weight_quant = "int8"          # the int4 kernel needs K % 32 == 0 and a CPU
         if weight_quant == "int8":
@@ -55,6 +64,8 @@ class Linear:
             self.wq = torch._convert_weight_to_int4pack_for_cpu(q.reshape(N, K), 1)
             # dequant: (q - 8) * scale + zero, zero = lo + 8 * scale;  [G, N, 2]
             self.scales = torch.stack([sc, lo + 8.0 * sc], -1).transpose(0, 1).contiguous().to(self.act)
+        if self.packed is not None:
+            self.w = None        # the packed copy replaces it (no second copy of the weights)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] → [T, N]
@@ -66,6 +77,10 @@ class Linear:
                 y = torch._weight_int4pack_mm_for_cpu(xa, self.wq, INT4_GROUP, self.scales)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if self.b is None else y + self.b
+        if self.packed is not None:
+            xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+            y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], "")
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         return F.linear(x, self.w, self.b)
 
 

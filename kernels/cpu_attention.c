@@ -1,0 +1,179 @@
+/* Paged decode attention for the CPU: one new token per sequence against its K/V, read from the
+ * paged cache in place (the torch twin gathers a padded copy of every sequence's K/V per layer).
+ *
+ * Built at first use by cpu_attention.py (cc -O3 -march=native -fopenmp) and called through ctypes,
+ * which releases the GIL. OpenMP resolves to the libgomp torch has already loaded, so this kernel and
+ * torch's ops share one thread pool. A work item is one sequence, all heads: each cache block
+ * [block_size, kv_heads, head_dim] is read once, front to back. Online softmax over blocks, fp32
+ * arithmetic whatever the storage (fp32 or bf16). Rows of the batch with more than one new token
+ * (prefill chunks) are left alone: the caller computes them. The twin is the test oracle.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HQ 128
+#define MAX_D 256
+#define MAX_ROW 4096        /* kv_heads * head_dim */
+#define MAX_BS 64
+
+typedef struct {
+    int dtype;                          /* 0: float32, 1: bfloat16 (q, cache and out alike) */
+    const void *q, *k, *v;
+    void *out;
+    int64_t q_st, q_sh, o_st, o_sh;     /* element strides of q / out: token, head (dim stride 1) */
+    int64_t c_sb;                       /* element stride of a cache block (a block is contiguous) */
+    const int32_t *tables, *qsl, *lens;
+    int64_t bt_stride;
+    int hq, hkv, D, bs, window;
+    float scale;
+} job_t;
+
+typedef struct {                        /* per-thread workspace */
+    float q[MAX_HQ * MAX_D], acc[MAX_HQ * MAX_D];
+    float s[MAX_HQ * MAX_BS];
+    float row[MAX_ROW];
+    float mx[MAX_HQ], den[MAX_HQ];
+} work_t;
+
+static __thread work_t *tls_work;       /* this thread's workspace, kept across calls */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c = {(uint32_t)x << 16};
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
+    union { float f; uint32_t u; } c = {f};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* e^x for x <= 0 (softmax arguments), relative error ~2e-7; inlined so loops over it vectorize. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f;
+    const float n = __builtin_floorf(t);
+    const float f = t - n;
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6180546e-3f;
+    p = p * f + 5.5503406e-2f;
+    p = p * f + 2.4022652e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    union { int32_t i; float f; } s = {((int32_t)n + 127) << 23};
+    return p * s.f;
+}
+
+/* n elements at src + off as fp32: the cache itself for fp32 (no copy), else converted into buf */
+static inline const float *as_f32(int dtype, const void *src, int64_t off, float *buf, int n) {
+    if (dtype == 0) return (const float *)src + off;
+    const uint16_t *p = (const uint16_t *)src + off;
+    for (int i = 0; i < n; i++) buf[i] = bf16_to_f32(p[i]);
+    return buf;
+}
+
+static void run_seq(const job_t *j, work_t *w, int b) {
+    const int D = j->D, bs = j->bs, hq = j->hq, G = hq / j->hkv, row = j->hkv * D;
+    const int t_q = j->qsl[b], sl = j->lens[b];
+    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
+    int lo = j->window > 0 ? sl - j->window : 0;              /* visible keys [lo, sl) */
+    lo = lo < 0 ? 0 : lo;
+
+    for (int h = 0; h < hq; h++) {
+        const float *qh = as_f32(j->dtype, j->q, (int64_t)t_q * j->q_st + (int64_t)h * j->q_sh, w->row, D);
+        for (int d = 0; d < D; d++) w->q[h * D + d] = qh[d] * j->scale;
+        memset(w->acc + h * D, 0, (size_t)D * sizeof(float));
+        w->mx[h] = -1e30f;
+        w->den[h] = 0.0f;
+    }
+    for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
+        const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
+        const int a = lo > blk0 ? lo - blk0 : 0;
+        const int z = (sl - blk0) < bs ? (sl - blk0) : bs;   /* keys [a, z) of this block */
+        for (int t = a; t < z; t++) {
+            const float *kr = as_f32(j->dtype, j->k, base + (int64_t)t * row, w->row, row);
+            for (int h = 0; h < hq; h++) {
+                const float *qh = w->q + h * D, *kh = kr + (h / G) * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < D; d++) dot += qh[d] * kh[d];
+                w->s[h * MAX_BS + t] = dot;
+            }
+        }
+        for (int h = 0; h < hq; h++) {
+            float *s = w->s + h * MAX_BS;
+            float bmax = w->mx[h];
+            for (int t = a; t < z; t++) bmax = s[t] > bmax ? s[t] : bmax;
+            const float alpha = exp_neg(w->mx[h] - bmax);
+            w->mx[h] = bmax;
+            float sum = 0.0f;
+            for (int t = a; t < z; t++) {
+                s[t] = exp_neg(s[t] - bmax);
+                sum += s[t];
+            }
+            w->den[h] = w->den[h] * alpha + sum;
+            if (alpha != 1.0f)
+                for (int d = 0; d < D; d++) w->acc[h * D + d] *= alpha;
+        }
+        for (int t = a; t < z; t++) {
+            const float *vr = as_f32(j->dtype, j->v, base + (int64_t)t * row, w->row, row);
+            for (int h = 0; h < hq; h++) {
+                const float p = w->s[h * MAX_BS + t];
+                const float *vh = vr + (h / G) * D;
+                float *ah = w->acc + h * D;
+                for (int d = 0; d < D; d++) ah[d] += p * vh[d];
+            }
+        }
+    }
+    for (int h = 0; h < hq; h++) {
+        const float inv = w->den[h] > 0.0f ? 1.0f / w->den[h] : 0.0f;
+        const float *ah = w->acc + h * D;
+        const int64_t off = (int64_t)t_q * j->o_st + (int64_t)h * j->o_sh;
+        if (j->dtype == 0) {
+            float *o = (float *)j->out + off;
+            for (int d = 0; d < D; d++) o[d] = ah[d] * inv;
+        } else {
+            uint16_t *o = (uint16_t *)j->out + off;
+            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(ah[d] * inv);
+        }
+    }
+}
+
+/* Decode rows (sequences with exactly one new token) of a varlen batch. Returns 0 on success, a
+ * positive code for shapes this kernel does not take (the caller falls back to the twin). */
+int chatserve_decode_attention(int dtype, const void *q, int64_t q_st, int64_t q_sh,
+                               const void *k_cache, const void *v_cache, int64_t c_sb,
+                               const int32_t *block_tables, int64_t bt_stride,
+                               const int32_t *query_start_loc, const int32_t *seq_lens,
+                               int B, int hq, int hkv, int D, int block_size, float scale, int window,
+                               void *out, int64_t o_st, int64_t o_sh, int nthreads) {
+    if (dtype < 0 || dtype > 1 || hkv <= 0 || hq % hkv || hq > MAX_HQ || D > MAX_D ||
+        hkv * D > MAX_ROW || block_size > MAX_BS)
+        return 1;
+    int *seqs = (int *)malloc((size_t)(B > 0 ? B : 1) * sizeof(int));
+    if (!seqs) return 3;
+    int n = 0;
+    for (int b = 0; b < B; b++)
+        if (query_start_loc[b + 1] - query_start_loc[b] == 1 && seq_lens[b] >= 1) seqs[n++] = b;
+    const job_t j = {dtype, q, k_cache, v_cache, out, q_st, q_sh, o_st, o_sh, c_sb, block_tables,
+                     query_start_loc, seq_lens, bt_stride, hq, hkv, D, block_size, window, scale};
+    int threads = nthreads < 1 ? 1 : nthreads;
+    if (threads > n) threads = n > 0 ? n : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        if (!tls_work) tls_work = (work_t *)malloc(sizeof(work_t));   /* once per pool thread */
+        work_t *w = tls_work;
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < n; i++)
+            if (w) run_seq(&j, w, seqs[i]);
+    }
+    free(seqs);
+    return failed ? 3 : 0;
+}

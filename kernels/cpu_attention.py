@@ -1,0 +1,125 @@
+"""The CPU fast path of paged decode attention: cpu_attention.c, compiled at first use, called via ctypes.
+
+Reads K/V blocks in place (the torch twin gathers a padded copy per layer, then runs SDPA). Where it has
+no compiler, or the tensors are not its own (quantized caches, fp16, a q dtype other than the cache's),
+the caller uses the twin. CHATSERVE_CPU_KERNELS=0 turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from chatserve_kernels.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+ENV = "CHATSERVE_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CHATSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chatserve")
+    return Path(root) / "kernels"
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and its flags (a cached .so never moves machines)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile cpu_attention.c into the cache (once per source, flags and CPU); return the .so path."""
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(CFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    out = cache_dir() / f"cpu_attention-{platform.machine()}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                             timeout=120)
+        if res.returncode:
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:500]}")
+        os.replace(tmp, out)             # atomic: concurrent builders each write their own temp file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    if os.environ.get(ENV, "1") == "0" or platform.system() != "Linux":
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except Exception as e:  # noqa: BLE001 — no compiler, read-only cache...: the torch twin still works
+        log.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+        return None
+    fn = lib.chatserve_decode_attention
+    fn.restype = _i32
+    fn.argtypes = [_i32, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _i64, _vp, _vp,
+                   _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, _vp, _i64, _i64, _i32]
+    return fn
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             k_scale: torch.Tensor | None = None) -> bool:
+    """fp32 or bf16 (q and cache alike), an unquantized contiguous cache, head_dim <= 256,
+    block_size <= 64, q_heads <= 128."""
+    return (q.device.type == "cpu" and k_scale is None and q.dtype == k_cache.dtype == v_cache.dtype
+            and q.dtype in _DTYPES and q.stride(-1) == 1 and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and q.shape[2] <= 256 and q.shape[1] <= 128
+            and k_cache.shape[1] <= 64 and k_cache.shape[2] * k_cache.shape[3] <= 4096)
+
+
+def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                         sliding_window: int | None = None) -> bool:
+    """Write the rows of the 1-token sequences (decode rows) of out; leave the other rows alone.
+
+    q, out: [T, q_heads, D]; caches [num_blocks, block_size, kv_heads, D]. Returns False (nothing
+    written) when the kernel is unavailable or cannot take these tensors: use the torch twin then."""
+    fn = _lib()
+    if fn is None or not supports(q, k_cache, v_cache) or out.dtype != q.dtype or out.stride(-1) != 1:
+        return False
+    tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
+    if tables.dtype != torch.int32 or not tables.is_contiguous():
+        tables = tables.to(torch.int32).contiguous()
+    qsl, lens = qsl.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous()
+    _, hq, D = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    rc = fn(_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+            tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
+            meta.num_seqs, hq, hkv, D, bs, float(scale), int(sliding_window or 0),
+            out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+    return rc == 0

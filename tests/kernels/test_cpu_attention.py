@@ -1,0 +1,134 @@
+"""The C decode kernel (kernels/cpu_attention.c) against the torch twin and the dense oracle.
+
+Grid: fp32/bf16, block sizes 8/16/32, GQA ratios 1-8, head dims 32-128, ragged lengths, sliding
+windows, decode rows mixed with prefill chunks (which it must leave alone), 1 and 2 threads.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from chatserve_kernels import cpu_attention, paged_attention
+from chatserve_kernels.paged_attention import paged_attention_torch
+from kernel_cases import BF16, F32, TOL_DENSE, assert_close, dense_reference, make_case
+
+needs_kernel = pytest.mark.skipif(not cpu_attention.available(),
+                                  reason="no C compiler: the CPU kernel falls back to the torch twin")
+
+# (query_lens, seq_lens, q_heads, kv_heads, head_dim, block_size, dtype, window)
+GRID = [
+    ([1], [1], 9, 3, 64, 16, F32, None),
+    ([1, 1], [37, 5], 9, 3, 64, 16, F32, None),
+    ([1, 1], [37, 5], 9, 3, 64, 16, BF16, None),
+    ([1] * 3, [70, 1, 33], 8, 1, 128, 8, F32, None),
+    ([1] * 3, [70, 1, 33], 8, 1, 128, 8, BF16, None),
+    ([1, 1], [100, 45], 4, 4, 64, 32, BF16, None),
+    ([1, 1], [100, 45], 4, 4, 64, 32, F32, None),
+    ([1] * 4, [50, 3, 29, 64], 16, 4, 64, 8, F32, None),
+    ([1] * 3, [31, 32, 33], 5, 5, 32, 16, BF16, None),
+    ([1], [48], 24, 3, 64, 16, F32, None),
+    ([1], [300], 6, 1, 32, 16, BF16, None),
+    ([1, 1], [60, 17], 6, 2, 64, 16, F32, 20),
+    ([1, 1], [60, 17], 9, 3, 64, 8, BF16, 9),
+    ([1, 1], [60, 17], 9, 3, 64, 8, F32, 1),
+    ([1] * 16, [5 + 17 * i for i in range(16)], 9, 3, 64, 16, BF16, None),
+    ([1] * 16, [5 + 17 * i for i in range(16)], 9, 3, 64, 16, F32, None),
+    # mixed batches: the chunks' rows come from the twin, the decode rows from the kernel
+    ([5, 1, 20], [37, 9, 20], 9, 3, 64, 16, F32, None),
+    ([5, 1, 20], [37, 9, 20], 9, 3, 64, 16, BF16, None),
+    ([1, 33, 1], [40, 33, 16], 8, 2, 128, 32, F32, None),
+    ([12, 1], [40, 17], 6, 2, 64, 16, BF16, 9),
+]
+
+
+def _id(c) -> str:
+    qls, sls, hq, hkv, d, bs, dt, w = c
+    return f"q{len(qls)}x{max(qls)}-s{max(sls)}-h{hq}/{hkv}-d{d}-bs{bs}-{str(dt)[6:]}" + (f"-w{w}" if w else "")
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("c", GRID, ids=[_id(c) for c in GRID])
+def test_kernel_matches_twin_and_dense(c, threads):
+    qls, sls, hq, hkv, d, bs, dt, window = c
+    case = make_case(qls, sls, q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs, dtype=dt)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                    sliding_window=window, cpu_decode=True)
+    finally:
+        torch.set_num_threads(before)
+    case.meta.scratch.clear()
+    twin = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                 sliding_window=window)
+    assert got.dtype == dt and got.shape == case.q.shape
+    # fp32: summation order only; bf16: the twin attends in bf16 (SDPA), the kernel in fp32
+    tol = {F32: (2e-5, 2e-5), BF16: (3e-2, 3e-2)}
+    assert_close(got, twin, dt, tol)
+    assert_close(got, dense_reference(case, window), dt, TOL_DENSE)
+
+
+@needs_kernel
+def test_kernel_writes_only_decode_rows():
+    case = make_case([4, 1, 6], [20, 9, 6], q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=F32)
+    out = torch.full_like(case.q, 7.0)
+    assert cpu_attention.decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out)
+    assert bool((out[:4] == 7.0).all()) and bool((out[5:] == 7.0).all())
+    assert not bool((out[4] == 7.0).any())
+
+
+@needs_kernel
+def test_public_cpu_path_uses_the_kernel_for_decode(monkeypatch):
+    calls = []
+    real = cpu_attention.decode_attention_cpu
+    monkeypatch.setattr(cpu_attention, "decode_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    case = make_case([1, 1], [30, 12], q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=BF16)
+    out = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert calls == [1]
+    assert_close(out, dense_reference(case), BF16, TOL_DENSE)
+
+
+def test_unsupported_tensors_fall_back_to_the_twin():
+    # an int8 cache, fp16, or a q dtype other than the cache's: the kernel declines, nothing is written
+    for dt, kvd in ((F32, "int8"), (torch.float16, "auto")):
+        case = make_case([1, 1], [30, 12], q_heads=6, kv_heads=2, head_dim=64, block_size=16, dtype=dt,
+                         kv_cache_dtype=kvd)
+        out = torch.zeros_like(case.q)
+        assert not cpu_attention.decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.meta,
+                                                      case.scale, out)
+        assert bool((out == 0).all())
+        got = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, **case.kwargs())
+        assert_close(got, dense_reference(case), dt, TOL_DENSE)
+    case = make_case([1], [30], q_heads=6, kv_heads=2, head_dim=64, block_size=16, dtype=BF16)
+    assert not cpu_attention.supports(case.q.float(), case.k_cache, case.v_cache)
+
+
+def test_env_switch_turns_the_kernel_off(tmp_path):
+    code = "from chatserve_kernels import cpu_attention; print(cpu_attention.available())"
+    env = {**os.environ, "CHATSERVE_CPU_KERNELS": "0", "CHATSERVE_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "False", res.stderr
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_missing_compiler_is_a_warning_not_an_error(tmp_path):
+    code = ("import logging; logging.basicConfig(); from chatserve_kernels import cpu_attention; "
+            "print(cpu_attention.available())")
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "CHATSERVE_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "False"
+    assert "CPU attention kernel unavailable" in res.stderr
+
+
+@needs_kernel
+def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path))
+    first = cpu_attention.build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_attention.build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in first.parent.iterdir()] == [first.name]      # no temp files left behind
