@@ -21,9 +21,9 @@ def _parse_list(s: str, cast=str) -> list:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatserve bench model", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M Q4_1)")
-    p.add_argument("--dtypes", default="float32,bfloat16,float32+int8",
-                   help="comma list of float32 | bfloat16 | float16, each optionally +int8 "
-                        "(weight-only int8 decode matmuls)")
+    p.add_argument("--dtypes", default="float32+int4,bfloat16+int4",
+                   help="comma list of auto | float32 | bfloat16 | float16, each optionally +int8, "
+                        "+int4 or +auto (weight-only quantized matmuls for steps of few rows)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence before decoding")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
