@@ -74,6 +74,19 @@ static inline const float *as_f32(int dtype, const void *src, int64_t off, float
     return buf;
 }
 
+/* out row at element offset off = acc / den (0 for a row that saw no key) */
+static inline void write_out(const job_t *j, int64_t off, const float *acc, float den) {
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    if (j->dtype == 0) {
+        float *o = (float *)j->out + off;
+        for (int d = 0; d < j->D; d++) o[d] = acc[d] * inv;
+    } else {
+        uint16_t *o = (uint16_t *)j->out + off;
+        for (int d = 0; d < j->D; d++) o[d] = f32_to_bf16(acc[d] * inv);
+    }
+}
+
+/* The generic body: any head_dim and group size, one dot product per (head, key). */
 static void run_seq(const job_t *j, work_t *w, int b) {
     const int D = j->D, bs = j->bs, hq = j->hq, G = hq / j->hkv, row = j->hkv * D;
     const int t_q = j->qsl[b], sl = j->lens[b];
@@ -127,18 +140,115 @@ static void run_seq(const job_t *j, work_t *w, int b) {
             }
         }
     }
+    for (int h = 0; h < hq; h++)
+        write_out(j, (int64_t)t_q * j->o_st + (int64_t)h * j->o_sh, w->acc + h * D, w->den[h]);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16(int dtype, const void *base, int64_t off) {    /* 16 values as fp32 */
+    if (dtype == 0) return _mm512_loadu_ps((const float *)base + off);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Blocks are scattered: start pulling the next one (keys and values) in while this one is used. */
+static inline void prefetch_block(const job_t *j, int64_t base) {
+    const int64_t bytes = (int64_t)j->bs * j->hkv * j->D * (j->dtype == 0 ? 4 : 2);
+    const char *k = (const char *)j->k + base * (j->dtype == 0 ? 4 : 2);
+    const char *v = (const char *)j->v + base * (j->dtype == 0 ? 4 : 2);
+    for (int64_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch(k + o, _MM_HINT_T1);
+        _mm_prefetch(v + o, _MM_HINT_T1);
+    }
+}
+
+/* run_seq for head_dim = 16 * NV and G query heads per kv head, both compile-time constants after
+ * inlining: per block and kv head, the G query vectors and the G x NV output accumulators stay in
+ * registers while the block's tokens stream through (no converted copies, no per-token stores). */
+static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j, work_t *w, int b,
+                                                                 const int G, const int NV) {
+    const int D = 16 * NV, bs = j->bs, hkv = j->hkv, hq = G * hkv, row = hkv * D;
+    const int t_q = j->qsl[b], sl = j->lens[b];
+    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
+    int lo = j->window > 0 ? sl - j->window : 0;
+    lo = lo < 0 ? 0 : lo;
     for (int h = 0; h < hq; h++) {
-        const float inv = w->den[h] > 0.0f ? 1.0f / w->den[h] : 0.0f;
-        const float *ah = w->acc + h * D;
-        const int64_t off = (int64_t)t_q * j->o_st + (int64_t)h * j->o_sh;
-        if (j->dtype == 0) {
-            float *o = (float *)j->out + off;
-            for (int d = 0; d < D; d++) o[d] = ah[d] * inv;
-        } else {
-            uint16_t *o = (uint16_t *)j->out + off;
-            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(ah[d] * inv);
+        const float *qh = as_f32(j->dtype, j->q, (int64_t)t_q * j->q_st + (int64_t)h * j->q_sh, w->row, D);
+        for (int d = 0; d < D; d++) w->q[h * D + d] = qh[d] * j->scale;
+        memset(w->acc + h * D, 0, (size_t)D * sizeof(float));
+        w->mx[h] = -1e30f;
+        w->den[h] = 0.0f;
+    }
+    for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
+        const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
+        const int a = lo > blk0 ? lo - blk0 : 0;
+        const int z = (sl - blk0) < bs ? (sl - blk0) : bs;   /* keys [a, z) of this block */
+        if (blk0 + bs < sl) prefetch_block(j, (int64_t)table[blk0 / bs + 1] * j->c_sb);
+        for (int hk = 0; hk < hkv; hk++) {
+            __m512 qv[G][NV], av[G][NV];
+            float alpha[G];
+            for (int g = 0; g < G; g++)
+                for (int v = 0; v < NV; v++) qv[g][v] = _mm512_loadu_ps(w->q + (hk * G + g) * D + v * 16);
+            for (int t = a; t < z; t++) {                      /* scores */
+                const int64_t off = base + (int64_t)t * row + hk * D;
+                __m512 kv[NV];
+                for (int v = 0; v < NV; v++) kv[v] = load16(j->dtype, j->k, off + v * 16);
+                for (int g = 0; g < G; g++) {
+                    __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+                    for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[g][v], kv[v], acc);
+                    w->s[(hk * G + g) * MAX_BS + t] = _mm512_reduce_add_ps(acc);
+                }
+            }
+            for (int g = 0; g < G; g++) {                      /* online softmax */
+                const int h = hk * G + g;
+                float *sh = w->s + h * MAX_BS;
+                float bmax = w->mx[h];
+                for (int t = a; t < z; t++) bmax = sh[t] > bmax ? sh[t] : bmax;
+                alpha[g] = exp_neg(w->mx[h] - bmax);
+                w->mx[h] = bmax;
+                float sum = 0.0f;
+                for (int t = a; t < z; t++) {
+                    sh[t] = exp_neg(sh[t] - bmax);
+                    sum += sh[t];
+                }
+                w->den[h] = w->den[h] * alpha[g] + sum;
+            }
+            for (int g = 0; g < G; g++)
+                for (int v = 0; v < NV; v++)
+                    av[g][v] = _mm512_mul_ps(_mm512_loadu_ps(w->acc + (hk * G + g) * D + v * 16),
+                                             _mm512_set1_ps(alpha[g]));
+            for (int t = a; t < z; t++) {                      /* values */
+                const int64_t off = base + (int64_t)t * row + hk * D;
+                __m512 vv[NV];
+                for (int v = 0; v < NV; v++) vv[v] = load16(j->dtype, j->v, off + v * 16);
+                for (int g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(w->s[(hk * G + g) * MAX_BS + t]);
+                    for (int v = 0; v < NV; v++) av[g][v] = _mm512_fmadd_ps(p, vv[v], av[g][v]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int v = 0; v < NV; v++) _mm512_storeu_ps(w->acc + (hk * G + g) * D + v * 16, av[g][v]);
         }
     }
+    for (int h = 0; h < hq; h++)
+        write_out(j, (int64_t)t_q * j->o_st + (int64_t)h * j->o_sh, w->acc + h * D, w->den[h]);
+}
+
+#define SPECIAL(g, nv) if (G == g && NV == nv) { run_seq_avx512(j, w, b, g, nv); return; }
+#endif
+
+/* One decode row: the register-blocked AVX-512 body for the common head shapes, else the generic one. */
+static void decode_row(const job_t *j, work_t *w, int b) {
+#if defined(__AVX512F__)
+    const int G = j->hq / j->hkv, NV = j->D / 16;
+    if (j->D % 16 == 0) {
+        SPECIAL(1, 4) SPECIAL(2, 4) SPECIAL(3, 4) SPECIAL(4, 4) SPECIAL(5, 4) SPECIAL(6, 4) SPECIAL(8, 4)
+        SPECIAL(1, 8) SPECIAL(2, 8) SPECIAL(4, 8)
+    }
+#endif
+    run_seq(j, w, b);
 }
 
 /* Decode rows (sequences with exactly one new token) of a varlen batch. Returns 0 on success, a
@@ -172,7 +282,7 @@ int chatserve_decode_attention(int dtype, const void *q, int64_t q_st, int64_t q
         }
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < n; i++)
-            if (w) run_seq(&j, w, seqs[i]);
+            if (w) decode_row(&j, w, seqs[i]);
     }
     free(seqs);
     return failed ? 3 : 0;
