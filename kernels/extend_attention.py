@@ -213,7 +213,8 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for a in range(0, ql, step):
         z = min(ql, a + step)
         qg = (q[a:z] * scale).view(z - a, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * (z - a), d)
-        s = torch.matmul(qg, kt).float().view(hkv, g, z - a, seq_len) + bias[a:z]   # [hkv, g, m, sl]
+        s = torch.matmul(qg, kt).view(hkv, g, z - a, seq_len)                      # [hkv, g, m, sl]
+        s = s.add_(bias[a:z]) if s.dtype == torch.float32 else torch.add(bias[a:z], s)   # fp32 scores
         p = torch.softmax(s, -1).to(q.dtype).view(hkv, g * (z - a), seq_len)
         o = torch.matmul(p, v)                                                      # [hkv, g*m, d]
         out[a:z] = o.view(hkv, g, z - a, d).permute(2, 0, 1, 3).reshape(z - a, hq, d)

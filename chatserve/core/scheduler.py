@@ -64,6 +64,9 @@ class _Entry:
 
 
 _key = attrgetter("key")
+# A waiting request waits for a running prefill of its prefix only when that saves at least this
+# many tokens of prefill (~ one step of compute); a block or two of shared template is not worth a step.
+PREFIX_WAIT_MIN_TOKENS = 128
 
 
 class Scheduler:
@@ -80,7 +83,9 @@ class Scheduler:
          `allocate_slots` fails, the chunk shrinks to what fits, else the last running request is
          preempted (repeatedly; finally the request itself).
       2. if nothing was preempted: waiting requests are admitted in key order (head-of-line; never by
-         preempting) while the budget, `max_num_seqs` and the KV watermark allow.
+         preempting) while the budget, `max_num_seqs` and the KV watermark allow. One exception: a
+         request whose prompt starts with >= PREFIX_WAIT_MIN_TOKENS tokens that a running request is
+         still prefilling waits until they are cached (later requests may pass it meanwhile).
 
     n > 1: the group's sibling 0 (the "leader") prefills prompt[:-1]; at that point siblings 1..n-1
     fork from it (sharing every block), and all n compute the last prompt token themselves (the
@@ -303,8 +308,9 @@ class Scheduler:
         kv = self.kv
         max_seqs = self.config.max_num_seqs
         waiting = self._waiting
-        while waiting and budget > 0:
-            e = waiting[0]
+        i = 0                # waiting[:i] are deferred behind a running prefill of their prefix
+        while i < len(waiting) and budget > 0:
+            e = waiting[i]
             rid = e.rid
             req = e.req
             pending = self._forks.get(rid)
@@ -317,6 +323,9 @@ class Scheduler:
             if free_now == 0 or self._admit_blocked == (rid, free_now, reserve):
                 break
             tokens = e.tokens
+            if self._prefix_in_flight(e):
+                i += 1
+                continue
             cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens)
             target = len(tokens) - 1 if pending else len(tokens)
             n_new = min(target - cached, budget)
@@ -333,7 +342,7 @@ class Scheduler:
                     self._admit_blocked = (rid, free_now, reserve)
                     break
             self._admit_blocked = None
-            waiting.pop(0)
+            waiting.pop(i)
             self._waiting_tokens -= len(tokens)
             req.status = _RUNNING
             req.num_computed_tokens = cached
@@ -358,6 +367,28 @@ class Scheduler:
                     copy_ops.extend(ops)
                     budget -= 1
         return budget
+
+    def _prefix_in_flight(self, e: _Entry) -> bool:
+        """A running request is still prefilling full blocks that e's prompt starts with: admitting e
+        now would compute them twice (e.g. n chats sent at once with one long system prompt), so e
+        waits a step or two and then finds them in the prefix cache."""
+        if not self.kv.enable_prefix_caching:
+            return False
+        bs = self.kv.block_size
+        tokens = e.tokens
+        usable = (len(tokens) - 1) // bs * bs           # e's full blocks (it computes its last token)
+        for o in self._running:
+            prompt = o.req.prompt_token_ids
+            start = o.req.num_computed_tokens // bs * bs   # o's first block not yet in the cache
+            limit = min(usable, len(prompt) // bs * bs)
+            if start + PREFIX_WAIT_MIN_TOKENS > limit or o.req.cache_salt != e.req.cache_salt:
+                continue
+            shared = start                                  # blocks o is about to compute that e can use
+            while shared < limit and tokens[shared:shared + bs] == prompt[shared:shared + bs]:
+                shared += bs
+            if shared - start >= PREFIX_WAIT_MIN_TOKENS and tokens[:start] == prompt[:start]:
+                return True
+        return False
 
     def _largest_fit(self, rid: str, start: int, n_new: int, *, reserve: bool) -> int:
         """Largest k < n_new whose slots can be allocated now (0 if none): binary search."""

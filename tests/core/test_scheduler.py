@@ -540,3 +540,29 @@ def test_bench_scheduler_runs():
     res = run(seqs=8, steps=5, prompt_len=16)
     assert res["decode_seqs_per_step"] == 8 and res["decode_step_ms"] > 0
     assert set(res["goals_met"]) == {"decode_step_ms"}
+
+
+def test_a_request_waits_for_a_running_prefill_of_its_long_prefix():
+    # A and B share a 200-token system prompt and arrive together. B waits one step while A computes
+    # the shared blocks (C, unrelated and behind B, goes ahead), then finds them in the cache.
+    s = make(num_blocks=256, block_size=16, budget=256)
+    system = [(7 * i) % 50 + 1 for i in range(200)]
+    s.add_request(req("A", system + [51, 52, 53]))
+    s.add_request(req("B", system + [54, 55]))
+    s.add_request(req("C", [60, 61, 62]))
+    d = Driver(s)
+    assert plan(d.step()) == [("A", 0, 203, True), ("C", 0, 3, True)]
+    assert plan(d.step()) == [("A", 203, 1, True), ("C", 3, 1, True), ("B", 192, 10, True)]
+    assert s.get_request("B").num_cached_tokens == 192         # every full block of the shared prompt
+    d.run()
+    assert d.tokens["B"] == reference(system + [54, 55], SamplingParams(max_tokens=8, ignore_eos=True),
+                                      None, 1024)
+
+
+def test_a_short_shared_prefix_is_not_worth_waiting_for():
+    s = make(num_blocks=256, block_size=16, budget=256)
+    template = list(range(1, 33))                               # two blocks of a shared chat template
+    s.add_request(req("A", template + list(range(40, 100))))
+    s.add_request(req("B", template + list(range(100, 150))))
+    out = Driver(s).step()
+    assert [p[:2] for p in plan(out)] == [("A", 0), ("B", 0)]
