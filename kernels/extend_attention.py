@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.decode_attention import LOG2E, gather_dequant
+from chatserve_kernels.decode_attention import LOG2E, gather_dequant, take_blocks
 from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl,
                                         use_triton)
 from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
@@ -219,6 +219,63 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         o = torch.matmul(p, v)                                                      # [hkv, g*m, d]
         out[a:z] = o.view(hkv, g, z - a, d).permute(2, 0, 1, 3).reshape(z - a, hq, d)
     return out
+
+
+BATCH_MAX_QUERY = 64     # chunks of up to this many new tokens share one padded batch (below)
+
+
+def extend_batch_prep(block_tables: torch.Tensor, starts: list[int], query_lens: list[int],
+                      seq_lens: list[int], block_size: int, sliding_window: int | None = None) -> tuple:
+    """Short chunks of several sequences as one padded batch, built once per step.
+
+    block_tables: [B, w] of those sequences; starts: their first row in the step's q. Returns
+    (q index [B, m] into q's rows (padding → the chunk's first row), table [B, nblk] int64 (padding →
+    block 0), bias [B, 1, 1, m, S] float32 (0 visible, -inf not), rows [n]: their rows in q, picks [n]:
+    the same rows in the flattened [B*m] batch)."""
+    dev = block_tables.device
+    B, m = len(starts), max(query_lens)
+    nblk = (max(seq_lens) + block_size - 1) // block_size
+    S = nblk * block_size
+    i = torch.arange(m, device=dev)
+    start_t = torch.tensor(starts, device=dev)[:, None]
+    ql_t = torch.tensor(query_lens, device=dev)[:, None]
+    sl_t = torch.tensor(seq_lens, device=dev)[:, None]
+    real = i[None, :] < ql_t                                                   # [B, m]
+    qidx = torch.where(real, start_t + i[None, :], start_t)
+    table = block_tables[:, :nblk].long() * (torch.arange(nblk, device=dev)[None, :] * block_size
+                                             < sl_t).long()
+    qpos = (sl_t - ql_t + i[None, :])[:, :, None]                             # [B, m, 1]
+    kpos = torch.arange(S, device=dev)[None, None, :]
+    visible = (kpos <= qpos) & (kpos < sl_t[:, :, None])
+    if sliding_window:
+        visible &= (qpos - kpos) < sliding_window
+    visible |= ~real[:, :, None] & (kpos == 0)        # padding rows see one key: no all -inf softmax
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=dev).masked_fill_(~visible, float("-inf"))
+    rows = torch.cat([torch.arange(s, s + ql, device=dev) for s, ql in zip(starts, query_lens)])
+    picks = real.reshape(-1).nonzero()[:, 0]
+    return qidx, table, bias[:, None, None], rows, picks
+
+
+def extend_batch_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                       prep: tuple) -> torch.Tensor:
+    """The chunks of extend_batch_prep, attended together: the same two GEMMs as
+    extend_attention_torch with a batch dim, so a step's short chunks (prefix-cache hits, chat turns)
+    cost one set of ops per layer instead of one per sequence. Unquantized caches only.
+
+    q: [T, q_heads, D] (the whole step) → [n, q_heads, D]: the outputs of prep's rows, in order."""
+    qidx, table, bias, _, picks = prep
+    B, m = qidx.shape
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    S = table.shape[1] * k_cache.shape[1]
+    qg = (q[qidx.reshape(-1)] * scale).view(B, m, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * m, d)
+    k = take_blocks(k_cache, table).view(B, S, hkv, d).permute(0, 2, 3, 1)    # [B, hkv, d, S]
+    v = take_blocks(v_cache, table).view(B, S, hkv, d).transpose(1, 2)        # [B, hkv, S, d]
+    s = torch.add(bias, torch.matmul(qg, k).view(B, hkv, g, m, S))           # fp32 [B, hkv, g, m, S]
+    p = torch.softmax(s, -1).to(q.dtype).view(B, hkv, g * m, S)
+    o = torch.matmul(p, v).view(B, hkv, g, m, d).permute(0, 3, 1, 2, 4).reshape(B * m, hq, d)
+    return o[picks]
 
 
 # --------------------------------------------------------------------------- public

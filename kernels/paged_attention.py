@@ -12,7 +12,9 @@ import torch
 from chatserve_kernels import cpu_attention
 from chatserve_kernels.decode_attention import decode_attention_torch, decode_attention_triton, decode_prep
 from chatserve_kernels.dispatch import use_triton
-from chatserve_kernels.extend_attention import extend_attention_torch, extend_attention_triton, extend_prep
+from chatserve_kernels.extend_attention import (BATCH_MAX_QUERY, SCORE_ELEMS, extend_attention_torch,
+                                                extend_attention_triton, extend_batch_prep,
+                                                extend_batch_torch, extend_prep)
 from chatserve_kernels.metadata import AttentionMetadata
 
 
@@ -30,7 +32,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     prep = meta.scratch.get(key)
     if prep is None:
         prep = meta.scratch[key] = _prepare(meta, bs, sliding_window)
-    dprep, rows, extends = prep
+    dprep, rows, extends, batch = prep
     out = torch.empty_like(q)
     fast = (cpu_decode and k_scale is None and dprep is not None
             and cpu_attention.decode_attention_cpu(q, k_cache, v_cache, meta, scale, out, sliding_window))
@@ -43,17 +45,22 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if dprep is not None and not fast:     # the tables below are unused once prep is given
         out[rows] = decode_attention_torch(q[rows], k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            0, scale, k_scale, v_scale, sliding_window, prep=dprep)
+    batched = batch is not None and k_scale is None
+    if batched:
+        out[batch[3]] = extend_batch_torch(q, k_cache, v_cache, scale, batch)
     for s, ql, sl, ext in extends:
-        out[s:s + ql] = extend_attention_torch(q[s:s + ql], k_cache, v_cache, None, sl, scale,
-                                               k_scale, v_scale, sliding_window, prep=ext)
+        if not (batched and ql <= BATCH_MAX_QUERY):
+            out[s:s + ql] = extend_attention_torch(q[s:s + ql], k_cache, v_cache, None, sl, scale,
+                                                   k_scale, v_scale, sliding_window, prep=ext)
     return out
 
 
 def _prepare(meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> tuple:
-    """(decode prep or None, decode rows, [(start, ql, seq_len, extend prep)])."""
+    """(decode prep or None, decode rows, [(start, ql, seq_len, extend prep)], batch prep or None:
+    the short chunks attended together when there are two or more)."""
     if meta.is_decode_only:
         return (decode_prep(meta.block_tables, meta.seq_lens, meta.max_seq_len, block_size,
-                            sliding_window), None, [])
+                            sliding_window), None, [], None)
     starts = [0]                                       # host copy of query_start_loc (no device sync)
     for ql in meta.query_lens:
         starts.append(starts[-1] + ql)
@@ -67,7 +74,15 @@ def _prepare(meta: AttentionMetadata, block_size: int, sliding_window: int | Non
                             max(meta.seq_lens_list[b] for b in decode), block_size, sliding_window)
     extends = [(starts[b], ql, sl, extend_prep(meta.block_tables[b], sl, ql, block_size, sliding_window))
                for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list)) if ql > 1]
-    return dprep, rows, extends
+    short = [b for b, ql in enumerate(meta.query_lens) if 1 < ql <= BATCH_MAX_QUERY]
+    batch = None
+    if len(short) > 1:
+        qls = [meta.query_lens[b] for b in short]
+        sls = [meta.seq_lens_list[b] for b in short]
+        if len(short) * max(qls) * max(sls) * 64 <= SCORE_ELEMS:   # padded scores bounded (<= 64 q heads)
+            batch = extend_batch_prep(meta.block_tables[torch.tensor(short, device=dev)],
+                                      [starts[b] for b in short], qls, sls, block_size, sliding_window)
+    return dprep, rows, extends, batch
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

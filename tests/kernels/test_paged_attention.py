@@ -110,3 +110,23 @@ def test_twin_decode_has_no_per_sequence_python_loop(monkeypatch):
                      block_size=16, dtype=F32)
     paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dt", [F32, torch.bfloat16])
+def test_twin_batches_short_chunks_in_one_set_of_ops(dt, window, monkeypatch):
+    # prefix-cache hits and chat turns: several short chunks (and a long one, and decode rows) in a step
+    ea = importlib.import_module("chatserve_kernels.extend_attention")
+    pa = importlib.import_module("chatserve_kernels.paged_attention")
+    calls = {"batch": 0, "single": 0}
+    real_batch, real_single = ea.extend_batch_torch, ea.extend_attention_torch
+    monkeypatch.setattr(pa, "extend_batch_torch",
+                        lambda *a, **k: calls.__setitem__("batch", calls["batch"] + 1) or real_batch(*a, **k))
+    monkeypatch.setattr(pa, "extend_attention_torch",
+                        lambda *a, **k: calls.__setitem__("single", calls["single"] + 1) or real_single(*a, **k))
+    case = make_case([16, 1, 3, 70, 9, 1], [50, 12, 3, 90, 41, 30], q_heads=9, kv_heads=3, head_dim=64,
+                     block_size=16, dtype=dt)
+    got = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                sliding_window=window)
+    assert calls == {"batch": 1, "single": 1}          # 16, 3 and 9 together; the 70-token chunk alone
+    assert_close(got, dense_reference(case, window), dt, TOL_DENSE)
