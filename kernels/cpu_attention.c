@@ -153,17 +153,6 @@ static inline __m512 load16(int dtype, const void *base, int64_t off) {    /* 16
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Blocks are scattered: start pulling the next one (keys and values) in while this one is used. */
-static inline void prefetch_block(const job_t *j, int64_t base) {
-    const int64_t bytes = (int64_t)j->bs * j->hkv * j->D * (j->dtype == 0 ? 4 : 2);
-    const char *k = (const char *)j->k + base * (j->dtype == 0 ? 4 : 2);
-    const char *v = (const char *)j->v + base * (j->dtype == 0 ? 4 : 2);
-    for (int64_t o = 0; o < bytes; o += 64) {
-        _mm_prefetch(k + o, _MM_HINT_T1);
-        _mm_prefetch(v + o, _MM_HINT_T1);
-    }
-}
-
 /* run_seq for head_dim = 16 * NV and G query heads per kv head, both compile-time constants after
  * inlining: per block and kv head, the G query vectors and the G x NV output accumulators stay in
  * registers while the block's tokens stream through (no converted copies, no per-token stores). */
@@ -185,7 +174,8 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
         const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
         const int a = lo > blk0 ? lo - blk0 : 0;
         const int z = (sl - blk0) < bs ? (sl - blk0) : bs;   /* keys [a, z) of this block */
-        if (blk0 + bs < sl) prefetch_block(j, (int64_t)table[blk0 / bs + 1] * j->c_sb);
+        const int64_t nbase = blk0 + bs < sl ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1;
+        const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
         for (int hk = 0; hk < hkv; hk++) {
             __m512 qv[G][NV], av[G][NV];
             float alpha[G];
@@ -193,6 +183,14 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
                 for (int v = 0; v < NV; v++) qv[g][v] = _mm512_loadu_ps(w->q + (hk * G + g) * D + v * 16);
             for (int t = a; t < z; t++) {                      /* scores */
                 const int64_t off = base + (int64_t)t * row + hk * D;
+                if (nbase >= 0) {   /* blocks are scattered: pull the next one in, a few lines per key */
+                    const int per = (lines + (z - a) * hkv - 1) / ((z - a) * hkv);
+                    const int first = ((t - a) * hkv + hk) * per;
+                    for (int l = first; l < first + per && l < lines; l++) {
+                        _mm_prefetch((const char *)j->k + nbase * esz + l * 64, _MM_HINT_T0);
+                        _mm_prefetch((const char *)j->v + nbase * esz + l * 64, _MM_HINT_T0);
+                    }
+                }
                 __m512 kv[NV];
                 for (int v = 0; v < NV; v++) kv[v] = load16(j->dtype, j->k, off + v * 16);
                 for (int g = 0; g < G; g++) {
