@@ -8,77 +8,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from chatserve_kernels import cpu_build
 from chatserve_kernels.metadata import AttentionMetadata
 
-log = logging.getLogger(__name__)
-
-ENV = "CHATSERVE_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("CHATSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chatserve")
-    return Path(root) / "kernels"
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the CPU model and its flags (a cached .so never moves machines)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))][:2]
-        return "\n".join(lines)
-    except OSError:
-        return platform.processor()
-
-
-def build(compiler: str | None = None) -> Path:
-    """Compile cpu_attention.c into the cache (once per source, flags and CPU); return the .so path."""
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(CFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_attention-{platform.machine()}-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                             timeout=120)
-        if res.returncode:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:500]}")
-        os.replace(tmp, out)             # atomic: concurrent builders each write their own temp file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def _lib():
-    if os.environ.get(ENV, "1") == "0" or platform.system() != "Linux":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except Exception as e:  # noqa: BLE001 — no compiler, read-only cache...: the torch twin still works
-        log.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+    lib = cpu_build.load(SOURCE)
+    if lib is None:
         return None
     fn = lib.chatserve_decode_attention
     fn.restype = _i32

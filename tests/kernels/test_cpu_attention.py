@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from chatserve_kernels import cpu_attention, paged_attention
+from chatserve_kernels import cpu_attention, cpu_build, paged_attention
 from chatserve_kernels.paged_attention import paged_attention_torch
 from kernel_cases import BF16, F32, TOL_DENSE, assert_close, dense_reference, make_case
 
@@ -122,13 +122,13 @@ def test_missing_compiler_is_a_warning_not_an_error(tmp_path):
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "CHATSERVE_CACHE_DIR": str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.stdout.strip() == "False"
-    assert "CPU attention kernel unavailable" in res.stderr
+    assert "CPU kernel cpu_attention.c unavailable" in res.stderr
 
 
 @needs_kernel
 def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path))
-    first = cpu_attention.build()
+    first = cpu_build.build(cpu_attention.SOURCE)
     mtime = first.stat().st_mtime_ns
-    assert cpu_attention.build() == first and first.stat().st_mtime_ns == mtime
+    assert cpu_build.build(cpu_attention.SOURCE) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]      # no temp files left behind

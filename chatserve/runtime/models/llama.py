@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import chatserve_kernels
-from chatserve_kernels import AttentionMetadata
+from chatserve_kernels import AttentionMetadata, cpu_ops
 from chatserve.runtime.weights import ArchConfig, rope_inv_freq
 
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
@@ -106,6 +106,7 @@ class LlamaModel:
         self.device = torch.device(device)
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         self.scale = config.head_dim ** -0.5
+        self.fused = True             # CPU: fused elementwise ops (cpu_ops) when built; False = torch ops
 
         def t(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
@@ -176,9 +177,11 @@ class LlamaModel:
         T = input_ids.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         n_rope = hq + hkv
+        h = F.embedding(input_ids, self.embed)                           # [T, H]
+        if self.fused and cpu_ops.usable(h):
+            return self._forward_fused(h, positions, kv_caches, meta)
         cos = self.rope_cos[positions].unsqueeze(1)                      # [T, 1, d]
         sin = self.rope_sin[positions].unsqueeze(1)
-        h = F.embedding(input_ids, self.embed)                           # [T, H]
         for lw, cache in zip(self.layers, kv_caches):
             x = self._rms_norm(h, lw.input_norm)
             qkv = lw.qkv(x).view(T, n_rope + hkv, d)                     # [T, hq+2hkv, d]
@@ -191,6 +194,25 @@ class LlamaModel:
             g, u = gu.chunk(2, -1)
             h = h + lw.down(F.silu(g) * u)                               # [T, H]
         return self._rms_norm(h, self.norm)
+
+    def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """forward() with the elementwise ops fused on CPU (cpu_ops): residual adds ride on the next
+        RMSNorm, RoPE rotates q and k in place inside the qkv output. h: [T, H] embeddings."""
+        cfg = self.config
+        T = h.shape[0]
+        hq, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        n_rope = hq + hkv
+        pending = None                                                   # the last down_proj output
+        for lw, cache in zip(self.layers, kv_caches):
+            x = cpu_ops.add_rms_norm(h, pending, lw.input_norm, eps)    # h += pending
+            qkv = lw.qkv(x).view(T, n_rope + hkv, d)                     # [T, hq+2hkv, d]
+            cpu_ops.rope_(qkv[:, :n_rope], self.rope_cos, self.rope_sin, positions)
+            attn = self._attention(qkv[:, :hq], qkv[:, hq:n_rope], qkv[:, n_rope:], cache, meta)
+            x = cpu_ops.add_rms_norm(h, lw.o(attn.reshape(T, hq * d)), lw.post_norm, eps)
+            g, u = lw.gate_up(x).chunk(2, -1)                            # [T, I] each
+            pending = lw.down(F.silu(g) * u)                             # [T, H]
+        return cpu_ops.add_rms_norm(h, pending, self.norm, eps)
 
     __call__ = forward
 

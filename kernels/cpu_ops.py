@@ -1,0 +1,57 @@
+"""Fused elementwise ops of a decoder layer on CPU (cpu_ops.c via ctypes): residual add + RMSNorm and
+RoPE, each one call instead of 4-8 torch ops (SiLU·mul stays with torch, whose vectorized exp wins). Each returns None (or False) when it cannot
+take the tensors, and the model keeps its torch code for them; the torch code is the test oracle.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from chatserve_kernels import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_i64, _i32, _vp, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    lib = cpu_build.load(SOURCE)
+    if lib is None:
+        return None
+    lib.chatserve_add_rms_norm.argtypes = [_i32, _vp, _vp, _vp, _vp, _i64, _i64, _f32, _i32]
+    lib.chatserve_rope.argtypes = [_i32, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i32]
+    for fn in (lib.chatserve_add_rms_norm, lib.chatserve_rope):
+        fn.restype = None
+    return lib
+
+
+def usable(t: torch.Tensor) -> bool:
+    """The fused ops can run on tensors like t (CPU, fp32 or bf16) and the library is built."""
+    return t.device.type == "cpu" and t.dtype in _DTYPES and _lib() is not None
+
+
+def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += add (in place, when given); returns w * rms_norm(h). h, add: [T, H] contiguous; w: [H]."""
+    assert h.is_contiguous() and h.dim() == 2 and w.is_contiguous() and w.dtype == h.dtype
+    if add is not None:
+        assert add.is_contiguous() and add.shape == h.shape and add.dtype == h.dtype
+    out = torch.empty_like(h)
+    _lib().chatserve_add_rms_norm(_DTYPES[h.dtype], h.data_ptr(), None if add is None else add.data_ptr(),
+                                  w.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], float(eps),
+                                  torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """In place: x [T, heads, D] (heads contiguous, any row stride) = x·cos + roll(x, D/2)·sin at the
+    rows of cos/sin [L, D] (sign folded into sin) picked by positions [T] int64."""
+    T, heads, D = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == D and D <= 512 and D % 2 == 0
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype
+    pos = positions.to(torch.int64).contiguous()
+    _lib().chatserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                          pos.data_ptr(), T, heads, D, torch.get_num_threads())

@@ -1,0 +1,79 @@
+"""The fused CPU elementwise ops (kernels/cpu_ops.c) against the torch code they replace, op by op
+and through a whole tiny model (fused forward vs the torch forward)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatserve_kernels import cpu_ops
+
+needs_lib = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler: torch ops are used")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def torch_norm(h, add, w, eps):
+    if add is not None:
+        h = h + add
+    xf = h.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return h, w * xf.to(h.dtype)
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 576), (300, 128)])
+@pytest.mark.parametrize("with_add", [True, False])
+def test_add_rms_norm(dt, T, H, with_add):
+    g = torch.Generator().manual_seed(T * H)
+    h = torch.randn(T, H, generator=g).to(dt)
+    add = torch.randn(T, H, generator=g).to(dt) if with_add else None
+    w = (torch.rand(H, generator=g) + 0.5).to(dt)
+    want_h, want = torch_norm(h, add, w, 1e-5)
+    got = cpu_ops.add_rms_norm(h, add, w, 1e-5)          # h is updated in place
+    assert torch.equal(h, want_h)
+    if dt == torch.bfloat16:
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+        assert (got != want).float().mean() < 0.01      # the same bits but for rare 1-ulp roundings
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("T,heads,D", [(1, 12, 64), (7, 4, 128), (40, 3, 32)])
+def test_rope_in_place(dt, T, heads, D):
+    g = torch.Generator().manual_seed(T)
+    qkv = torch.randn(T, heads + 2, D, generator=g).to(dt)
+    ang = torch.rand(64, D // 2, generator=g) * 6
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dt)
+    sin = torch.cat([-ang.sin(), ang.sin()], -1).to(dt)
+    pos = torch.randint(0, 64, (T,), generator=g)
+    x = qkv[:, :heads]
+    want = torch.addcmul(x * cos[pos].unsqueeze(1), x.roll(D // 2, -1), sin[pos].unsqueeze(1))
+    untouched = qkv[:, heads:].clone()
+    cpu_ops.rope_(qkv[:, :heads], cos, sin, pos)
+    torch.testing.assert_close(qkv[:, :heads], want, rtol=0, atol=1e-6 if dt == torch.float32 else 0)
+    assert torch.equal(qkv[:, heads:], untouched)
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_fused_forward_matches_the_torch_forward(tmp_path, dt):
+    from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
+    from chatserve.core.request import SamplingParams
+    from chatserve.runtime.model_runner import ModelRunner
+    from chatserve.runtime.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", seed=3)
+    runs = []
+    for fused in (True, False):
+        r = ModelRunner(path, dtype=dt, num_blocks=16, block_size=4, progress=False, num_threads=1)
+        r.model.fused = fused
+        p = SamplingParams(temperature=0.0, logprobs=5)
+        out = r.execute(SchedulerOutput(1, [ScheduledSeq("a", list(range(3, 14)), 0, [0, 1, 2], True, p)]))
+        toks = [out.sampled["a"]]
+        for i in range(4):
+            out = r.execute(SchedulerOutput(2 + i, [ScheduledSeq("a", [toks[-1]], 11 + i, [0, 1, 2, 3, 4], True, p)]))
+            toks.append(out.sampled["a"])
+        runs.append(toks)
+    assert runs[0] == runs[1]
