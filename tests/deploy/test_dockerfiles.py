@@ -78,6 +78,11 @@ def test_cpu_image():
     assert re.fullmatch(r"python:3\.\d+-slim(-\w+)?", ins[0][1])
     runs = " ".join(a for k, a in ins if k == "RUN")
     assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in runs
+    # the C kernels compile at first start: a compiler, and a cache dir the non-root user can write
+    assert re.search(r"install .*\bgcc=", runs)
+    env = " ".join(a for k, a in ins if k == "ENV")
+    cache = re.search(r"CHATSERVE_CACHE_DIR=(\S+)", env).group(1)
+    assert f"install -d -o 10001 -g 10001 {cache}" in runs
 
 
 def test_cuda_image():
