@@ -33,7 +33,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--agreement", action="store_true",
+                   help="instead of timings: greedy outputs of each --dtypes variant against fp32 dense "
+                        "weights, over the 20 chat prompts of `bench kernels --quality`")
+    p.add_argument("--max-tokens", type=int, default=32, help="for --agreement")
     return p
+
+
+def agreement(path: str, variants: list[str], max_tokens: int) -> dict:
+    """Greedy continuations of each variant ("dtype[+quant]") vs float32 with dense weights."""
+    from chatserve.bench.kernels import PROMPTS
+    from chatserve.core.request import SamplingParams
+    from chatserve.llm import LLM
+    from chatserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_model(path)
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    eos = sorted(set(tok.eos_token_ids))
+    outs = {}
+    for v in ["float32", *variants]:
+        base, _, quant = v.partition("+")
+        llm = LLM(path, dtype=base, weight_quant=quant or None, eos_token_ids=eos)
+        outs[v] = (str(llm.runner.dtype).replace("torch.", ""), llm.runner.weight_quant, llm.generate(ids, params))
+    ref = outs["float32"][2]
+    report = {"prompts": len(ids), "max_tokens": max_tokens, "results": []}
+    for v in variants:
+        dtype, quant, got = outs[v]
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                  for a, b in zip(ref, got)]
+        report["results"].append({"variant": v, "dtype": dtype, "weight_quant": quant,
+                                  "identical": sum(a == b for a, b in zip(ref, got)),
+                                  "mean_matching_prefix": sum(prefix) / len(prefix)})
+    return report
 
 
 def _decode(runner, batch: int, context: int, steps: int) -> dict:
@@ -135,6 +167,17 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.agreement:
+        from chatserve.config import ModelConfig
+        rep = agreement(ModelConfig(model=args.model).resolved_model(), _parse_list(args.dtypes), args.max_tokens)
+        if args.json:
+            print(json.dumps(rep, indent=2))
+        else:
+            for r in rep["results"]:
+                print(f"{r['variant']:16s} ({r['dtype']}, {r['weight_quant'] or 'dense'}): {r['identical']}/"
+                      f"{rep['prompts']} greedy outputs identical to float32 dense, mean matching prefix "
+                      f"{r['mean_matching_prefix']:.1f} of {rep['max_tokens']} tokens")
+        return 0
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=2))
