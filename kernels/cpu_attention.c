@@ -86,14 +86,9 @@ static inline void write_out(const job_t *j, int64_t off, const float *acc, floa
     }
 }
 
-/* The generic body: any head_dim and group size, one dot product per (head, key). */
-static void run_seq(const job_t *j, work_t *w, int b) {
-    const int D = j->D, bs = j->bs, hq = j->hq, G = hq / j->hkv, row = j->hkv * D;
+/* Start sequence b's decode row: scaled queries, empty accumulators. Returns the first visible key. */
+static int seq_begin(const job_t *j, work_t *w, int b, int hq, int D) {
     const int t_q = j->qsl[b], sl = j->lens[b];
-    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
-    int lo = j->window > 0 ? sl - j->window : 0;              /* visible keys [lo, sl) */
-    lo = lo < 0 ? 0 : lo;
-
     for (int h = 0; h < hq; h++) {
         const float *qh = as_f32(j->dtype, j->q, (int64_t)t_q * j->q_st + (int64_t)h * j->q_sh, w->row, D);
         for (int d = 0; d < D; d++) w->q[h * D + d] = qh[d] * j->scale;
@@ -101,6 +96,16 @@ static void run_seq(const job_t *j, work_t *w, int b) {
         w->mx[h] = -1e30f;
         w->den[h] = 0.0f;
     }
+    const int lo = j->window > 0 ? sl - j->window : 0;
+    return lo < 0 ? 0 : lo;
+}
+
+/* The generic body: any head_dim and group size, one dot product per (head, key). */
+static void run_seq(const job_t *j, work_t *w, int b) {
+    const int D = j->D, bs = j->bs, hq = j->hq, G = hq / j->hkv, row = j->hkv * D;
+    const int t_q = j->qsl[b], sl = j->lens[b];
+    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
+    const int lo = seq_begin(j, w, b, hq, D);                 /* visible keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
         const int a = lo > blk0 ? lo - blk0 : 0;
@@ -161,15 +166,7 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
     const int D = 16 * NV, bs = j->bs, hkv = j->hkv, hq = G * hkv, row = hkv * D;
     const int t_q = j->qsl[b], sl = j->lens[b];
     const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
-    int lo = j->window > 0 ? sl - j->window : 0;
-    lo = lo < 0 ? 0 : lo;
-    for (int h = 0; h < hq; h++) {
-        const float *qh = as_f32(j->dtype, j->q, (int64_t)t_q * j->q_st + (int64_t)h * j->q_sh, w->row, D);
-        for (int d = 0; d < D; d++) w->q[h * D + d] = qh[d] * j->scale;
-        memset(w->acc + h * D, 0, (size_t)D * sizeof(float));
-        w->mx[h] = -1e30f;
-        w->den[h] = 0.0f;
-    }
+    const int lo = seq_begin(j, w, b, hq, D);
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
         const int a = lo > blk0 ? lo - blk0 : 0;
