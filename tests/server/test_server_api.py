@@ -35,6 +35,13 @@ def test_chat_non_stream(client):
     assert set(ext) == {"ttft_s", "tokens_per_s", "queue_s"} and ext["ttft_s"] >= 0
 
 
+def test_default_model_answers_to_its_short_names(client):
+    # the README's quickstart says model="smollm2"; the served name stays the file's own
+    for name in ("smollm2", "SmolLM2-135M-Instruct", "fake-model"):
+        r = client.chat.completions.create(model=name, messages=MSG, max_tokens=2)
+        assert r.model == name and r.choices[0].finish_reason == "length"
+
+
 def test_chat_stream_shape_n2_and_usage(client):
     chunks = list(client.chat.completions.create(
         model="fake-model", messages=MSG, max_tokens=4, n=2, stream=True,
