@@ -77,3 +77,19 @@ def test_fused_forward_matches_the_torch_forward(tmp_path, dt):
             toks.append(out.sampled["a"])
         runs.append(toks)
     assert runs[0] == runs[1]
+
+
+@needs_lib
+def test_fused_forward_rejects_positions_beyond_the_rope_tables(tmp_path):
+    from chatserve.runtime.models.llama import LlamaModel
+    from chatserve.runtime.tiny import make_tiny_model
+    from chatserve.runtime.weights import load_weights
+    from chatserve_kernels import AttentionMetadata
+
+    w = load_weights(make_tiny_model(tmp_path / "m"), torch.float32, progress=False)
+    model = LlamaModel(w.config, w.tensors, torch.float32, max_model_len=32)
+    caches = [(torch.zeros(4, 16, w.config.num_kv_heads, w.config.head_dim),) * 2
+              for _ in range(w.config.num_layers)]
+    meta = AttentionMetadata.build([1], [40], [[0, 1, 2]], 16)
+    with pytest.raises(IndexError):
+        model.forward(torch.tensor([5]), torch.tensor([39]), caches, meta)

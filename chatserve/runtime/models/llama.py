@@ -203,6 +203,8 @@ class LlamaModel:
         T = h.shape[0]
         hq, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         n_rope = hq + hkv
+        if T and int(positions.max()) >= self.rope_cos.shape[0]:      # C reads the tables unchecked
+            raise IndexError(f"position {int(positions.max())} beyond the RoPE tables ({self.max_model_len})")
         pending = None                                                   # the last down_proj output
         for lw, cache in zip(self.layers, kv_caches):
             x = cpu_ops.add_rms_norm(h, pending, lw.input_norm, eps)    # h += pending
