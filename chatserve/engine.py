@@ -170,7 +170,8 @@ class AsyncEngine:
         # the model is loaded and every step runs on this one thread: torch's OpenMP keeps a team of
         # workers per calling thread, and steps slow down when more than one thread has used it
         # (see load)
-        self._step_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatserve-step")
+        self._step_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                thread_name_prefix="chatserve-step")
         self._wake: asyncio.Event | None = None
         self._stats = EngineStats()
         self.last_step_time: float | None = None
@@ -187,7 +188,7 @@ class AsyncEngine:
 
         Blocking; call it from a thread or before the event loop starts. It runs on the step thread:
         the thread that first runs torch's OpenMP code keeps a team of workers, and a model loaded on
-        another thread then steps up to 1.6× slower (2 cores: a 16-token step over 1,040 cached
+        another thread then steps 1.6-2.3× slower (2 cores: a 16-token step over 1,040 cached
         tokens 42 ms instead of 26; a 512-token prefill 510 ms instead of 220).
         """
         self._step_pool.submit(self._load, progress).result()
@@ -208,7 +209,8 @@ class AsyncEngine:
             from chatserve.core.kv_cache_manager import KVCacheManager
             self.kv = KVCacheManager(
                 self.runner.num_blocks, cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
-                hash_seed=cc.hash_seed, model_key=f"{mc.resolved_model()}:{getattr(self.runner, 'dtype', mc.dtype)}")
+                hash_seed=cc.hash_seed,
+                model_key=f"{mc.resolved_model()}:{getattr(self.runner, 'dtype', mc.dtype)}")
         if self.scheduler is None:
             from chatserve.core.scheduler import Scheduler
             self.scheduler = Scheduler(self.config.scheduler, self.kv, max_model_len=self.max_model_len)
@@ -386,7 +388,8 @@ class AsyncEngine:
     async def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._in_step = True
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._step_pool, self.runner.execute, out)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._step_pool, self.runner.execute, out)
         except Exception as e:
             log.exception("model step failed")
             self._stats.step_errors += 1

@@ -57,7 +57,8 @@ def main(argv: list[str]) -> int:
     llm = LLM(path, dtype=args.dtype, device=args.device, block_size=block_size,
               num_blocks=(len(ids) + args.max_tokens) // block_size + 2,
               max_model_len=None, num_threads=args.num_threads, progress=args.progress,
-              eos_token_ids=sorted(set(tok.eos_token_ids)), weight_quant=None if args.weight_quant == "none" else args.weight_quant)
+              eos_token_ids=sorted(set(tok.eos_token_ids)),
+              weight_quant=None if args.weight_quant == "none" else args.weight_quant)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     out = llm.generate([ids], params)[0]

@@ -1,6 +1,6 @@
 """Fused elementwise ops of a decoder layer on CPU (cpu_ops.c via ctypes): residual add + RMSNorm and
-RoPE, each one call instead of 4-8 torch ops (SiLU·mul stays with torch, whose vectorized exp wins). Each returns None (or False) when it cannot
-take the tensors, and the model keeps its torch code for them; the torch code is the test oracle.
+RoPE, each one call instead of 4-8 torch ops (SiLU·mul stays with torch, whose vectorized exp wins).
+The model uses them where usable() says so and keeps its torch code otherwise; that code is the oracle.
 """
 from __future__ import annotations
 

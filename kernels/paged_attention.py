@@ -1,9 +1,9 @@
 """Paged attention over a flattened varlen batch: decode tokens and prefill chunks with a cached prefix.
 
 Dispatches: on CUDA, 1-token sequences go to the split-K decode kernel, longer chunks to the extend
-kernel (both in one batch when it is mixed); on CPU, one C kernel reads the blocks in place
-(cpu_attention), and the torch twin takes what it cannot. Each new token attends to every cached token of its sequence and
-causally to the new tokens before it. The K/V of this step must already be stored (store_kv).
+kernel (both in one batch when it is mixed); on CPU, decode rows go to a C kernel that reads the blocks
+in place (cpu_attention) and chunks to the torch twin. Each new token attends to every cached token of
+its sequence and causally to the new tokens before it. The K/V of this step must already be stored.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # q: [T, q_heads, head_dim] → out: [T, q_heads, head_dim]
     # cpu_decode: decode rows through the C kernel when it takes them (cpu_attention); the default,
     # False, is the pure-torch twin (the test oracle)
-    # Decode rows run batched in one SDPA call; each prefill chunk is one SDPA call (no per-token loop).
+    # Decode rows run batched in one SDPA call; chunks of <= BATCH_MAX_QUERY tokens run as one padded
+    # batch, longer ones one by one (GEMMs, no per-token loop).
     # Index tables and masks are built once per step (meta.scratch) and shared by every layer.
     bs = k_cache.shape[1]
     key = ("torch", bs, sliding_window)

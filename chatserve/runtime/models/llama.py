@@ -26,8 +26,8 @@ class Linear:
       int8: per-output-channel scales, torch._weight_int8pack_mm (a quarter of fp32's bytes);
       int4: groups of 32 along K with a scale and a zero (min/max, asymmetric; GGUF Q4_1 blocks map onto
             it), torch._weight_int4pack_mm_for_cpu (CPU only; an eighth of fp32's bytes plus scales).
-    Activations go in as bf16 (with fp32 the kernels fall back to a path 3-6× slower). Both kernels cost about one GEMV per row: on this model's layer shapes int8
-    beats fp32 up to M ≈ 8 (M=1: 243 vs 495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595),
+    Activations go in as bf16 (with fp32 the kernels fall back to a path 3-6× slower). Both kernels
+    cost about one GEMV per row: on this model's layer shapes int8 beats fp32 up to M ≈ 8 (M=1: 243 vs 495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595),
     and on the 49k-row LM head up to M = 16 (17.7 vs 20.2 ms), hence the two defaults.
     Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise):
     aten's bf16 matmul reorders W on every call (2-AMD EPYC, 2 threads, the 4 layer matrices: M=16
