@@ -127,6 +127,9 @@ def served_name(cfg: EngineConfig) -> str:
 
 def banner(cfg: EngineConfig, engine, name: str, load_s: float) -> str:
     r = engine.runner
+    kv_dtype = getattr(r, "kv_cache_dtype", "auto")
+    if kv_dtype == "auto":                        # the cache takes the model's dtype
+        kv_dtype = str(getattr(r, "dtype", cfg.model.dtype)).replace("torch.", "")
     blocks, bs, ctx = engine.num_blocks, engine.block_size, engine.max_model_len
     tokens = blocks * bs
     mem = getattr(r, "bytes_per_block", 0) * blocks
@@ -141,7 +144,7 @@ def banner(cfg: EngineConfig, engine, name: str, load_s: float) -> str:
         f"  model      {cfg.model.resolved_model()}",
         f"  dtype      {str(getattr(r, 'dtype', cfg.model.dtype)).replace('torch.', '')} on "
         f"{getattr(r, 'device', cfg.model.device)}, "
-        f"weights {getattr(r, 'weight_quant', None) or 'dense'}, KV {getattr(r, 'kv_cache_dtype', 'auto')}"
+        f"weights {getattr(r, 'weight_quant', None) or 'dense'}, KV {kv_dtype}"
         f"   (loaded in {load_s:.1f} s)",
         f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens"
         + (f" ({mem / (1 << 20):.0f} MiB)" if mem else "")
