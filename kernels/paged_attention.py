@@ -7,6 +7,8 @@ its sequence and causally to the new tokens before it. The K/V of this step must
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from chatserve_kernels import cpu_attention
@@ -29,61 +31,79 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # batch, longer ones one by one (GEMMs, no per-token loop).
     # Index tables and masks are built once per step (meta.scratch) and shared by every layer.
     bs = k_cache.shape[1]
-    key = ("torch", bs, sliding_window)
+    plain = k_scale is None                            # short chunks are batched for plain caches only
+    key = ("torch", bs, sliding_window, plain)
     prep = meta.scratch.get(key)
     if prep is None:
-        prep = meta.scratch[key] = _prepare(meta, bs, sliding_window)
-    dprep, rows, extends, batch = prep
+        prep = meta.scratch[key] = _prepare(meta, bs, sliding_window, plain)
+    decode, extends, batch = prep
     out = torch.empty_like(q)
-    fast = (cpu_decode and k_scale is None and dprep is not None
-            and cpu_attention.decode_attention_cpu(q, k_cache, v_cache, meta, scale, out, sliding_window))
-    if meta.is_decode_only:
-        if fast:
-            return out
-        return decode_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.max_seq_len, scale, k_scale, v_scale, sliding_window,
-                                      prep=dprep)
-    if dprep is not None and not fast:     # the tables below are unused once prep is given
+    if decode is not None and not (cpu_decode and plain and cpu_attention.decode_attention_cpu(
+            q, k_cache, v_cache, meta, scale, out, sliding_window)):
+        rows, dprep = _decode_prep(meta, bs, sliding_window, decode)
+        if rows is None:                               # a decode-only step
+            return decode_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          meta.max_seq_len, scale, k_scale, v_scale, sliding_window,
+                                          prep=dprep)
         out[rows] = decode_attention_torch(q[rows], k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            0, scale, k_scale, v_scale, sliding_window, prep=dprep)
-    batched = batch is not None and k_scale is None
-    if batched:
+    if batch is not None:
         out[batch[3]] = extend_batch_torch(q, k_cache, v_cache, scale, batch)
     for s, ql, sl, ext in extends:
-        if not (batched and ql <= BATCH_MAX_QUERY):
-            out[s:s + ql] = extend_attention_torch(q[s:s + ql], k_cache, v_cache, None, sl, scale,
-                                                   k_scale, v_scale, sliding_window, prep=ext)
+        out[s:s + ql] = extend_attention_torch(q[s:s + ql], k_cache, v_cache, None, sl, scale,
+                                               k_scale, v_scale, sliding_window, prep=ext)
     return out
 
 
-def _prepare(meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> tuple:
-    """(decode prep or None, decode rows, [(start, ql, seq_len, extend prep)], batch prep or None:
-    the short chunks attended together when there are two or more)."""
+def _prepare(meta: AttentionMetadata, block_size: int, sliding_window: int | None,
+             batch_short: bool) -> tuple:
+    """(decode sequences [b] or None, [(start, ql, seq_len, extend prep)] of the chunks attended one by
+    one, batch prep or None: with batch_short, the chunks of <= BATCH_MAX_QUERY tokens attended
+    together when there are two or more)."""
+    decode = [b for b, ql in enumerate(meta.query_lens) if ql == 1] or None
     if meta.is_decode_only:
-        return (decode_prep(meta.block_tables, meta.seq_lens, meta.max_seq_len, block_size,
-                            sliding_window), None, [], None)
-    starts = [0]                                       # host copy of query_start_loc (no device sync)
-    for ql in meta.query_lens:
-        starts.append(starts[-1] + ql)
-    dev = meta.block_tables.device
-    decode = [b for b, ql in enumerate(meta.query_lens) if ql == 1]
-    dprep = rows = None
-    if decode:
-        rows = torch.tensor([starts[b] for b in decode], device=dev)
-        idx = torch.tensor(decode, device=dev)
-        dprep = decode_prep(meta.block_tables[idx], meta.seq_lens[idx],
-                            max(meta.seq_lens_list[b] for b in decode), block_size, sliding_window)
-    extends = [(starts[b], ql, sl, extend_prep(meta.block_tables[b], sl, ql, block_size, sliding_window))
-               for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list)) if ql > 1]
-    short = [b for b, ql in enumerate(meta.query_lens) if 1 < ql <= BATCH_MAX_QUERY]
+        return decode, [], None
+    starts = _starts(meta)
+    short = [b for b, ql in enumerate(meta.query_lens) if 1 < ql <= BATCH_MAX_QUERY] if batch_short else []
     batch = None
     if len(short) > 1:
         qls = [meta.query_lens[b] for b in short]
         sls = [meta.seq_lens_list[b] for b in short]
         if len(short) * max(qls) * max(sls) * 64 <= SCORE_ELEMS:   # padded scores bounded (<= 64 q heads)
-            batch = extend_batch_prep(meta.block_tables[torch.tensor(short, device=dev)],
+            batch = extend_batch_prep(meta.block_tables[torch.tensor(short, device=meta.block_tables.device)],
                                       [starts[b] for b in short], qls, sls, block_size, sliding_window)
-    return dprep, rows, extends, batch
+    batched = set(short) if batch is not None else set()
+    extends = [(starts[b], ql, sl, extend_prep(meta.block_tables[b], sl, ql, block_size, sliding_window))
+               for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list))
+               if ql > 1 and b not in batched]
+    return decode, extends, batch
+
+
+def _starts(meta: AttentionMetadata) -> list[int]:
+    """Host copy of query_start_loc (no device sync)."""
+    return [0, *itertools.accumulate(meta.query_lens)]
+
+
+def _decode_prep(meta: AttentionMetadata, block_size: int, sliding_window: int | None,
+                 decode: list[int]) -> tuple:
+    """(rows of the decode sequences in q, or None for a decode-only step; their decode_prep), built
+    only when the twin attends them (the C kernel needs neither) and then shared by every layer."""
+    key = ("torch-decode", block_size, sliding_window)
+    got = meta.scratch.get(key)
+    if got is not None:
+        return got
+    if meta.is_decode_only:
+        got = None, decode_prep(meta.block_tables, meta.seq_lens, meta.max_seq_len, block_size,
+                                sliding_window)
+    else:
+        dev = meta.block_tables.device
+        starts = _starts(meta)
+        idx = torch.tensor(decode, device=dev)
+        got = (torch.tensor([starts[b] for b in decode], device=dev),
+               decode_prep(meta.block_tables[idx], meta.seq_lens[idx],
+                           max(meta.seq_lens_list[b] for b in decode), block_size, sliding_window))
+    meta.scratch[key] = got
+    return got
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
