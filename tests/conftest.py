@@ -1,4 +1,5 @@
-"""Fixtures shared by every test folder: a throwaway redis-server (skipped with a hint when missing)."""
+"""Fixtures shared by every test folder: a throwaway redis-server (skipped with a hint when missing) and
+a tiny random-weight model directory."""
 from __future__ import annotations
 
 import sys
@@ -22,6 +23,15 @@ def redis_server():
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    try:
+        from chatserve.runtime.tiny import make_tiny_model
+        return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"tiny model unavailable: {e}")
 
 
 def pytest_collection_modifyitems(config, items):

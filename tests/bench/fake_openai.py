@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from session_fakes import free_port  # noqa: F401  (tests/sessions is on sys.path: tests/conftest.py)
 
 BLOCK = 16
 
@@ -171,12 +172,6 @@ async def _stream(st: FakeState, chat: bool, n: int, max_tokens: int, prompt: in
             st.cancelled += 1
         if finished or not st.leak_on_cancel:
             st.used_blocks -= blocks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServer:

@@ -12,15 +12,6 @@ from test_ui_chat import kv_usage, open_ui, send, wait_js, wait_until
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    try:
-        from chatserve.runtime.tiny import make_tiny_model
-        return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"tiny model unavailable: {e}")
-
-
 def test_real_server_stream_stop_and_restart(browser, redis_server, tiny_model, tmp_path):
     log = tmp_path / "serve.log"
     args = ("--kv-blocks", "256", "--redis-url", redis_server.url)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from session_fakes import free_port  # noqa: F401  (tests/sessions is on sys.path: tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ROOT / "docker" / "haproxy.cfg"
@@ -19,12 +20,6 @@ CFG = ROOT / "docker" / "haproxy.cfg"
 
 def haproxy_exe() -> str | None:
     return shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.path.exists(p)), None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def proxy_env(port: int, stats_port: int, replicas: list[str]) -> dict[str, str]:

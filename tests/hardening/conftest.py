@@ -15,15 +15,6 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    try:
-        from chatserve.runtime.tiny import make_tiny_model
-        return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"tiny model unavailable: {e}")
-
-
-@pytest.fixture(scope="session")
 def tiny_server(tiny_model, tmp_path_factory):
     """One tiny-model server shared by the tests that only need a roomy, default-configured engine."""
     srv = start_real_server(str(tmp_path_factory.mktemp("tiny-srv")), "--model", tiny_model,

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from hardening_support import metric, start_real_server
+from hardening_support import metric, poll_metrics, start_real_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,12 +60,8 @@ def test_overload_is_refused_with_503_retry_after_and_an_error_body(tiny_model, 
     try:
         host, port = srv.url.removeprefix("http://").split(":")
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
-        deadline = time.time() + 30
-        while time.time() < deadline:           # wait until the queue is full
-            text = httpx.get(srv.url + "/metrics", timeout=10).text
-            if metric(text, "chatserve:num_requests_waiting") >= 4:
-                break
-            time.sleep(0.1)
+        poll_metrics(srv.url, lambda t: metric(t, "chatserve:num_requests_waiting") >= 4, 30,
+                     interval=0.1)                 # wait until the queue is full
         lat = []
         for _ in range(40):
             try:

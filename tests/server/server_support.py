@@ -2,6 +2,7 @@
 serve` in a subprocess, and reading /metrics. The fixtures live in conftest.py beside this file."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -10,23 +11,18 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import uvicorn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fakes import FakeTokenizer, VOCAB, fake_engine  # noqa: E402
+from session_fakes import free_port  # noqa: E402,F401  (tests/sessions is on sys.path: tests/conftest.py)
 
 from chatserve.config import EngineConfig, ServerConfig, default_model_path  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -128,3 +124,23 @@ def metric(text: str, name: str) -> float:
             found = True
     assert found, f"{name} not in /metrics"
     return total
+
+
+def poll_metrics(url: str, done: Callable[[str], bool], timeout: float = 5.0, interval: float = 0.05) -> str:
+    """GET /metrics until done(text) or `timeout` seconds; returns the last text (the caller asserts)."""
+    deadline = time.time() + timeout
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        if done(text) or time.time() >= deadline:
+            return text
+        time.sleep(interval)
+
+
+def raw_post(url: str, path: str, body: dict) -> socket.socket:
+    """POST `body` as JSON over a bare socket, left open: the test reads what it wants, then hangs up."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s

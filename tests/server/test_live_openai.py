@@ -6,13 +6,12 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
 import openai
 import pytest
-from server_support import metric, real_model_available, start_real_server
+from server_support import metric, poll_metrics, raw_post, real_model_available, start_real_server
 from websockets.sync.client import connect
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -23,16 +22,16 @@ def client(live_server):
     return openai.OpenAI(base_url=live_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
+def _idle(text: str) -> bool:
+    return (metric(text, "chatserve:kv_cache_used_blocks") == 0
+            and metric(text, "chatserve:num_requests_running") == 0
+            and metric(text, "chatserve:num_requests_waiting") == 0)
+
+
 def wait_idle(url: str, timeout: float = 20) -> str:
-    deadline = time.time() + timeout
-    text = ""
-    while time.time() < deadline:
-        text = httpx.get(url + "/metrics").text
-        if (metric(text, "chatserve:kv_cache_used_blocks") == 0
-                and metric(text, "chatserve:num_requests_running") == 0
-                and metric(text, "chatserve:num_requests_waiting") == 0):
-            return text
-        time.sleep(0.1)
+    text = poll_metrics(url, _idle, timeout, interval=0.1)
+    if _idle(text):
+        return text
     raise AssertionError("server did not return to idle:\n" + "\n".join(
         line for line in text.splitlines() if line.startswith("chatserve:")))
 
@@ -115,12 +114,8 @@ def test_32_concurrent_streams_are_well_formed(live_server):
 
 
 def test_client_disconnect_mid_stream_frees_kv(live_server):
-    host, port = live_server.url.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True,
-                       "stream": True}).encode()
-    s = socket.create_connection((host, int(port)))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    s = raw_post(live_server.url, "/v1/completions",
+                 {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True})
     got = b""
     while got.count(b"data: ") < 3:
         got += s.recv(65536)

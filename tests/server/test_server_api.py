@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import time
 
 import httpx
 import openai
 import pytest
-from server_support import metric, start_fake_server
+from server_support import metric, poll_metrics, raw_post, start_fake_server
 
 MSG = [{"role": "user", "content": "abc"}]
 
@@ -358,23 +356,15 @@ def test_rate_limit_429():
 def test_client_disconnect_aborts_and_frees_blocks():
     srv = start_fake_server(delay=0.01)
     try:
-        host, port = srv.url.removeprefix("http://").split(":")
-        body = json.dumps({"messages": MSG, "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
-        s = socket.create_connection((host, int(port)))
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        s = raw_post(srv.url, "/v1/chat/completions",
+                     {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "stream": True})
         got = b""
         while got.count(b"data: ") < 3:
             got += s.recv(4096)
         used = metric(httpx.get(srv.url + "/metrics").text, "chatserve:kv_cache_used_blocks")
         assert used > 0
         s.close()
-        deadline = time.time() + 5
-        while time.time() < deadline:
-            text = httpx.get(srv.url + "/metrics").text
-            if metric(text, "chatserve:kv_cache_usage_perc") == 0:
-                break
-            time.sleep(0.05)
+        text = poll_metrics(srv.url, lambda t: metric(t, "chatserve:kv_cache_usage_perc") == 0)
         assert metric(text, "chatserve:kv_cache_usage_perc") == 0
         assert metric(text, "chatserve:num_requests_running") == 0
         assert 'finished_reason="abort"' in text
@@ -385,22 +375,11 @@ def test_client_disconnect_aborts_and_frees_blocks():
 def test_non_streaming_client_that_hangs_up_is_aborted():
     srv = start_fake_server(delay=0.01)
     try:
-        host, port = srv.url.removeprefix("http://").split(":")
-        body = json.dumps({"messages": MSG, "max_tokens": 240, "ignore_eos": True}).encode()
-        s = socket.create_connection((host, int(port)))
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        deadline = time.time() + 5
-        while metric(httpx.get(srv.url + "/metrics").text, "chatserve:num_requests_running") == 0:
-            assert time.time() < deadline
-            time.sleep(0.01)
+        s = raw_post(srv.url, "/v1/chat/completions", {"messages": MSG, "max_tokens": 240, "ignore_eos": True})
+        text = poll_metrics(srv.url, lambda t: metric(t, "chatserve:num_requests_running") > 0, interval=0.01)
+        assert metric(text, "chatserve:num_requests_running") > 0
         s.close()
-        deadline = time.time() + 5
-        while time.time() < deadline:
-            text = httpx.get(srv.url + "/metrics").text
-            if metric(text, "chatserve:num_requests_running") == 0:
-                break
-            time.sleep(0.05)
+        text = poll_metrics(srv.url, lambda t: metric(t, "chatserve:num_requests_running") == 0)
         assert metric(text, "chatserve:kv_cache_used_blocks") == 0
         assert 'finished_reason="abort"' in text
     finally:

@@ -4,9 +4,8 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import pytest
-from server_support import metric, start_fake_server
+from server_support import metric, poll_metrics, start_fake_server
 from websockets.sync.client import connect
 
 MSG = [{"role": "user", "content": "abc"}]
@@ -51,12 +50,8 @@ def test_two_interleaved_requests_and_a_cancel(slow_server):
     assert b[0]["object"] == "text_completion"
     text_b = "".join(ch["text"] for x in b for ch in x["choices"])
     assert text_b == "ABCDEFGHIJKL"
-    deadline = time.time() + 5
-    while time.time() < deadline:
-        if metric(httpx.get(slow_server.url + "/metrics").text, "chatserve:kv_cache_used_blocks") == 0:
-            break
-        time.sleep(0.05)
-    assert metric(httpx.get(slow_server.url + "/metrics").text, "chatserve:kv_cache_used_blocks") == 0
+    text = poll_metrics(slow_server.url, lambda t: metric(t, "chatserve:kv_cache_used_blocks") == 0)
+    assert metric(text, "chatserve:kv_cache_used_blocks") == 0
 
 
 GARBAGE = [
@@ -105,11 +100,6 @@ def test_socket_close_aborts_its_requests(slow_server):
             c.send(json.dumps({"id": str(i), "messages": MSG, "max_tokens": 240, "ignore_eos": True}))
         for _ in range(6):
             c.recv(timeout=10)
-    deadline = time.time() + 5
-    while time.time() < deadline:
-        text = httpx.get(slow_server.url + "/metrics").text
-        if metric(text, "chatserve:num_requests_running") == 0:
-            break
-        time.sleep(0.05)
+    text = poll_metrics(slow_server.url, lambda t: metric(t, "chatserve:num_requests_running") == 0)
     assert metric(text, "chatserve:num_requests_running") == 0
     assert metric(text, "chatserve:kv_cache_used_blocks") == 0
