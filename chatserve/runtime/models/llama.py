@@ -27,10 +27,11 @@ class Linear:
       int4: groups of 32 along K with a scale and a zero (min/max, asymmetric; GGUF Q4_1 blocks map onto
             it), torch._weight_int4pack_mm_for_cpu (CPU only; an eighth of fp32's bytes plus scales).
     Activations go in as bf16 (with fp32 the kernels fall back to a path 3-6× slower). Both kernels
-    cost about one GEMV per row: on this model's layer shapes int8 beats fp32 up to M ≈ 8 (M=1: 243 vs 495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595),
-    and on the 49k-row LM head up to M = 16 (17.7 vs 20.2 ms), hence the two defaults.
+    cost about one GEMV per row: on this model's layer shapes int8 beats fp32 up to M ≈ 8 (M=1: 243 vs
+    495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595), and on the 49k-row LM head up to M = 16
+    (17.7 vs 20.2 ms), hence the two defaults.
     Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise):
-    aten's bf16 matmul reorders W on every call (2-AMD EPYC, 2 threads, the 4 layer matrices: M=16
+    aten's bf16 matmul reorders W on every call (2-core AMD EPYC, 2 threads, the 4 layer matrices: M=16
     255 → 182 µs, M=256 1.95 → 1.84 ms, both ≈ 4.5× fp32's MKL sgemm on that CPU). Beside them the
     quantized kernels win only up to M = 4 (layers M=8: int4 189 vs 134 µs; LM head M=8: int8 1.79 vs
     1.22 ms, M=4: 0.83 vs 1.06), so small_m drops to PACKED_SMALL_M."""
@@ -174,12 +175,12 @@ class LlamaModel:
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] int64 → final-normed hidden states [T, H]."""
         cfg = self.config
-        T = input_ids.shape[0]
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        n_rope = hq + hkv
         h = F.embedding(input_ids, self.embed)                           # [T, H]
         if self.fused and cpu_ops.usable(h):
             return self._forward_fused(h, positions, kv_caches, meta)
+        T = input_ids.shape[0]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n_rope = hq + hkv
         cos = self.rope_cos[positions].unsqueeze(1)                      # [T, 1, d]
         sin = self.rope_sin[positions].unsqueeze(1)
         for lw, cache in zip(self.layers, kv_caches):
@@ -204,7 +205,8 @@ class LlamaModel:
         hq, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         n_rope = hq + hkv
         if T and int(positions.max()) >= self.rope_cos.shape[0]:      # C reads the tables unchecked
-            raise IndexError(f"position {int(positions.max())} beyond the RoPE tables ({self.max_model_len})")
+            raise IndexError(f"position {int(positions.max())} beyond the RoPE tables "
+                             f"({self.max_model_len})")
         pending = None                                                   # the last down_proj output
         for lw, cache in zip(self.layers, kv_caches):
             x = cpu_ops.add_rms_norm(h, pending, lw.input_norm, eps)    # h += pending
