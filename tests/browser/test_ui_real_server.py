@@ -12,17 +12,28 @@ from test_ui_chat import kv_usage, open_ui, send, wait_js, wait_until
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-def test_real_server_stream_stop_and_restart(browser, redis_server, tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def paced_model(tmp_path_factory) -> str:
+    """A tiny model with 12 wider layers and an 8k context: it streams a few hundred tokens/s here,
+    nearer a real model's pace. The default tiny model streams ~1,000/s, and a 1,500-token reply could
+    end before the test's stop click lands; a 6,000-token one at this pace lasts ~25 s."""
+    from chatserve.runtime.tiny import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("paced") / "m", hidden_size=256, intermediate_size=768,
+                           num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           max_position_embeddings=8192)
+
+
+def test_real_server_stream_stop_and_restart(browser, redis_server, paced_model, tmp_path):
     log = tmp_path / "serve.log"
-    args = ("--kv-blocks", "256", "--redis-url", redis_server.url)
+    args = ("--kv-blocks", "512", "--redis-url", redis_server.url)
     ctx = browser.new_context(viewport={"width": 1200, "height": 800})
     page = ctx.new_page()
     try:
-        with ServeProcess(tiny_model, log, *args) as srv:
+        with ServeProcess(paced_model, log, *args) as srv:
             open_ui(page, srv)
             assert page.is_hidden("#notice")                       # Redis configured and healthy
             page.click("#toggle-settings")
-            page.fill("#p-max_tokens", "1500")
+            page.fill("#p-max_tokens", "6000")
             page.fill("#p-temperature", "1")
             page.click("#save-settings")
             page.wait_for_selector("#save-settings:has-text('Saved')")
@@ -50,7 +61,7 @@ def test_real_server_stream_stop_and_restart(browser, redis_server, tiny_model, 
             assert m and int(m.group(2)) > 0 and int(m.group(1)) > int(m.group(2)), stats
             assert "tok/s" in stats and "6 tokens" in stats
             before = page.locator(".msg .msg-body").all_inner_texts()
-        with ServeProcess(tiny_model, log, *args) as srv2:         # a new process, the same Redis
+        with ServeProcess(paced_model, log, *args) as srv2:         # a new process, the same Redis
             sid = page.evaluate("location.hash.slice(1)")
             page.goto(f"{srv2.url}/#{sid}")
             page.wait_for_selector("body[data-ready='1']")
