@@ -6,6 +6,7 @@ The backend stands in for chat_service (parse_chat_body + stream_chat) through t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 import socket
@@ -151,3 +152,24 @@ class RedisServer:
 
 def redis_binary() -> str | None:
     return shutil.which("redis-server")
+
+
+@contextlib.asynccontextmanager
+async def served(app: Starlette) -> AsyncIterator[str]:
+    """The app on a real socket (uvicorn in this event loop; ASGITransport buffers whole responses,
+    so it cannot show a client leaving mid-stream). Yields the base URL."""
+    import uvicorn
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    task = asyncio.get_running_loop().create_task(server.serve())
+    for _ in range(500):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "test server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
