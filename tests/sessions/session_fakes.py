@@ -37,7 +37,7 @@ class ScriptedChat:
         self.requests: list[dict] = []
         self._seen: dict[str, list[list[str]]] = {}
 
-    def parse(self, body: dict, state: Any) -> dict:
+    def parse(self, body: dict, state: Any, rate_key: str | None = None) -> dict:
         msgs = body.get("messages")
         assert isinstance(msgs, list) and msgs and msgs[-1]["role"] == "user", body
         if body.get("max_tokens", 1) < 1:

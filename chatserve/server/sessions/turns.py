@@ -8,6 +8,7 @@ re-attach after a reload) receive its chunks, progress events and end. Not HTTP 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import secrets
 import time
@@ -28,19 +29,26 @@ _END = object()
 
 
 class ChatBackend(Protocol):
-    """chat_service by default; tests put a scripted one on `app.state.session_chat_backend`."""
+    """chat_service by default; tests put a scripted one on `app.state.session_chat_backend`.
+    `parse` validates and tokenizes a chat body; it may be a coroutine function."""
 
-    def parse(self, body: dict, state: Any) -> Any: ...
+    def parse(self, body: dict, state: Any, rate_key: str | None = None) -> Any: ...
     def stream(self, state: Any, req: Any, *, owner: str, keep_warm: bool, request_id: str | None,
                rate_key: str | None = None) -> AsyncIterator[dict]: ...
 
 
 class ChatServiceBackend:
-    """Adapter over chatserve.server.chat_service (imported on first use)."""
+    """Adapter over chatserve.server.chat_service (imported on first use). Bodies go through the
+    server's prompt guard (size bound, rate limits, tokenizing off the loop) where it exists."""
 
-    def parse(self, body: dict, state: Any) -> Any:
+    async def parse(self, body: dict, state: Any, rate_key: str | None = None) -> Any:
         from chatserve.server import chat_service
-        return chat_service.parse_chat_body(body, state)
+        try:
+            from chatserve.server import prompt_guard      # engineer harden's admission path
+        except ImportError:
+            return chat_service.parse_chat_body(body, state)
+        return await prompt_guard.admit(state, body, chat_service.parse_chat_body,
+                                        rate_key=rate_key or "anonymous")   # set by start()
 
     def stream(self, state: Any, req: Any, *, owner: str, keep_warm: bool, request_id: str | None,
                rate_key: str | None = None) -> AsyncIterator[dict]:
@@ -151,6 +159,7 @@ class TurnService:
             raise not_found()
         if sid in self.by_session:
             raise busy()
+        rate_key = rate_key or owner
         user_id = None if treq.content is None else "m_" + secrets.token_urlsafe(9)
         reply_id = "m_" + secrets.token_urlsafe(9)
         turn = LiveTurn(id="turn_" + secrets.token_urlsafe(9), session_id=sid, owner=owner,
@@ -170,12 +179,12 @@ class TurnService:
                 raise busy()                                  # another replica is generating here
             add_turn(cur)
             preview = history[0]
-            req = self._parse(cur, preview, treq.overrides)
+            req = await self._parse(cur, preview, treq.overrides, rate_key)
             s = await self.store.update(owner, sid, add_turn)
             if s is None:
                 raise not_found()
             if _chat_key(s, history[0]) != _chat_key(cur, preview):
-                req = self._parse(s, history[0], treq.overrides)      # changed meanwhile (another process)
+                req = await self._parse(s, history[0], treq.overrides, None)   # changed meanwhile
             turn.model = s.model or getattr(self.state, "model_name", None) or ""
         except BaseException:
             self.by_session.pop(sid, None)
@@ -190,14 +199,15 @@ class TurnService:
             raise
         return drain(turn, q)
 
-    def _parse(self, s: Session, history: list[dict], overrides: dict) -> Any:
+    async def _parse(self, s: Session, history: list[dict], overrides: dict, rate_key: str | None) -> Any:
         chat: dict[str, Any] = {
             "model": s.model or getattr(self.state, "model_name", None) or "default",
             "messages": ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else [])
             + [{"role": m["role"], "content": m["content"]} for m in history],
             "stream": True, "stream_options": {"include_usage": True},
             **s.params, **overrides}
-        return self.backend.parse(chat, self.state)
+        req = self.backend.parse(chat, self.state, rate_key)
+        return await req if inspect.isawaitable(req) else req
 
     # ── following and stopping ────────────────────────────────────────────────────────────────
     def attach(self, owner: str, sid: str) -> AsyncIterator[dict]:
