@@ -54,8 +54,10 @@ async def test_redis_store_semantics_keys_and_ttl(redis_server):
     for k in keys:
         assert 0 < await r.ttl(k) <= 3600
     sess_keys = [k for k in keys if ":owner:" not in k]
-    data = json.loads(await r.hget(sess_keys[0], "data"))
-    assert data["owner"].startswith("browser:")
+    tombstones = [k for k in sess_keys if await r.hget(k, "deleted") == "1"]
+    assert len(tombstones) == 1 and await r.hget(tombstones[0], "data") is None     # the deleted one
+    data = json.loads(await r.hget(next(k for k in sess_keys if k not in tombstones), "data"))
+    assert data["owner"].startswith("browser:") and data["schema"] == 2
     await r.aclose()
     await store.aclose()
 

@@ -146,6 +146,7 @@ class Session:
         out = []
         for node in self.path(index):
             m = {k: v for k, v in node.items() if k != "n"}
+            m["parent"] = node["parent"] or None
             sibs = [x["id"] for x in index[node["parent"]]]
             m["versions"], m["version"] = sibs, sibs.index(node["id"])
             if m.get("status") == "generating":
@@ -177,6 +178,6 @@ class Session:
     def tree(self) -> dict[str, Any]:
         """Every version, for export: nodes oldest first (without the internal order) and the leaf."""
         path = self.path()
-        return {"nodes": [{k: v for k, v in n.items() if k != "n"}
+        return {"nodes": [{**{k: v for k, v in n.items() if k != "n"}, "parent": n["parent"] or None}
                           for n in sorted(self.nodes.values(), key=lambda n: n.get("n", 0))],
                 "active": path[-1]["id"] if path else None}
