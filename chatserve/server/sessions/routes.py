@@ -282,16 +282,11 @@ def ws_handlers(turns: TurnService) -> dict[str, Any]:
         try:
             async for c in chunks:
                 yield c
-        finally:
+        finally:                    # closed at once (not at GC): stop following
             await chunks.aclose()
 
-    async def attach(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
-        chunks = turns.attach(owner, str(body.get("session_id", "")))
-        try:
-            async for c in chunks:
-                yield c
-        finally:
-            await chunks.aclose()
+    def attach(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
+        return turns.attach(owner, str(body.get("session_id", "")))
 
     async def cancel(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
         turns.cancel(owner, str(body.get("session_id", "")))
