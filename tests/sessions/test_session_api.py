@@ -232,11 +232,21 @@ def _text(chunks: list[dict]) -> str:
                    if c.get("object") == "chat.completion.chunk" and c["choices"])
 
 
-def test_turn_over_the_websocket_cancel_only_stops_following_and_session_cancel_stops():
+def test_turn_over_the_websocket_and_both_ways_to_stop_it():
     from starlette.testclient import TestClient
     chat = ScriptedChat(reply=lambda m: "tok " * 500, delay_s=0.005)
     with TestClient(make_app(chat)) as c:
         sid = c.post("/v1/sessions", json={}).json()["id"]
+
+        def settled() -> dict:
+            import time
+            for _ in range(200):      # "cancelled" may go out just before the partial reply is saved
+                s = c.get(f"/v1/sessions/{sid}").json()
+                if not s["generating"]:
+                    return s
+                time.sleep(0.02)
+            raise AssertionError("the turn did not end")
+
         with c.websocket_connect("/v1/ws") as ws:
             ws.send_json({"id": "a", "type": "session", "session_id": sid, "content": "short", "max_tokens": 3})
             frames = []
@@ -249,26 +259,27 @@ def test_turn_over_the_websocket_cancel_only_stops_following_and_session_cancel_
             ws.send_json({"id": "b", "type": "session", "session_id": sid, "content": "long"})
             for _ in range(10):
                 assert ws.receive_json()["type"] == "chunk"
-            ws.send_json({"id": "b", "type": "cancel"})          # stop following: the reply goes on
+            ws.send_json({"id": "b", "type": "cancel"})             # Stop, as the page sends it
             while (f := ws.receive_json())["type"] == "chunk":
                 pass
             assert f == {"id": "b", "type": "cancelled"}
-            assert chat.active == 1 and c.get(f"/v1/sessions/{sid}").json()["generating"] is True
-            ws.send_json({"id": "s", "type": "session.cancel", "session_id": sid})    # Stop
-            assert ws.receive_json() == {"id": "s", "type": "done"}
-            ws.send_json({"id": "c", "type": "session", "session_id": "nope" * 8, "content": "x"})
+            assert settled()["messages"][3]["finish_reason"] == "abort" and chat.aborted == 1
+            ws.send_json({"id": "c", "type": "session", "session_id": sid, "content": "again"})
+            for _ in range(10):
+                assert ws.receive_json()["type"] == "chunk"
+            ws.send_json({"id": "s", "type": "session.cancel", "session_id": sid})    # Stop by session
+            frames = [ws.receive_json() for _ in range(2)]
+            while frames[-1]["type"] == "chunk" or frames[-1]["id"] != "c":
+                frames.append(ws.receive_json())
+            assert {"id": "s", "type": "done"} in frames and frames[-1] == {"id": "c", "type": "done"}
+            ws.send_json({"id": "d", "type": "session", "session_id": "nope" * 8, "content": "x"})
             assert ws.receive_json()["status"] == 404
-        import time
-        for _ in range(100):          # the partial reply is saved just after the abort
-            s = c.get(f"/v1/sessions/{sid}").json()
-            if not s["generating"]:
-                break
-            time.sleep(0.02)
-        assert chat.active == 0 and chat.aborted == 1
+        s = settled()
+        assert chat.active == 0 and chat.aborted == 2
         msgs = s["messages"]
-        assert [m["role"] for m in msgs] == ["user", "assistant"] * 2
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * 3
         assert msgs[1]["finish_reason"] == "length" and msgs[3]["finish_reason"] == "abort"
-        assert 0 < len(msgs[3]["content"].split()) < 500
+        assert msgs[5]["finish_reason"] == "abort" and 0 < len(msgs[5]["content"].split()) < 500
 
 
 async def test_a_frozen_redis_does_not_hold_up_the_chat(redis_server):

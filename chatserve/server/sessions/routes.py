@@ -6,6 +6,7 @@ docs/sessions.md and docs/sessions-api.md.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -26,6 +27,7 @@ from chatserve.server.sessions.session import Session
 from chatserve.server.sessions.store import (SessionStore, StoreUnavailable, make_session_store,
                                              new_session_id, public_status, valid_session_id)
 from chatserve.server.sessions.turns import TurnService, busy, not_found
+from chatserve.server.ws import CLIENT_CANCEL
 
 log = logging.getLogger("chatserve.sessions")
 
@@ -273,20 +275,31 @@ async def cancel_turn(request: Request) -> Response:
 def ws_handlers(turns: TurnService) -> dict[str, Any]:
     """The /v1/ws extensions. "session": {session_id, content, ...} starts a turn and follows it;
     "session.attach": {session_id} follows the running one; "session.cancel": {session_id} stops it.
-    A {"type": "cancel", "id"} of the first two only stops following (the turn goes on)."""
-    async def start(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
-        try:
-            chunks = await turns.start(owner, str(body.get("session_id", "")), parse_turn(body, state))
-        except StoreUnavailable as e:
-            raise _unavailable(e) from None
+    A {"type": "cancel", "id"} of the first two stops the turn too; a closed socket only stops
+    following (the turn goes on, to be re-attached)."""
+    async def follow(owner: str, sid: str, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
         try:
             async for c in chunks:
                 yield c
-        finally:                    # closed at once (not at GC): stop following
+        except asyncio.CancelledError as e:
+            if e.args and e.args[0] == CLIENT_CANCEL:     # Stop; a closed socket only stops following
+                turns.cancel(owner, sid)
+            raise
+        finally:                    # closed at once (not at GC)
             await chunks.aclose()
 
+    async def start(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
+        sid = str(body.get("session_id", ""))
+        try:
+            chunks = await turns.start(owner, sid, parse_turn(body, state))
+        except StoreUnavailable as e:
+            raise _unavailable(e) from None
+        async for c in follow(owner, sid, chunks):
+            yield c
+
     def attach(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
-        return turns.attach(owner, str(body.get("session_id", "")))
+        sid = str(body.get("session_id", ""))
+        return follow(owner, sid, turns.attach(owner, sid))
 
     async def cancel(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
         turns.cancel(owner, str(body.get("session_id", "")))
