@@ -23,10 +23,14 @@ T = TypeVar("T")
 # docs/reliability.md), and even encode_batch, which releases it, frees its result under the GIL.
 BIG_INPUT_BYTES = 16 << 10
 DEFAULT_MAX_TOKEN_BYTES = 256     # when the tokenizer cannot list its vocabulary
+TOKEN_BYTES_SLACK = 4
+
+
+PROMPT_FIELDS = ("messages", "prompt", "content", "system_prompt")   # where a body carries prompt text
 
 
 def text_bytes(value: Any) -> int:
-    """UTF-8 bytes of every string in a parsed JSON body (keys included): what tokenizing would read."""
+    """UTF-8 bytes of every string in a parsed JSON value (keys included)."""
     if isinstance(value, str):
         return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
     if isinstance(value, dict):
@@ -37,12 +41,21 @@ def text_bytes(value: Any) -> int:
 
 
 def max_token_bytes(tokenizer: Any) -> int:
-    """The most bytes of text one token can stand for: the longest vocabulary entry, in UTF-8.
+    """The most bytes of text one token can stand for, so that a prompt of more than
+    max_model_len × this many bytes can never fit the context.
 
-    For byte-level BPE each vocabulary character stands for one byte or more, for SentencePiece '▁' is
-    one space, so this is an upper bound and a prompt of more than max_model_len × this many bytes can
-    never fit the context. (A normalizer that shrinks text would break the bound; none of ours does.)"""
+    Every id decoded alone (one batched call), plus TOKEN_BYTES_SLACK for what decoding a token alone
+    can hide (a SentencePiece decoder drops a leading space); a partial UTF-8 character decodes to
+    U+FFFD, which only over-counts. Without a `tokenizers` backend: the longest vocabulary entry in
+    UTF-8, also an upper bound. (A normalizer that shrinks text would break the bound; none of the
+    supported families has one.)"""
     backend = getattr(tokenizer, "_backend", None)
+    try:
+        n = backend.get_vocab_size(with_added_tokens=True)
+        texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        return max(len(t.encode("utf-8", "surrogatepass")) for t in texts) + TOKEN_BYTES_SLACK
+    except Exception:
+        pass
     try:
         vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else tokenizer.get_vocab()
         return max(len(t.encode("utf-8", "surrogatepass")) for t in vocab)
@@ -141,15 +154,20 @@ class PromptGuard:
 
 
 def _param_of(body: dict) -> str | None:
-    for k in ("messages", "prompt", "content"):
+    for k in PROMPT_FIELDS:
         if k in body:
             return k
     return None
 
 
+def prompt_bytes(body: dict) -> int:
+    """UTF-8 bytes of the prompt-bearing fields of a request body (PROMPT_FIELDS): what tokenizing reads."""
+    return sum(text_bytes(body[k]) for k in PROMPT_FIELDS if k in body)
+
+
 def check_text_size(state: Any, body: dict) -> int:
-    """Raise 400 context_length_exceeded when the body's text cannot fit the context; its byte count."""
-    nbytes = text_bytes(body)
+    """Raise 400 context_length_exceeded when the body's prompt text cannot fit the context; its bytes."""
+    nbytes = prompt_bytes(body)
     guard: PromptGuard | None = getattr(state, "prompt_guard", None)
     if guard is not None:
         guard.check_size(nbytes, _param_of(body))

@@ -16,7 +16,7 @@ from websockets.sync.client import connect as ws_connect
 
 from chatserve.server.errors import APIError
 from chatserve.server.prompt_guard import (OffloadingTokenizer, PromptGuard, TokenizerProcess, admit,
-                                           max_token_bytes, text_bytes)
+                                           max_token_bytes, prompt_bytes, text_bytes)
 from chatserve.server.ratelimit import RateLimiter
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,6 +48,7 @@ def test_byte_bound_and_text_bytes():
     finally:
         guard.close()
     assert text_bytes({"messages": [{"role": "user", "content": "héllo"}]}) == len("messagesroleusercontenthéllo".encode())
+    assert prompt_bytes({"messages": [{"content": "héllo"}], "logit_bias": {"1" * 50: 1}}) == len("contenthéllo".encode())
 
 
 def test_offloaded_tokenizing_gives_the_same_ids():
