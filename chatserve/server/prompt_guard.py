@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -67,10 +68,20 @@ def max_token_bytes(tokenizer: Any) -> int:
 _worker_backend: Any = None
 
 
-def _worker_init(backend_json: str) -> None:
+def _worker_init(backend_json: str, parent_pid: int) -> None:
     global _worker_backend
     import tokenizers
     _worker_backend = tokenizers.Tokenizer.from_str(backend_json)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A pool worker holds both ends of its task queue, so it never sees the server die (SIGKILL):
+    leave when the parent is gone instead of lingering as an orphan."""
+    import time
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _worker_encode(text: str) -> list[int]:
@@ -90,7 +101,8 @@ class TokenizerProcess:
         with self._lock:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_worker_init, initargs=(self._json,))
+                                                 initializer=_worker_init,
+                                                 initargs=(self._json, os.getpid()))
             return self._pool
 
     def start(self) -> None:
