@@ -7,7 +7,6 @@ turns). Not the validation rules (protocol.py) and not the engine queue (chat_se
 from __future__ import annotations
 
 import asyncio
-import logging
 import multiprocessing
 import os
 import threading
@@ -16,7 +15,6 @@ from typing import Any, Callable, TypeVar
 
 from chatserve.server.errors import APIError
 
-log = logging.getLogger("chatserve.server")
 T = TypeVar("T")
 
 # Above this many bytes of client text, parsing runs in a worker thread and the encode itself in the
