@@ -39,14 +39,10 @@ class ChatBackend(Protocol):
 
 class ChatServiceBackend:
     """Adapter over chatserve.server.chat_service (imported on first use). Bodies go through the
-    server's prompt guard (size bound, rate limits, tokenizing off the loop) where it exists."""
+    server's prompt guard: size bound, rate limits, then tokenizing where it cannot stall the loop."""
 
     async def parse(self, body: dict, state: Any, rate_key: str | None = None) -> Any:
-        from chatserve.server import chat_service
-        try:
-            from chatserve.server import prompt_guard      # engineer harden's admission path
-        except ImportError:
-            return chat_service.parse_chat_body(body, state)
+        from chatserve.server import chat_service, prompt_guard
         return await prompt_guard.admit(state, body, chat_service.parse_chat_body,
                                         rate_key=rate_key or "anonymous")   # set by start()
 
