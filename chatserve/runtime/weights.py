@@ -6,8 +6,6 @@ Not a model: fusing and placing the tensors is the model's job (models/llama.py)
 from __future__ import annotations
 
 import json
-import logging
-import math
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -17,7 +15,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,

@@ -134,8 +134,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def save_gguf(model, path: Path, quant: str | None = None) -> str:
-    """quant: None (F32) or "Q8_0" for the 2-D matrices (gguf.quants)."""
+def save_gguf(model, path: Path) -> str:
+    """F32 tensors under llama.cpp's names and keys."""
     import gguf
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -205,12 +205,7 @@ def save_gguf(model, path: Path, quant: str | None = None) -> str:
             arr = _permute(arr, heads if ".q_proj." in hf_name else kv)
         if name in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             arr = arr + 1.0
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if quant and arr.ndim == 2 and arr.shape[1] % 32 == 0:
-            qt = gguf.GGMLQuantizationType[quant]
-            w.add_tensor(g, gguf.quants.quantize(arr, qt), raw_dtype=qt)
-        else:
-            w.add_tensor(g, arr)
+        w.add_tensor(g, np.ascontiguousarray(arr, dtype=np.float32))
     for k, v in extra.items():
         w.add_tensor(k, v)
     w.write_header_to_file()

@@ -175,3 +175,20 @@ def test_torch_ops_and_fused_cpu_ops_agree(checkpoints):
         assert (a.model.ops.name, b.model.ops.name) == ("cpu_fused", "torch")
         prompts = [prompt_ids(name, n) for n in PROMPTS[name]]
         assert run_greedy(a, prompts) == run_greedy(b, prompts)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3_qpas"])
+def test_blocks_freed_past_the_window_keep_outputs_through_the_scheduler(checkpoints, name):
+    """Every layer slides: the KV cache manager releases blocks that left the window while the real
+    scheduler runs chunked prefills, batches and prefix hits, and the tokens still match transformers."""
+    from chatserve.llm import LLM
+    llm = LLM(checkpoints(name, "safetensors"), block_size=BS, num_blocks=48, max_num_batched_tokens=24,
+              num_threads=1, eos_token_ids=[])
+    assert llm.kv.sliding_window == H.WINDOW
+    prompts = [prompt_ids(name, n) for n in PROMPTS[name]]
+    prompts.append(prompts[2][:40] + prompt_ids(name, 20, seed=1))       # a prefix hit on prompt 2
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW)
+    assert llm.generate(prompts[:3], params) == [hf_greedy(name, p) for p in prompts[:3]]
+    assert llm.generate(prompts[3:], params) == [hf_greedy(name, prompts[3])]
+    assert llm.kv.window_drops > 0 and llm.kv.prefix_hits > 0
+    llm.kv.check_integrity()

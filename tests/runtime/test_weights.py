@@ -3,7 +3,6 @@ config parsing (RoPE scaling, bias, tied embeddings), dtypes, and the default mo
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
