@@ -193,7 +193,8 @@ class KVCacheManager:
         seq.computed = seq.granted = hits
         self.prefix_queries += n
         self.prefix_hits += hits
-        self._drop_out_of_window(seq)
+        if self.sliding_window is not None:
+            self._drop_out_of_window(seq, self.sliding_window)
         return hits
 
     def _plan(self, seq: _Seq, num_tokens: int) -> tuple[int, list[int]]:
@@ -291,7 +292,8 @@ class KVCacheManager:
         seq.computed = num_computed
         if self.enable_prefix_caching:
             self._hash_full_blocks(seq, token_ids, num_computed)
-        self._drop_out_of_window(seq)
+        if self.sliding_window is not None:
+            self._drop_out_of_window(seq, self.sliding_window)
 
     def _hash_full_blocks(self, seq: _Seq, token_ids: Sequence[int], num_computed: int) -> None:
         bs = self.block_size
@@ -314,11 +316,8 @@ class KVCacheManager:
                 block_hash[b] = parent
                 hash_to_block[parent] = b
 
-    def _drop_out_of_window(self, seq: _Seq) -> None:
-        """Release the blocks whose every position is out of the window of the next token."""
-        w = self.sliding_window
-        if w is None:
-            return
+    def _drop_out_of_window(self, seq: _Seq, w: int) -> None:
+        """Release the blocks whose every position is out of the w-token window of the next token."""
         table = seq.table
         n = min(len(table), max(0, seq.computed - w + 1) // self.block_size)
         dropped = [b for b in table[:n] if b != DROPPED]
@@ -390,15 +389,16 @@ class KVCacheManager:
         counts = [0] * self.num_blocks
         for sid, s in self._seqs.items():
             t = s.table
-            live = [b for b in t if b != DROPPED]
+            if self.sliding_window is None:
+                live = t
+                assert DROPPED not in t, f"seq {sid!r} has dropped blocks without a window"
+            else:
+                live = [b for b in t if b != DROPPED]
+                edge = max(0, s.computed - self.sliding_window + 1) // bs
+                assert DROPPED not in t[edge:], f"seq {sid!r} dropped a block still in its window"
             assert len(set(live)) == len(live), f"seq {sid!r} holds a block twice: {t}"
             for b in live:
                 counts[b] += 1
-            if self.sliding_window is not None:
-                edge = max(0, s.computed - self.sliding_window + 1) // bs
-                assert all(b != DROPPED for b in t[edge:]), f"seq {sid!r} dropped a block still in its window"
-            else:
-                assert len(live) == len(t), f"seq {sid!r} has dropped blocks without a window"
             assert 0 <= s.computed <= s.granted <= len(t) * bs, \
                 f"seq {sid!r}: computed {s.computed}, granted {s.granted}, capacity {len(t) * bs}"
             write_blocks = range(s.computed // bs, -(-s.granted // bs)) if s.granted > s.computed else ()
