@@ -223,6 +223,11 @@ def gather_dequant(cache: torch.Tensor, scale: torch.Tensor | None, table: torch
     return vals.flatten(-4, -3)
 
 
+def softcap(s: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Attention logit soft-capping (Gemma 2): s → cap·tanh(s / cap) in float32; s itself when unset."""
+    return s if not cap else torch.tanh(s.float() / cap).mul_(cap)
+
+
 def decode_prep(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, block_size: int,
                 sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What every layer's decode attention needs, built once per step: (table [B, nblk] int64,
@@ -242,7 +247,8 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
                            sliding_window: int | None = None,
-                           prep: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           prep: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           logit_softcap: float | None = None) -> torch.Tensor:
     # q: [B, q_heads, D] (one token per sequence) → [B, q_heads, D]
     # Every sequence's blocks are gathered, padded to the longest, and the tail masked: one SDPA call.
     # prep: decode_prep(...) of this step, shared by the layers (built here when None).
@@ -255,6 +261,11 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cd = k_cache.dtype if k_cache.dtype in (torch.bfloat16, torch.float16) else q.dtype
     k = gather_dequant(k_cache, k_scale, table, cd).transpose(1, 2)           # [B, hkv, nblk*bs, d]
     v = gather_dequant(v_cache, v_scale, table, cd).transpose(1, 2)
+    if logit_softcap:                      # SDPA has no soft-capping: the scores spelled out, in fp32
+        qg = (q.float() * scale).view(B, hkv, hq // hkv, d)
+        s = softcap(torch.matmul(qg, k.float().transpose(2, 3)), logit_softcap)  # [B, hkv, g, S]
+        p = torch.softmax(s.masked_fill_(~mask, float("-inf")), -1)
+        return torch.matmul(p, v.float()).view(B, hq, d).to(q.dtype)
     out = F.scaled_dot_product_attention(q[:, :, None, :].to(cd), k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=hq != hkv)   # [B, hq, 1, d]
     return out[:, :, 0, :].to(q.dtype)

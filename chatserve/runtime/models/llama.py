@@ -163,10 +163,8 @@ class LlamaModel:
         kw = {}
         if len(cache) == 4:
             kw = {"k_scale": cache[2], "v_scale": cache[3]}
-        valid = meta.scratch.get("slots_valid")          # checked once per step, not per layer
-        if valid is None:
-            valid = meta.scratch["slots_valid"] = bool((meta.slot_mapping >= 0).all())
-        chatserve_kernels.store_kv(k, v, cache[0], cache[1], meta.slot_mapping, all_valid=valid, **kw)
+        chatserve_kernels.store_kv(k, v, cache[0], cache[1], meta.slot_mapping,
+                                   all_valid=meta.all_slots_valid, **kw)
         if self.config.sliding_window:
             kw["sliding_window"] = self.config.sliding_window
         return chatserve_kernels.paged_attention(q, cache[0], cache[1], meta, self.scale, **kw)
