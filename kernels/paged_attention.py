@@ -77,7 +77,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if n_decode < meta.num_seqs:
         extend_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, meta.max_query_len, scale, out, k_scale, v_scale,
-                                sliding_window, skip_decode=n_decode > 0)
+                                sliding_window, skip_decode=n_decode > 0, max_seq_len=meta.max_seq_len)
     return out
 
 
