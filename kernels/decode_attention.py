@@ -95,6 +95,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, par
 
 
 @jit
+def merge_splits(part_o_ptr, part_lse_ptr, row, s_ok, D_PAD: tl.constexpr):
+    # one (token, head)'s split partials at rows `row` [S_PAD] (o: [.., D_PAD], lse in log2), valid
+    # where s_ok → Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M), M = max_s lse_s: [D_PAD]
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))        # [S_PAD]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    d = tl.arange(0, D_PAD)
+    o = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    den = tl.sum(w, axis=0)
+    return tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+
+
+@jit
 def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride_ot, stride_oh,
                   NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   S_PAD: tl.constexpr):
@@ -106,14 +120,7 @@ def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     s_ok = s < num_splits
-    row = (b * NUM_Q_HEADS + h) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))        # [S_PAD]
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
-    den = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)    # [D_PAD]
+    res = merge_splits(part_o_ptr, part_lse_ptr, (b * NUM_Q_HEADS + h) * num_splits + s, s_ok, D_PAD)
     ok = (d < HEAD_DIM) & ((d * 0 + q_len) == 1)
     tl.store(out_ptr + q_start * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=ok)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.decode_attention import LOG2E, gather_dequant, softcap, take_blocks
+from chatserve_kernels.decode_attention import LOG2E, gather_dequant, merge_splits, softcap, take_blocks
 from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl,
                                         use_triton)
 from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
@@ -128,14 +128,8 @@ def _extend_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits,
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     s_ok = (s < num_splits) & ((s * 0 + i) < q_len)
-    row = ((q_start + i) * NUM_Q_HEADS + h) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))                      # [S_PAD]
-    mx = tl.max(lse, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(lse - mx)
-    o = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
-    den = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)                 # [D_PAD]
+    res = merge_splits(part_o_ptr, part_lse_ptr, ((q_start + i) * NUM_Q_HEADS + h) * num_splits + s, s_ok,
+                       D_PAD)                                                               # [D_PAD]
     ok = (d < HEAD_DIM) & ((d * 0 + i) < q_len)
     tl.store(out_ptr + (q_start + i) * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=ok)
 
