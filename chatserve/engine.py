@@ -210,7 +210,8 @@ class AsyncEngine:
             self.kv = KVCacheManager(
                 self.runner.num_blocks, cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
                 hash_seed=cc.hash_seed,
-                model_key=f"{mc.resolved_model()}:{getattr(self.runner, 'dtype', mc.dtype)}")
+                model_key=f"{mc.resolved_model()}:{getattr(self.runner, 'dtype', mc.dtype)}",
+                sliding_window=getattr(getattr(self.runner, "config", None), "kv_window", None))
         if self.scheduler is None:
             from chatserve.core.scheduler import Scheduler
             self.scheduler = Scheduler(self.config.scheduler, self.kv, max_model_len=self.max_model_len)
