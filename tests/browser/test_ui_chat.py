@@ -66,6 +66,17 @@ def wait_js(page, expr: str, timeout: int = 10_000) -> Any:
     return wait_until(lambda: page.evaluate(expr), timeout / 1000)
 
 
+STREAMING_TEXT = """(() => {
+  const m = [...document.querySelectorAll('.msg.assistant')].pop();
+  return m && m.classList.contains('streaming') ? m.querySelector('.msg-body').innerText : null;
+})()"""
+
+
+def visible_while_streaming(page, min_chars: int = 1, timeout: float = 15.0) -> str:
+    """Text of the last reply bubble read while it is still streaming (one evaluate, so the two agree)."""
+    return wait_until(lambda: (t := page.evaluate(STREAMING_TEXT)) and len(t.strip()) >= min_chars and t, timeout)
+
+
 def wait_until(fn, timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -79,15 +90,15 @@ def wait_until(fn, timeout: float = 10.0) -> Any:
 @pytest.mark.parametrize("transport", ["websocket", "sse"])
 def test_message_streams_an_answer_with_stats(live, chat, page, transport):
     srv, _ = live
-    chat.reply = lambda m: "The answer is **forty-two**, " + "and it streams word by word " * 6
+    chat.reply = lambda m: "The answer is **forty-two**, " + "and it streams word by word " * 30
     chat.delay_s = 0.02
     open_ui(page, srv, "/?transport=sse" if transport == "sse" else "/")
     send(page, "What is the answer?")
-    page.wait_for_selector(".msg.assistant.streaming", timeout=10_000)
-    partial = page.inner_text(".msg.assistant .msg-body")
-    page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=15_000)
+    partial = visible_while_streaming(page, min_chars=len("The answer is forty-two"))
+    assert partial.startswith("The answer is forty-two")                 # text shows while it streams
+    page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=30_000)
     final = page.inner_text(".msg.assistant .msg-body")
-    assert len(partial) < len(final) and final.startswith("The answer is forty-two")
+    assert len(partial) < len(final) and final.startswith(partial.strip())
     assert page.inner_text(".msg.assistant strong") == "forty-two"          # markdown rendered
     stats = page.inner_text(".msg.assistant .stats")
     assert "TTFT 12 ms" in stats and "42.0 tok/s" in stats and re.search(r"prompt \d+ \(cached \d+\)", stats)
