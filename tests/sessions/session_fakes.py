@@ -19,7 +19,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from chatserve.config import EngineConfig, ServerConfig
-from chatserve.server import session_routes, ws
+from chatserve.server import sessions, ws
 from chatserve.server.errors import APIError
 from chatserve.server.state import ServerState
 
@@ -98,10 +98,10 @@ def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = N
         usage = 0.25 * backend.active
         return PlainTextResponse(f"chatserve:kv_cache_usage_perc {usage}\n")
 
-    app = Starlette(routes=[*session_routes.routes, *ws.routes, Route("/metrics", metrics)])
+    app = Starlette(routes=[*sessions.routes, *ws.routes, Route("/metrics", metrics)])
     app.state.chatserve = state
     app.state.session_chat_backend = backend
-    session_routes.install(app, state)
+    sessions.install(app, state)
     if api_keys:
         from chatserve.server.auth import APIKeyMiddleware
         app.add_middleware(APIKeyMiddleware, keys=api_keys)

@@ -123,15 +123,22 @@ async def test_export_import_roundtrip():
         r = await c.get(f"/v1/sessions/{sid}/export")
         assert "attachment" in r.headers["content-disposition"]
         doc = r.json()
-        assert doc["format"] == "chatserve.session.v1" and len(doc["messages"]) == 2
+        assert doc["format"] == "chatserve.session.v2" and len(doc["messages"]) == 2
         r = await other.post("/v1/sessions/import", json=doc)
         assert r.status_code == 201
         new = r.json()
         assert new["id"] != sid and new["title"] == "trip" and new["system_prompt"] == "sp"
         assert [m["content"] for m in new["messages"]] == [m["content"] for m in doc["messages"]]
         assert new["messages"][1]["usage"] == doc["messages"][1]["usage"]
-        bad = dict(doc, messages=[{"role": "tool", "content": "x"}])
+        v1 = {k: v for k, v in doc.items() if k != "tree"} | {"format": "chatserve.session.v1"}
+        r = await other.post("/v1/sessions/import", json=v1)          # exports of the old format
+        assert r.status_code == 201 and [m["content"] for m in r.json()["messages"]] == ["one", "echo: one"]
+        bad = dict(v1, messages=[{"role": "tool", "content": "x"}])
         assert (await other.post("/v1/sessions/import", json=bad)).status_code == 400
+        nodes = doc["tree"]["nodes"]
+        for tree in ({"nodes": [{**nodes[0], "role": "tool"}]}, {"nodes": [nodes[1]]},
+                     {"nodes": nodes, "active": "m_nope"}, {"nodes": [nodes[0], nodes[0]]}):
+            assert (await other.post("/v1/sessions/import", json=dict(doc, tree=tree))).status_code == 400
 
 
 async def test_cancel_stops_generation_and_keeps_partial_reply():
@@ -220,7 +227,12 @@ async def test_memory_store_status_says_not_persisted():
         assert r.json()["persistent"] is False and r.headers["x-chatserve-session-store"] == "memory"
 
 
-def test_turn_over_the_websocket_and_cancel():
+def _text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                   if c.get("object") == "chat.completion.chunk" and c["choices"])
+
+
+def test_turn_over_the_websocket_cancel_only_stops_following_and_session_cancel_stops():
     from starlette.testclient import TestClient
     chat = ScriptedChat(reply=lambda m: "tok " * 500, delay_s=0.005)
     with TestClient(make_app(chat)) as c:
@@ -231,20 +243,23 @@ def test_turn_over_the_websocket_and_cancel():
             while not frames or frames[-1]["type"] == "chunk":
                 frames.append(ws.receive_json())
             assert frames[-1] == {"id": "a", "type": "done"}
-            text = "".join(f["chunk"]["choices"][0]["delta"].get("content", "") for f in frames
-                           if f["type"] == "chunk" and f["chunk"]["choices"])
-            assert text == "tok tok tok"
+            first = frames[0]["chunk"]
+            assert first["object"] == "chatserve.turn" and first["session_id"] == sid and not first["replay"]
+            assert _text([f["chunk"] for f in frames[:-1]]) == "tok tok tok"
             ws.send_json({"id": "b", "type": "session", "session_id": sid, "content": "long"})
             for _ in range(10):
                 assert ws.receive_json()["type"] == "chunk"
-            ws.send_json({"id": "b", "type": "cancel"})
+            ws.send_json({"id": "b", "type": "cancel"})          # stop following: the reply goes on
             while (f := ws.receive_json())["type"] == "chunk":
                 pass
             assert f == {"id": "b", "type": "cancelled"}
+            assert chat.active == 1 and c.get(f"/v1/sessions/{sid}").json()["generating"] is True
+            ws.send_json({"id": "s", "type": "session.cancel", "session_id": sid})    # Stop
+            assert ws.receive_json() == {"id": "s", "type": "done"}
             ws.send_json({"id": "c", "type": "session", "session_id": "nope" * 8, "content": "x"})
             assert ws.receive_json()["status"] == 404
         import time
-        for _ in range(100):          # "cancelled" may go out just before the partial reply is saved
+        for _ in range(100):          # the partial reply is saved just after the abort
             s = c.get(f"/v1/sessions/{sid}").json()
             if not s["generating"]:
                 break
@@ -320,7 +335,7 @@ async def test_store_cache_is_bounded_but_keeps_pending_writes(redis_server):
     store = RedisSessionStore(redis_server.url, cache_limit=3, op_timeout_s=0.2, retry_interval_s=5)
     made = [await store.create(Session(id=new_session_id(), owner="o")) for _ in range(3)]
     redis_server.stop()
-    await store.update("o", made[0].id, lambda s: s.messages.append({"role": "user", "content": "x"}))
+    await store.update("o", made[0].id, lambda s: s.add_message({"role": "user", "content": "x"}))
     for _ in range(4):
         await store.create(Session(id=new_session_id(), owner="o"))
     st = store.status()
