@@ -431,7 +431,9 @@ async function sendTurn(body, sentText = null) {
   }
   const sid = session.id;
   const control = {
+    taken: false,
     accepted: () => {
+      control.taken = true;
       state.accepted(sid);
       if (sentText !== null && $('input').value.trim() === sentText) { $('input').value = ''; growInput(); saveDraft(); }
     },
@@ -445,7 +447,7 @@ async function sendTurn(body, sentText = null) {
   state.endReply(sid, failed ? (isNetworkError(failed) ? 'connection lost' : failed.message) : null);
   document.body.dataset.transport = transport.mode;
   if (failed && noteFailure(failed)) {
-    if (sentText !== null) showError('Connection lost: the message stays in the box until the server takes it.');
+    if (!control.taken) showError('Connection lost before the server took the message: it is still in the box.');
     return;
   }
   await finishTurn(sid, failed);

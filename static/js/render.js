@@ -162,9 +162,18 @@ export function stableCut(text, from) {
   return cut;
 }
 
+const GROUP = 24;
+
 // Renders one message body; while streaming, blocks before stableCut() are parsed once and appended.
 export class MarkdownView {
-  constructor(el, copy) { this.el = el; this.copy = copy; this.text = null; this.frozen = 0; this.tail = []; }
+  constructor(el, copy) {
+    this.el = el;
+    this.copy = copy;
+    this.text = null;
+    this.frozen = 0;        // characters parsed for good (finished blocks)
+    this.chunks = [];       // finished blocks not yet grouped, as .md-chunk elements
+    this.tail = [];         // the nodes of the unfinished tail, replaced every update
+  }
 
   update(text, streaming) {
     if (text === this.text && streaming === this.streaming) return;
@@ -175,21 +184,30 @@ export class MarkdownView {
       this.reset(text, false);
       return;
     }
-    if (this.text === null || !this.streaming || !text.startsWith(this.text.slice(0, this.frozen))) {
+    if (this.text === null || !this.streaming || !text.startsWith(this.text)) {   // not an append: start over
       this.el.replaceChildren();
       this.frozen = 0;
+      this.chunks = [];
       this.tail = [];
     }
     const cut = stableCut(text, this.frozen);
     for (const n of this.tail) n.remove();
     if (cut > this.frozen) {
-      const frag = safeFragment(text.slice(this.frozen, cut));
-      const box = document.createElement('div');
-      box.append(frag);
-      typesetMath(box);
-      finishCode(box, this.copy);
-      this.el.append(...box.childNodes);
+      const chunk = document.createElement('div');
+      chunk.className = 'md-chunk';
+      chunk.append(safeFragment(text.slice(this.frozen, cut)));
+      typesetMath(chunk);
+      finishCode(chunk, this.copy);
+      this.el.append(chunk);
+      this.chunks.push(chunk);
       this.frozen = cut;
+      if (this.chunks.length >= GROUP) {           // few top-level children keep each frame's layout small
+        const group = document.createElement('div');
+        group.className = 'md-chunk';
+        this.el.insertBefore(group, this.chunks[0]);
+        group.append(...this.chunks);
+        this.chunks = [];
+      }
     }
     const box = document.createElement('div');
     box.append(safeFragment(text.slice(this.frozen)));
@@ -203,5 +221,5 @@ export class MarkdownView {
     if (renderStats.ms.length > 5000) renderStats.ms.shift();
   }
 
-  reset(text, streaming) { this.text = text; this.streaming = streaming; this.frozen = 0; this.tail = []; }
+  reset(text, streaming) { this.text = text; this.streaming = streaming; this.frozen = 0; this.chunks = []; this.tail = []; }
 }

@@ -195,3 +195,78 @@ def test_server_dies_mid_reply_and_comes_back(browser, redis_server):
     finally:
         ctx.close()
         srv.__exit__()
+
+
+FULL = " ".join(f"w{i}" for i in range(500))
+
+
+@pytest.mark.parametrize("transport", ["websocket", "sse"])
+def test_reload_and_a_dropped_connection_reattach_to_the_running_reply(live, chat, page, transport):
+    srv, _ = live
+    chat.reply = lambda m: FULL
+    chat.delay_s = 0.02                                            # ~10 s of reply
+    sockets: list[Any] = []
+
+    def proxy(ws):                                                 # a pass-through the test can cut
+        ws.connect_to_server()
+        sockets.append(ws)
+    page.route_web_socket("**/v1/ws", proxy)
+    attaches: list[str] = []
+    page.on("request", lambda r: attaches.append(r.url) if r.url.endswith("/attach") else None)
+    suffix = "/?transport=sse" if transport == "sse" else "/"
+    open_ui(page, srv, suffix)
+    send(page, "a long one")
+    before = visible_while_streaming(page, min_chars=30)
+    page.reload()                                                  # the server keeps generating
+    page.wait_for_selector("body[data-ready='1']")
+    after = visible_while_streaming(page, min_chars=len(before) + 10)
+    assert after.startswith("w0 w1 w2") and FULL.startswith(after.strip())   # replayed once, then live
+    if transport == "sse":
+        assert len(attaches) == 1
+    else:
+        sockets[-1].close(code=4000, reason="cut by the test")     # the connection drops mid-reply
+        page.wait_for_selector("#conn:has-text('Offline')", timeout=10_000)
+        page.wait_for_selector("#conn", state="hidden", timeout=30_000)
+        again = visible_while_streaming(page, min_chars=len(after) + 10)
+        assert FULL.startswith(again.strip())
+        assert len(sockets) == 3                                   # first page, reload, reconnect
+    page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=30_000)
+    assert page.inner_text(".msg.assistant .msg-body") == FULL     # nothing lost, nothing doubled
+    assert chat.requests[-1]["req"]["messages"][-1]["content"] == "a long one"
+    assert page.locator(".error-item").count() == 0
+    assert not page.errors
+
+
+def test_branches_keep_every_version(live, chat, page):
+    srv, _ = live
+    n = {"i": 0}
+
+    def reply(m):
+        n["i"] += 1
+        return f"reply #{n['i']} to {m[-1]['content']}"
+    chat.reply = reply
+    open_ui(page, srv)
+    send(page, "hello")
+    page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=10_000)
+    send(page, "more")
+    wait_js(page, "document.querySelectorAll('.msg.assistant:not(.streaming) .stat-ttft').length == 2")
+    page.click(".msg.assistant >> nth=1 >> .regenerate")
+    page.wait_for_selector(".msg.assistant >> nth=1 >> .pager-text:has-text('2/2')", timeout=10_000)
+    assert page.inner_text(".msg.assistant >> nth=1 >> .msg-body") == "reply #3 to more"
+    page.click(".msg.assistant >> nth=1 >> .prev")
+    page.wait_for_selector(".msg.assistant >> nth=1 >> .pager-text:has-text('1/2')")
+    assert page.inner_text(".msg.assistant >> nth=1 >> .msg-body") == "reply #2 to more"
+    # editing the first message keeps the old conversation as version 1 of it
+    page.click(".msg.user >> nth=0 >> .edit")
+    page.fill(".edit-box", "hello again")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".msg.user >> nth=0 >> .pager-text:has-text('2/2')", timeout=10_000)
+    assert page.locator(".msg").count() == 2
+    assert page.inner_text(".msg.assistant .msg-body") == "reply #4 to hello again"
+    page.click(".msg.user >> nth=0 >> .prev")
+    page.wait_for_selector(".msg.user >> nth=0 >> .pager-text:has-text('1/2')")
+    texts = page.locator(".msg .msg-body").all_inner_texts()
+    assert texts == ["hello", "reply #1 to hello", "more", "reply #2 to more"]    # nothing was deleted
+    page.reload()                                                  # stored on the server
+    page.wait_for_selector(".msg.user >> nth=0 >> .pager-text:has-text('1/2')", timeout=10_000)
+    assert page.locator(".msg .msg-body").all_inner_texts() == texts
