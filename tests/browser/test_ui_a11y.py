@@ -4,26 +4,16 @@ screen-reader labels; the live region speaks once per reply, not once per frame.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
 
 import pytest
 
-from browser_support import LiveServer
-from session_fakes import ScriptedChat, make_app
-from test_ui_chat import open_ui, send, visible_while_streaming
+from test_ui_chat import open_ui, send, visible_while_streaming, wait_js
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
 AXE = Path(__file__).parent / "vendor" / "axe.min.js"
 RICH = ("Here is **code**:\n\n```python\n" + "x = 1  # a very long line " * 12 + "\n```\n\n"
         "| a | b |\n|---|---|\n| 1 | 2 |\n\n- [x] done\n- [ ] not yet\n\n> quoted\n\nand $x^2$ math.")
-
-
-@pytest.fixture(scope="module")
-def live() -> Iterator[tuple[LiveServer, ScriptedChat]]:
-    chat = ScriptedChat(reply=lambda m: RICH)
-    with LiveServer(make_app(chat)) as srv:
-        yield srv, chat
 
 
 def axe_violations(page) -> list[str]:
@@ -33,8 +23,9 @@ def axe_violations(page) -> list[str]:
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
-def test_axe_finds_nothing_empty_and_with_a_chat_and_settings(live, browser, scheme):
-    srv, chat = live
+def test_axe_finds_nothing_empty_and_with_a_chat_and_settings(live, chat, browser, scheme):
+    srv, _ = live
+    chat.reply = lambda m: RICH
     ctx = browser.new_context(viewport={"width": 1200, "height": 800}, color_scheme=scheme, bypass_csp=True)
     page = ctx.new_page()
     try:
@@ -53,8 +44,8 @@ def test_axe_finds_nothing_empty_and_with_a_chat_and_settings(live, browser, sch
         ctx.close()
 
 
-def test_keyboard_reach_labels_and_live_region(live, browser):
-    srv, chat = live
+def test_keyboard_reach_labels_and_live_region(live, chat, browser):
+    srv, _ = live
     ctx = browser.new_context(viewport={"width": 1200, "height": 800})
     page = ctx.new_page()
     try:
@@ -82,8 +73,10 @@ def test_keyboard_reach_labels_and_live_region(live, browser):
             if seen[-1] == "import-chat":
                 break
         assert "import-chat" in seen, seen
-        with page.expect_file_chooser():
-            page.keyboard.press("Enter")
+        page.evaluate("document.getElementById('import-file').addEventListener('click', (e) => {"
+                      " window.__chooser = true; e.preventDefault(); })")
+        page.keyboard.press("Enter")
+        wait_js(page, "window.__chooser === true")
         labels = page.evaluate("[...document.querySelectorAll('.msg')].map((m) => m.getAttribute('aria-label'))")
         assert labels == ["You, message 1", "Assistant, message 2"]
         # the live region: the message list is not live; one announcement per finished reply
@@ -99,6 +92,5 @@ def test_keyboard_reach_labels_and_live_region(live, browser):
         page.wait_for_timeout(300)
         said = page.evaluate("window.__said")
         assert len(said) == 1 and said[0].startswith("Reply finished: word word"), said
-        chat.delay_s = 0.0
     finally:
         ctx.close()

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 
 from browser_support import LiveServer
 from session_fakes import ScriptedChat, make_app
-from test_ui_chat import open_ui, send, visible_while_streaming, wait_js, wait_until
+from test_ui_chat import open_ui, send, visible_while_streaming, wait_js
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
@@ -40,33 +40,18 @@ def live() -> Iterator[tuple[LiveServer, ProgressChat]]:
     app = make_app(chat)
     models = {"data": MODELS[:1]}
     app.add_route("/v1/models", lambda r: JSONResponse({"object": "list", "data": models["data"]}))
-    app.state.test_models = models
     with LiveServer(app) as srv:
         srv.models = models
         yield srv, chat
 
 
 @pytest.fixture
-def chat(live) -> ProgressChat:
-    srv, chat = live
-    chat.reply = lambda m: f"echo: {m[-1]['content']}"
-    chat.delay_s = 0.0
+def chat(chat, live) -> ProgressChat:
+    srv, _ = live
     chat.progress = []
     chat.pause_s = 0.0
     srv.models["data"] = MODELS[:1]
     return chat
-
-
-@pytest.fixture
-def page(browser) -> Iterator[Any]:
-    ctx = browser.new_context(viewport={"width": 1200, "height": 800})
-    pg = ctx.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
-    pg.errors = errors
-    yield pg
-    ctx.close()
 
 
 RICH = """A haiku:

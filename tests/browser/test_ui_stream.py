@@ -4,41 +4,15 @@ mid-reply (offline indicator, reconnect with backoff, the composer keeps unsent 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from browser_support import LiveServer
 from session_fakes import ScriptedChat, make_app
-from test_ui_chat import open_ui, send, visible_while_streaming, wait_js, wait_until
+from test_ui_chat import numbered_replies, open_ui, send, visible_while_streaming, wait_js, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
-
-
-@pytest.fixture(scope="module")
-def live() -> Iterator[tuple[LiveServer, ScriptedChat]]:
-    chat = ScriptedChat()
-    with LiveServer(make_app(chat)) as srv:
-        yield srv, chat
-
-
-@pytest.fixture
-def chat(live) -> ScriptedChat:
-    _, chat = live
-    chat.reply = lambda m: f"echo: {m[-1]['content']}"
-    chat.delay_s = 0.0
-    return chat
-
-
-@pytest.fixture
-def page(browser) -> Iterator[Any]:
-    ctx = browser.new_context(viewport={"width": 1200, "height": 800})
-    pg = ctx.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.errors = errors
-    yield pg
-    ctx.close()
 
 
 PARSE = """async ([body, step]) => {
@@ -239,12 +213,7 @@ def test_reload_and_a_dropped_connection_reattach_to_the_running_reply(live, cha
 
 def test_branches_keep_every_version(live, chat, page):
     srv, _ = live
-    n = {"i": 0}
-
-    def reply(m):
-        n["i"] += 1
-        return f"reply #{n['i']} to {m[-1]['content']}"
-    chat.reply = reply
+    numbered_replies(chat)
     open_ui(page, srv)
     send(page, "hello")
     page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=10_000)
