@@ -171,7 +171,7 @@ def test_model_name_picker_search_and_new_chat_listed_at_once(live, chat, page):
     chat.reply = lambda m: "a slow reply about zebras " * 100
     chat.delay_s = 0.02
     send(page, "tell me about stripes")
-    visible_while_streaming(page)
+    visible_while_streaming(page, min_chars=40)                                  # "zebras" is on screen
     sid = page.evaluate("location.hash.slice(1)")
     assert page.locator(f".session-item[data-id='{sid}']").count() == 1             # listed while it streams
     page.keyboard.press("Escape")
