@@ -70,3 +70,29 @@ def test_share_prefix_cache_flag_means_one_salt():
                              config=EngineConfig(server=ServerConfig(share_prefix_cache=True)))
     assert cache_salt(own, "client:127.0.0.2") != cache_salt(own, "client:127.0.0.3")
     assert cache_salt(shared, "client:127.0.0.2") is None and cache_salt(shared, "key:x") is None
+
+
+def _session_turn_cached(c: httpx.Client, system: str) -> int:
+    """One non-streamed session turn over a long system prompt; the cached prompt tokens it got."""
+    r = c.post("/v1/sessions", json={"title": "t", "system_prompt": system})
+    assert r.status_code in (200, 201), r.text
+    r = c.post(f"/v1/sessions/{r.json()['id']}/messages",
+               json={"content": "Hi", "stream": False, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage = r.json()["message"]["usage"]
+    assert usage["prompt_tokens"] > 100
+    return usage["cached_tokens"]
+
+
+def test_keyless_session_turns_do_not_share_cached_prefixes(tiny_server):
+    """Keyless session clients (each keeps the identity cookie the server hands out, as a browser
+    does) get their own prefix cache: a second client's turn over the same system prompt misses."""
+    url, system = tiny_server.url, PROMPT + " (sessions)"
+
+    def client(source: str) -> httpx.Client:
+        return httpx.Client(base_url=url, transport=httpx.HTTPTransport(local_address=source), timeout=120)
+
+    with client("127.0.0.2") as a, client("127.0.0.3") as b:
+        assert _session_turn_cached(a, system) == 0
+        assert _session_turn_cached(b, system) == 0                # another client: no hit
+        assert _session_turn_cached(a, system) > 100               # the same client: hit

@@ -20,7 +20,7 @@ from starlette.staticfiles import StaticFiles
 
 from chatserve.server.body import read_json_object
 from chatserve.server.errors import APIError, error_response, invalid
-from chatserve.server.identity import owner_of, rate_key_of
+from chatserve.server.identity import cache_owner_of, owner_of, rate_key_of
 from chatserve.server.sessions.edge import BrowserEdgeMiddleware, allowed_origins_of, check_origin
 from chatserve.server.sessions.inputs import apply_settings, clean_id, import_messages, parse_turn
 from chatserve.server.sessions.session import Session
@@ -240,7 +240,8 @@ async def post_message(request: Request) -> Response:
     turns = _turns(request)
     treq = parse_turn(body, request.app.state.chatserve)
     owner = owner_of(request)
-    chunks = await turns.start(owner, sid, treq, rate_key_of(request))
+    # a keyless caller without a cookie: its own prefix cache (by address), not the shared "anonymous"
+    chunks = await turns.start(owner, sid, treq, rate_key_of(request), cache_owner_of(request))
     if not treq.stream:
         message_id = None
         async for c in chunks:

@@ -68,6 +68,7 @@ class LiveTurn:
     id: str
     session_id: str
     owner: str
+    cache_owner: str                      # whose prefix cache the turn may use (identity.cache_owner_of)
     message_id: str                       # the assistant message being written
     parent_id: str
     user_message_id: str | None
@@ -147,7 +148,7 @@ class TurnService:
 
     # ── starting ──────────────────────────────────────────────────────────────────────────────
     async def start(self, owner: str, sid: str, treq: TurnRequest,
-                    rate_key: str | None = None) -> AsyncIterator[dict]:
+                    rate_key: str | None = None, cache_owner: str | None = None) -> AsyncIterator[dict]:
         """Store the user's message and the placeholder, start generating, and return the starter's
         stream. An APIError before the first chunk (validation, overload, rate limit, context too
         long) is raised here, and the placeholder is removed (the user's message stays)."""
@@ -159,7 +160,7 @@ class TurnService:
         user_id = None if treq.content is None else "m_" + secrets.token_urlsafe(9)
         reply_id = "m_" + secrets.token_urlsafe(9)
         turn = LiveTurn(id="turn_" + secrets.token_urlsafe(9), session_id=sid, owner=owner,
-                        message_id=reply_id, parent_id="", user_message_id=user_id,
+                        cache_owner=cache_owner or owner, message_id=reply_id, parent_id="", user_message_id=user_id,
                         request_id=f"sess-{sid[:8]}-{secrets.token_hex(4)}")
         self.by_session[sid] = turn                          # claimed before any await
         try:
@@ -244,7 +245,7 @@ class TurnService:
         error: str | None = None
         early: BaseException | None = None
         ticker = asyncio.get_running_loop().create_task(self._tick(turn))
-        agen = self.backend.stream(self.state, req, owner=turn.owner, keep_warm=True,
+        agen = self.backend.stream(self.state, req, owner=turn.cache_owner, keep_warm=True,
                                    request_id=turn.request_id, rate_key=rate_key)
         try:
             async for item in agen:
