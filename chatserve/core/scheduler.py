@@ -13,6 +13,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from chatserve.config import SchedulerConfig
+from chatserve.core.errors import ErrorCode
 from chatserve.core.outputs import (
     CopyOp,
     RequestEvent,
@@ -32,15 +33,16 @@ _FORK = RequestStatus.WAITING_FOR_FORK
 
 
 class AdmissionError(Exception):
-    """A request refused at the door.
+    """A request refused at the door, with its `ErrorCode`.
 
-    status 400: it can never fit (context length, whole KV cache, more samples than sequence slots).
-    status 503: the waiting queue is full; retry after `retry_after` seconds.
+    INVALID_VALUE / CONTEXT_LENGTH_EXCEEDED: it can never fit (context length, whole KV cache, more
+    samples than sequence slots). SERVER_OVERLOADED: the waiting queue is full; retry after
+    `retry_after` seconds.
     """
 
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.code = code
         self.message = message
         self.retry_after = retry_after
 
@@ -165,32 +167,32 @@ class Scheduler:
 
         plen = len(prompt)
         if plen == 0:
-            raise AdmissionError(400, "the prompt is empty")
+            raise AdmissionError(ErrorCode.INVALID_VALUE, "the prompt is empty")
         max_tokens = max(r.params.max_tokens for r in reqs)
         if plen + max_tokens > self.max_model_len:
             raise AdmissionError(
-                400,
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"prompt ({plen} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                 f"({self.max_model_len} tokens)",
             )
         need_blocks = -(-(plen + max_tokens) // self.kv.block_size)
         if need_blocks > self.kv.num_blocks:
             raise AdmissionError(
-                400,
+                ErrorCode.INVALID_VALUE,
                 f"prompt + max_tokens needs {need_blocks} KV blocks, the whole cache has "
                 f"{self.kv.num_blocks}",
             )
         if n > self.config.max_num_seqs:
-            raise AdmissionError(400, f"n={n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise AdmissionError(ErrorCode.INVALID_VALUE, f"n={n} exceeds max_num_seqs={self.config.max_num_seqs}")
 
         # An empty queue always accepts, so no request is refused forever by a small bound.
         queued = self.num_waiting
         if queued and (queued + n > self.config.max_waiting_requests
                        or self._waiting_tokens + plen > self.config.max_waiting_tokens):
             raise AdmissionError(
-                503,
+                ErrorCode.SERVER_OVERLOADED,
                 f"server busy: {queued} requests / {self._waiting_tokens} prompt tokens waiting",
-                retry_after=self._retry_after(),
+                retry_after=self.retry_after(),
             )
 
         base = next(self._counter) * 1024
@@ -212,7 +214,7 @@ class Scheduler:
             self._forks[leader.request_id] = entries[1:]
             self._num_pending += n - 1
 
-    def _retry_after(self) -> float:
+    def retry_after(self) -> float:
         if not self._tokens_per_s:
             return 1.0
         return float(min(60.0, max(1.0, self._waiting_tokens / self._tokens_per_s)))
