@@ -6,10 +6,8 @@ Pure bookkeeping in plain ints and lists: it never touches KV tensors. Copy-on-w
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import xxhash
 
 from chatserve.core.block_pool import BlockPool
 from chatserve.core.outputs import CopyOp
@@ -148,13 +146,7 @@ class KVCacheManager:
         table, hashes = seq.table, seq.hashes
         if max_blocks and self.pool.hash_to_block:
             lookup = self.pool.hash_to_block.get
-            h3, seed, extra = xxhash.xxh3_128_digest, self.hasher.seed, seq.extra
-            buf = self.hasher.pack(token_ids[:max_blocks * bs])   # same bytes as hash_block()
-            stride = 4 * bs
-            shared_end, shared_extra = seq.shared_blocks * stride, seq.shared_extra
-            h = ROOT_HASH
-            for off in range(0, len(buf), stride):
-                h = h3(h + (extra if off >= shared_end else shared_extra) + buf[off:off + stride], seed)
+            for h in self._block_hashes(seq, token_ids, ROOT_HASH, 0, max_blocks):
                 b = lookup(h)
                 if b is None:
                     break
@@ -273,19 +265,24 @@ class KVCacheManager:
         k = len(hashes)
         if full <= k:
             return
-        pool, table, extra = self.pool, seq.table, seq.extra
-        shared_blocks, shared_extra = seq.shared_blocks, seq.shared_extra
-        hash_block = self.hasher.hash_block
-        block_hash, hash_to_block = pool.block_hash, pool.hash_to_block
-        parent = hashes[-1] if k else ROOT_HASH
-        for j in range(k, full):
-            parent = hash_block(parent, token_ids[j * bs:(j + 1) * bs],
-                                extra if j >= shared_blocks else shared_extra)
-            hashes.append(parent)
-            b = table[j]
-            if block_hash[b] is None and parent not in hash_to_block:
-                block_hash[b] = parent
-                hash_to_block[parent] = b
+        register, table = self.pool.register, seq.table
+        for j, h in enumerate(self._block_hashes(seq, token_ids, hashes[-1] if k else ROOT_HASH, k, full),
+                              start=k):
+            hashes.append(h)
+            register(table[j], h)          # a hash already mapped to another block stays there (no dedup)
+
+    def _block_hashes(self, seq: _Seq, token_ids: Sequence[int], parent: BlockHash, start: int,
+                      end: int) -> Iterator[BlockHash]:
+        """The chain of blocks start..end-1: the shared-prefix blocks hashed without the salt, the
+        rest with it (see add_seq)."""
+        hasher = self.hasher
+        if start < seq.shared_blocks:
+            shared_end = min(end, seq.shared_blocks)
+            for parent in hasher.iter_hashes(token_ids, seq.shared_extra, parent, start, shared_end - start):
+                yield parent
+            start = shared_end
+        if start < end:
+            yield from hasher.iter_hashes(token_ids, seq.extra, parent, start, end - start)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every parent block (ref +1) and its computed count. Both lose their write
