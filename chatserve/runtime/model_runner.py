@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def auto_weight_quant(weights: LoadedWeights, device: torch.device) -> str | None:
     """int4 on CPU for a GGUF stored in 4 bits (the default model: Q4_1), where the int4 kernels
-    rebuild the stored weights and decode about 2× faster than fp32 at batch 1 (docs/benchmarks.md);
+    rebuild the stored weights and decode faster than fp32 at batch 1 (docs/benchmarks.md);
     dense weights otherwise (requantizing 8/16-bit weights costs quality; CUDA has no int4 path here)."""
     return "int4" if device.type == "cpu" and getattr(weights, "four_bit", False) else None
 
