@@ -316,3 +316,54 @@ def test_prefix_ids_keep_a_non_canonical_reply(tok):
     think = tok.encode("<think>\nhmm\n</think>\n") + odd
     stripped = tok.with_chat_template(THINK_STRIP_TEMPLATE)
     assert not chat_prefix_fraction(stripped, USER_TURNS[:2], [think], keep_ids=True).exact
+
+
+# ── template choice, tool messages, continue_final_message (rendered by transformers) ───────────────
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}CALL {{ c.function.name }}"
+    "({{ c.function.arguments }}){% endfor %}{% else %}{{ m.content }}{% endif %}"
+    "{% if m.tool_call_id is defined %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
+]
+
+
+def test_tool_calls_and_tool_messages_render_through_the_template(tok, hf):
+    t = tok.with_chat_template(TOOL_TEMPLATE)
+    text = t.render_chat(TOOL_CHAT, tools=TOOLS)
+    assert 'CALL get_weather({"city": "Paris"})' in text and "18 C, sunny [c1]" in text
+    assert text == hf.apply_chat_template(TOOL_CHAT, chat_template=TOOL_TEMPLATE, tools=TOOLS,
+                                          add_generation_prompt=True, tokenize=False)
+    with pytest.raises(ValueError, match="tool_calls"):
+        t.render_chat([{"role": "assistant", "tool_calls": "not a list"}])
+
+
+def test_per_request_template_and_continue_final_message(tok, hf):
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    text = tok.render_chat(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("The colour is") and text == hf.apply_chat_template(
+        msgs, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    with pytest.raises(ValueError, match="cannot both"):
+        tok.render_chat(msgs, add_generation_prompt=True, continue_final_message=True)
+    per_request = "{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}{{ greeting }}"
+    assert tok.render_chat(msgs[:1], chat_template=per_request, greeting="hey") == "user=Name a colour.;hey"
+    assert tok.chat_template != per_request                     # the model's template is unchanged
+
+
+def test_chat_template_flag_accepts_a_file_json_or_text(tmp_path):
+    from chatserve.text import load_chat_template
+    (tmp_path / "t.jinja").write_text(TOOL_TEMPLATE)
+    (tmp_path / "t.json").write_text(json.dumps({"chat_template": TOOL_TEMPLATE}))
+    assert load_chat_template(str(tmp_path / "t.jinja")) == TOOL_TEMPLATE
+    assert load_chat_template(str(tmp_path / "t.json")) == TOOL_TEMPLATE
+    assert load_chat_template(TOOL_TEMPLATE) == TOOL_TEMPLATE
+    with pytest.raises(ValueError, match="neither a file nor a jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
