@@ -12,7 +12,7 @@ COMMANDS: dict[str, str] = {
     "chat": "chatserve.chat_client:main",          # terminal chat client
     "generate": "chatserve.generate:main",         # one completion on stdout
 }
-BENCH: dict[str, str] = {                          # name → what it measures; runs chatserve.bench.NAME:main
+BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → what it measures
     "memory": "KV cache manager: waste, sharing, speed",
     "scheduler": "scheduler overhead per step",
     "model": "decode/prefill tokens/s",
@@ -21,13 +21,14 @@ BENCH: dict[str, str] = {                          # name → what it measures; 
     "load": "load + cancellation + stream validation",
     "sessions": "session-aware caching: turn N+1 hits under load",
 }
+BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_HELP}
 
 USAGE = """usage: chatserve {serve,chat,generate} [options]
        chatserve bench {memory,scheduler,model,kernels,serve,load,sessions} [options]
        chatserve --version
 Run `chatserve COMMAND --help` for a command's options."""
 BENCH_USAGE = ("usage: chatserve bench {" + ",".join(BENCH) + "} [options]\n"
-               + "\n".join(f"  {name:<10} {desc}" for name, desc in BENCH.items())
+               + "\n".join(f"  {name:<10} {desc}" for name, desc in BENCH_HELP.items())
                + "\nRun `chatserve bench NAME --help` for a benchmark's options.")
 
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0] not in BENCH:
             print(BENCH_USAGE, file=sys.stderr)
             return 2
-        return _run(f"chatserve.bench.{rest[0]}:main", rest[1:])
+        return _run(BENCH[rest[0]], rest[1:])
     if cmd not in COMMANDS:
         print(f"chatserve: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
         return 2
