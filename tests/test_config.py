@@ -80,3 +80,26 @@ def test_bad_flag_values_are_argparse_errors(capsys):
             parse(argv)
         assert e.value.code == 2
     assert "not a size" in capsys.readouterr().err
+
+
+def test_generation_config_defaults_and_the_effective_max_tokens(tmp_path):
+    from chatserve.config import ModelConfig, ServerConfig
+    from chatserve.generation_defaults import load_generation_defaults
+    from chatserve.server.state import ServerState
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 512, "do_sample": true}')
+    shipped = load_generation_defaults(ModelConfig(model=str(tmp_path)))        # auto: the model's folder
+    assert shipped == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 512}
+    assert load_generation_defaults(ModelConfig(model=str(tmp_path), generation_config="none")) == {}
+    assert load_generation_defaults(ModelConfig(model="x.gguf", generation_config=str(tmp_path))) == shipped
+    with pytest.raises(FileNotFoundError):
+        load_generation_defaults(ModelConfig(model="x.gguf", generation_config=str(tmp_path / "nope")))
+
+    def state(flag: int | None, defaults: dict) -> ServerState:
+        cfg = EngineConfig(server=ServerConfig(max_tokens_default=flag))
+        return ServerState(config=cfg, engine=None, tokenizer=None, model_name="m",  # type: ignore[arg-type]
+                           sampling_defaults=defaults)
+    assert state(None, {}).default_max_tokens is None                            # OpenAI: the rest of the context
+    assert state(None, shipped).default_max_tokens == 512
+    assert state(64, shipped).default_max_tokens == 64
+    assert state(64, shipped).default_max_tokens_source == "--max-tokens-default"

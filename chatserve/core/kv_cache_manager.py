@@ -51,7 +51,9 @@ class KVCacheStats:
         return self.allocated_slots - self.filled_slots
 
 
-class _Seq:
+class _SeqBlocks:
+    """One sequence's block table, how far it is computed and granted, and its block hash chain."""
+
     __slots__ = ("table", "computed", "granted", "hashes", "extra", "shared_extra", "shared_blocks")
 
     def __init__(self, extra: bytes, shared_extra: bytes = b"", shared_blocks: int = 0) -> None:
@@ -88,7 +90,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, None if max_warm_fraction is None
                               else int(max_warm_fraction * num_blocks))
         self.hasher = PrefixHasher(block_size, hash_seed)
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, _SeqBlocks] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.cow_copies = 0
@@ -135,7 +137,7 @@ class KVCacheManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         shared_blocks = max(0, int(shared_prefix_tokens)) // self.block_size if cache_salt else 0
-        seq = _Seq(self.hasher.extra_key(cache_salt, self.model_key),
+        seq = _SeqBlocks(self.hasher.extra_key(cache_salt, self.model_key),
                    self.hasher.extra_key(None, self.model_key) if shared_blocks else b"", shared_blocks)
         self._seqs[seq_id] = seq
         if not self.enable_prefix_caching:
@@ -164,7 +166,7 @@ class KVCacheManager:
         self.prefix_hits += hits
         return hits
 
-    def _plan(self, seq: _Seq, num_tokens: int) -> tuple[int, list[int]]:
+    def _plan(self, seq: _SeqBlocks, num_tokens: int) -> tuple[int, list[int]]:
         """(new blocks to append, table indices to copy-on-write) for covering num_tokens slots."""
         bs = self.block_size
         table = seq.table
@@ -271,7 +273,7 @@ class KVCacheManager:
             hashes.append(h)
             register(table[j], h)          # a hash already mapped to another block stays there (no dedup)
 
-    def _block_hashes(self, seq: _Seq, token_ids: Sequence[int], parent: BlockHash, start: int,
+    def _block_hashes(self, seq: _SeqBlocks, token_ids: Sequence[int], parent: BlockHash, start: int,
                       end: int) -> Iterator[BlockHash]:
         """The chain of blocks start..end-1: the shared-prefix blocks hashed without the salt, the
         rest with it (see add_seq)."""
@@ -290,7 +292,7 @@ class KVCacheManager:
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already exists")
         p = self._seqs[parent_id]
-        c = _Seq(p.extra, p.shared_extra, p.shared_blocks)
+        c = _SeqBlocks(p.extra, p.shared_extra, p.shared_blocks)
         take = self.pool.take
         for b in p.table:
             take(b)
