@@ -51,6 +51,10 @@ class FakeKV:
         return FakeKVStats(self.num_blocks, self.num_blocks - used, used, 0,
                            used / self.num_blocks, self.queries, self.hits)
 
+    def reset_prefix_cache(self) -> bool:
+        self.seen.clear()
+        return True
+
 
 class FakeScheduler:
     """One prefill step per request, then one token per step; FCFS; max_running at once."""
