@@ -258,6 +258,12 @@ class ServerConfig:
         flag="--shared-system-prompt", many=True, metavar="TEXT")
     rate_limit_rpm: int = option(0, "requests per minute per key; 0 = off")
     rate_limit_tpm: int = option(0, "tokens (prompt + max_tokens × n) per minute per key; 0 = off")
+    share_prefix_cache: bool = option(
+        False, "one prefix cache for every caller (off: each API key, browser and keyless client address "
+        "gets its own; cached_tokens and TTFT would otherwise reveal other callers' prompts)")
+    forwarded_allow_ips: str | None = option(
+        None, "trust X-Forwarded-For from these proxy addresses (comma-separated, or '*')",
+        metavar="IPS", shown_default="trust none: the peer address is the client")
     max_tokens_default: int | None = option(
         None, "max_tokens of a request that sets none", shown_default="the model's generation config "
         "where it sets one, else the rest of the context, as OpenAI does")

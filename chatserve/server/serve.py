@@ -17,7 +17,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from chatserve.cli import version
-from chatserve.config import ConfigError, EngineConfig, add_arguments, parse_bytes
+from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments, parse_bytes
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
 from chatserve.server.sessions import redact_url
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("chatserve.serve")
 
+SOCKET_SEND_BUFFER = ServerConfig().socket_send_buffer   # the declared default (config.py)
 DESCRIPTION = ("Serve a model over an OpenAI-compatible API and the web chat UI. Every option can also be "
                "set by its CHATSERVE_* environment variable; a flag wins over the variable.")
 
@@ -97,6 +98,7 @@ def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
         f"  metrics    {base}/metrics",
         f"  auth       {len(cfg.server.api_keys)} API key(s)" if cfg.server.api_keys else "  auth       none (open)",
         f"  sessions   {sessions}",
+        *([state.redis_check.banner_line()] if state.redis_check else []),
         "",
     ]
     return "\n".join(lines)
@@ -134,9 +136,42 @@ class StatsLine:
             prev, t_prev = s, now
 
 
+async def warm_tokenizer_process(state) -> None:
+    """Spawn the prompt guard's tokenizer process in the background, not at the first big prompt."""
+    proc = getattr(state.prompt_guard, "process", None)
+    if proc is not None:
+        asyncio.get_running_loop().run_in_executor(None, proc.start)
+
+
 def exit_reserve(drain_timeout: float) -> float:
     """Seconds of the drain timeout kept for closing sockets and exiting (at most 1 s, a quarter)."""
     return min(1.0, 0.25 * max(0.0, drain_timeout))
+
+
+def set_nodelay(transport) -> None:
+    """TCP_NODELAY on an accepted connection: without it Nagle's algorithm holds a small write (the
+    body after the headers, an SSE event) until the client's delayed ACK, ~40 ms on a kept-alive one."""
+    import socket
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+def nodelay_http_protocol():
+    """uvicorn's HTTP protocol with TCP_NODELAY set when a connection is accepted (a WebSocket
+    upgrade keeps the connection, so it has it too). asyncio sets it itself only for sockets created
+    with proto=IPPROTO_TCP, and uvicorn's bind_socket creates them with proto 0."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            set_nodelay(transport)
+            super().connection_made(transport)
+
+    return NoDelayHTTPProtocol
 
 
 def make_server(app, cfg: EngineConfig, engine):
@@ -176,10 +211,15 @@ def make_server(app, cfg: EngineConfig, engine):
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
 
+    # X-Forwarded-For is believed only from the proxies named by --forwarded-allow-ips: the client
+    # address is a cache-isolation identity for keyless callers (identity.py), so it must not be
+    # something any local process can claim (uvicorn would trust 127.0.0.1 by default).
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
                             log_level=cfg.server.uvicorn_log_level,
                             ws_max_size=cfg.server.max_body_bytes + 4096, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=15, access_log=False)
+                            timeout_keep_alive=15, access_log=False, http=nodelay_http_protocol(),
+                            proxy_headers=bool(cfg.server.forwarded_allow_ips),
+                            forwarded_allow_ips=cfg.server.forwarded_allow_ips or None)
     return DrainingServer(config)
 
 
@@ -228,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     stats = StatsLine(engine, sc.stats_interval)
     state.startup_hooks.append(stats.start)
     state.shutdown_hooks.append(stats.stop)
+    state.startup_hooks.append(lambda: warm_tokenizer_process(state))
+    if cfg.server.redis_url:
+        from chatserve.server.redis_check import RedisCheck
+        state.redis_check = RedisCheck(cfg.server.redis_url)
+        state.redis_check.check_sync()      # a wrong password shows here, not at the first chat
     app = build_app(state)
     print(banner(cfg, state, time.perf_counter() - t0), flush=True)
     server = make_server(app, cfg, engine)

@@ -15,7 +15,9 @@ from chatserve.core.protocols import TokenizerLike
 if TYPE_CHECKING:
     from chatserve.engine import AsyncEngine
     from chatserve.server.metrics import Metrics
+    from chatserve.server.prompt_guard import PromptGuard
     from chatserve.server.ratelimit import RateLimiter
+    from chatserve.server.redis_check import RedisCheck
     from chatserve.server.sessions import SessionStore
     from chatserve.server.shared_prompts import SharedPrompts
 
@@ -35,6 +37,8 @@ class ServerState:
     vocab_size: int | None = None
     rate_limiter: RateLimiter | None = None      # None = off
     shared_prompts: SharedPrompts | None = None  # None = off
+    prompt_guard: PromptGuard | None = None      # set at startup
+    redis_check: RedisCheck | None = None        # with --redis-url
     # SamplingParams field → value from the model's generation config (--generation-config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
