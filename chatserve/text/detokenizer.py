@@ -20,7 +20,9 @@ class IncrementalDetokenizer:
     Other tokenizers (sentencepiece: leading-space rules, byte-fallback tokens): a small window of ids
     is re-decoded each push: `prefix` ids give context (e.g. a leading space), text past `read` is
     new; a tail that decodes to U+FFFD (a character cut between tokens) is held until it completes.
-    Text that might be the start of a stop string is held until it cannot be.
+    Text that might be the start of a stop string is held until it cannot be. (tokenizers'
+    `DecodeStream` does the window's job per token but cannot flush a character still incomplete at
+    the end of a sequence, so the window stays.)
     """
 
     _MAX_WINDOW = 32  # window path: a character is at most 4 byte tokens; past this, U+FFFD is real
