@@ -58,7 +58,8 @@ def build_scheduler(config: EngineConfig, runner: Runner, max_model_len: int,
     """The KV cache manager over the runner's blocks, and the scheduler that owns it."""
     cc = config.cache
     kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching=cc.enable_prefix_caching,
-                        watermark=cc.watermark, hash_seed=cc.hash_seed, model_key=model_key)
+                        watermark=cc.watermark, hash_seed=cc.hash_seed, model_key=model_key,
+                        sliding_window=runner.kv_window)
     return kv, Scheduler(config.scheduler, kv, max_model_len=max_model_len)
 
 

@@ -19,6 +19,7 @@ class Runner(Protocol):
     max_model_len: int
     model_path: str
     model_key: str          # names the weights and dtype in prefix hashes (blocks of another model never match)
+    kv_window: int | None   # the model reads at most this many past positions (sliding window), or None
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 

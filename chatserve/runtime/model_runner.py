@@ -18,7 +18,7 @@ from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from chatserve.core.request import SamplingParams
 from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_threads
 from chatserve.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
-from chatserve.runtime.models.llama import LlamaModel
+from chatserve.runtime.models import build_model
 from chatserve.runtime.sampler import Sampler
 from chatserve.runtime.weights import ArchConfig, LoadedWeights, load_weights, torch_dtype
 
@@ -81,8 +81,8 @@ class ModelRunner:
         self.weight_quant = weight_quant
         if weight_quant and progress:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
-        self.model = LlamaModel(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
-                                weight_quant=weight_quant)
+        self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
+                                 weight_quant=weight_quant)
         del weights
         self.block_size = int(cache.block_size)
         self.kv_cache_dtype = cache.kv_cache_dtype
@@ -128,6 +128,10 @@ class ModelRunner:
                 raise RuntimeError(f"warm-up step failed: {out.errors[WARM_UP_ID]}")
         self.sampler.drop([WARM_UP_ID])
         return time.perf_counter() - t0
+
+    @property
+    def kv_window(self) -> int | None:
+        return self.config.kv_window
 
     @property
     def model_key(self) -> str:
