@@ -12,19 +12,33 @@ COMMANDS: dict[str, str] = {
     "chat": "chatserve.chat_client:main",          # terminal chat client
     "generate": "chatserve.generate:main",         # one completion on stdout
 }
-BENCH: dict[str, str] = {
-    "memory": "chatserve.bench.memory:main",       # KV cache manager: waste, sharing, speed
-    "scheduler": "chatserve.bench.scheduler:main", # scheduler overhead per step
-    "model": "chatserve.bench.model:main",         # decode/prefill tokens/s
-    "kernels": "chatserve.bench.kernels:main",     # GPU paged-attention bandwidth
-    "serve": "chatserve.bench.serve:main",         # OpenAI-API serving benchmark
-    "load": "chatserve.bench.load:main",           # load + cancellation + stream validation
-    "sessions": "chatserve.bench.sessions:main",   # session-aware caching: turn N+1 hits under load
+BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → what it measures
+    "memory": "KV cache manager: waste, sharing, speed",
+    "scheduler": "scheduler overhead per step",
+    "model": "decode/prefill tokens/s",
+    "kernels": "GPU paged-attention bandwidth",
+    "serve": "OpenAI-API serving benchmark",
+    "load": "load + cancellation + stream validation",
+    "sessions": "session-aware caching: turn N+1 hits under load",
 }
+BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_HELP}
 
 USAGE = """usage: chatserve {serve,chat,generate} [options]
        chatserve bench {memory,scheduler,model,kernels,serve,load,sessions} [options]
+       chatserve --version
 Run `chatserve COMMAND --help` for a command's options."""
+BENCH_USAGE = ("usage: chatserve bench {" + ",".join(BENCH) + "} [options]\n"
+               + "\n".join(f"  {name:<10} {desc}" for name, desc in BENCH_HELP.items())
+               + "\nRun `chatserve bench NAME --help` for a benchmark's options.")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+    try:
+        return package_version("chatserve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _run(target: str, argv: list[str]) -> int:
@@ -37,10 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"chatserve {version()}")
+        return 0
     cmd, rest = args[0], args[1:]
     if cmd == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(BENCH_USAGE)
+            return 0
         if not rest or rest[0] not in BENCH:
-            print(USAGE, file=sys.stderr)
+            print(BENCH_USAGE, file=sys.stderr)
             return 2
         return _run(BENCH[rest[0]], rest[1:])
     if cmd not in COMMANDS:

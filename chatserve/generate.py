@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from chatserve.config import ConfigError, EngineConfig, add_arguments, config_from_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatserve generate", description=__doc__.split("\n\n")[0])
@@ -18,15 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--model", default=None, help="GGUF file or HF safetensors dir (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--weight-quant", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only quantized matmuls for decode steps (faster on CPU); auto = int4 "
-                        "for a 4-bit GGUF on CPU (the default model)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--progress", action="store_true", help="show the weight-loading progress bar")
+    add_arguments(p, sections=("model",))     # --model, --dtype, --device, --seed, … as `chatserve serve`
     return p
 
 
@@ -35,17 +30,19 @@ def main(argv: list[str]) -> int:
     if args.max_tokens < 1:
         print("chatserve generate: --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    from chatserve.config import ModelConfig
     from chatserve.core.request import SamplingParams
     from chatserve.llm import LLM
-    from chatserve.tokenizer import Tokenizer
+    from chatserve.text import Tokenizer, load_chat_template
 
     try:
-        path = ModelConfig(model=args.model).resolved_model()
-    except FileNotFoundError as e:
+        model = config_from_args(args, EngineConfig.from_env(), sections=("model",)).model
+        path = model.resolved_model()
+        tok = Tokenizer.from_model(path)
+        if model.chat_template:
+            tok = tok.with_chat_template(load_chat_template(model.chat_template))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"chatserve generate: {e}", file=sys.stderr)
         return 2
-    tok = Tokenizer.from_model(path)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -56,16 +53,15 @@ def main(argv: list[str]) -> int:
     block_size = 16
     from chatserve.runtime.weights import UnsupportedModelError
     try:
-        llm = LLM(path, dtype=args.dtype, device=args.device, block_size=block_size,
+        llm = LLM(path, dtype=model.dtype, device=model.device, block_size=block_size,
                   num_blocks=(len(ids) + args.max_tokens) // block_size + 2,
-                  max_model_len=None, num_threads=args.num_threads, progress=args.progress,
-                  eos_token_ids=sorted(set(tok.eos_token_ids)),
-                  weight_quant=None if args.weight_quant == "none" else args.weight_quant)
+                  num_threads=model.num_threads, progress=args.progress,
+                  eos_token_ids=sorted(set(tok.eos_token_ids)), weight_quant=model.weight_quant)
     except UnsupportedModelError as e:
         print(f"chatserve generate: cannot run {path}: {e}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=model.seed)
     out = llm.generate([ids], params)[0]
     eos = set(tok.eos_token_ids)
     while out and out[-1] in eos:

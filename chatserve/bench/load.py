@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 
 from chatserve.bench import server_metrics
+from chatserve.bench.progress import progress_bar
 from chatserve.bench.sse_client import (CANCELLED, COMPLETED, ERRORED, INVALID, REJECTED, SERVER_ERROR,
                                         TRANSPORT, StreamResult, first_model, make_client, stream_request)
 from chatserve.bench.workloads import PromptSource, parse_range
@@ -37,6 +38,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[StreamResult] = []
     samples: list[str] = []
     sent = 0
+    bar = progress_bar(args.max_requests or None, not args.no_progress, desc="bench load")
     deadline = time.monotonic() + args.duration
 
     async with make_client(args.url, api_key=args.api_key, connections=args.concurrency + 8,
@@ -62,6 +64,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 res = await stream_request(client, "/v1/chat/completions", body, chat=True,
                                            cancel_after_chunks=cancel)
                 results.append(res)
+                if bar is not None:
+                    bar.update(1)
                 counts[res.outcome] += 1
                 if res.problems and len(samples) < 10:
                     samples.append(f"HTTP {res.status} {res.outcome}: " + "; ".join(res.problems[:3]))
@@ -72,6 +76,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         duration = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
         idle = await server_metrics.wait_idle(client, timeout=args.idle_timeout)
 
     accepted = [r for r in results if r.status == 200]
@@ -155,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-backoff", type=float, default=0.25, help="cap on the Retry-After sleep, s")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 

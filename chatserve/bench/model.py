@@ -56,7 +56,7 @@ def agreement(path: str, variants: list[str], max_tokens: int) -> dict:
     from chatserve.bench.kernels import PROMPTS
     from chatserve.core.request import SamplingParams
     from chatserve.llm import LLM
-    from chatserve.tokenizer import Tokenizer
+    from chatserve.text import Tokenizer
 
     tok = Tokenizer.from_model(path)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 
 from chatserve.bench import server_metrics, workloads
+from chatserve.bench.progress import progress_bar
 from chatserve.bench.sse_client import COMPLETED, StreamResult, first_model, make_client, stream_request
 from chatserve.bench.workloads import Job, PromptSource
 
@@ -111,7 +112,7 @@ async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], opts: RunOptions,
     arrivals = random.Random(opts.seed + 1)
     path = "/v1/chat/completions" if opts.endpoint == "chat" else "/v1/completions"
     total = sum(len(j.turns) for j in jobs)
-    bar = _progress(total, opts.progress)
+    bar = progress_bar(total, opts.progress)
     records: list[Record] = []
 
     async def one(job: Job) -> None:
@@ -145,14 +146,6 @@ async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], opts: RunOptions,
     if bar is not None:
         bar.close()
     return records, duration
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, file=sys.stderr, unit="req", dynamic_ncols=True, leave=False)
 
 
 def _record(job: Job, i: int, res: StreamResult) -> Record:

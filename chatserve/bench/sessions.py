@@ -15,6 +15,7 @@ import zlib
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
+from chatserve.bench.progress import progress_bar
 from chatserve.config import SchedulerConfig
 from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
@@ -186,23 +187,32 @@ def default_cache_sizes(w: Workload) -> list[int]:
 
 
 def run(workload: Workload | None = None, cache_sizes: list[int] | None = None, *,
-        max_warm_fraction: float | None = None, starvation: bool = True) -> dict:
+        max_warm_fraction: float | None = None, starvation: bool = True, progress: bool = False) -> dict:
     """keep_warm off vs on at each cache size; plus a many-idle-sessions setting that checks whether
     the protected tier can crowd out the background traffic's cache, with the warm tier unbounded
     (max_warm_fraction 1.0) and with the manager's bound."""
     w = workload or Workload()
     sizes = cache_sizes or default_cache_sizes(w)
-    rows = [simulate(w, n, kw, max_warm_fraction=max_warm_fraction) for n in sizes for kw in (False, True)]
+    bar = progress_bar(2 * len(sizes) + (3 if starvation else 0), progress, desc="bench sessions", unit="run")
+
+    def one(wl: Workload, num_blocks: int, keep_warm: bool, warm_fraction: float | None) -> dict:
+        row = simulate(wl, num_blocks, keep_warm, max_warm_fraction=warm_fraction)
+        if bar is not None:
+            bar.update(1)
+        return row
+
+    rows = [one(w, n, kw, max_warm_fraction) for n in sizes for kw in (False, True)]
     res: dict = {"rows": rows}
     if starvation:
         # 8x the sessions, long idle gaps: their warm histories together far exceed the cache.
         sw = replace(w, sessions=8 * w.sessions, turns=3, think_steps=(400, 800))
         n = 2 * sizes[-1] - sizes[0] - (sizes[-1] - sizes[0]) // 3   # a large cache: bg + ~2x sessions
-        res["starvation"] = [simulate(sw, n, False, max_warm_fraction=max_warm_fraction),
-                             simulate(sw, n, True, max_warm_fraction=1.0),
-                             simulate(sw, n, True, max_warm_fraction=max_warm_fraction)]
+        res["starvation"] = [one(sw, n, False, max_warm_fraction), one(sw, n, True, 1.0),
+                             one(sw, n, True, max_warm_fraction)]
         res["starvation_workload"] = {"sessions": sw.sessions, "turns": sw.turns,
                                       "think_steps": list(sw.think_steps), "num_blocks": n}
+    if bar is not None:
+        bar.close()
     cfg = asdict(w)
     cfg["think_steps"] = list(w.think_steps)
     res["config"] = {**cfg, "cache_sizes": sizes, "max_warm_fraction": max_warm_fraction,
@@ -252,13 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of blocks keep_warm may protect (default: the manager's; 1.0 = unbounded)")
     ap.add_argument("--no-starvation", action="store_true", help="skip the many-idle-sessions check")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
     lo, hi = (int(x) for x in args.think_steps.split(","))
     w = replace(d, sessions=args.sessions, turns=args.turns, reply_tokens=args.reply_tokens,
                 user_tokens=args.user_tokens, think_steps=(lo, hi), bg_concurrency=args.bg_concurrency,
                 seed=args.seed)
     sizes = [int(x) for x in args.cache_sizes.split(",") if x] or None
-    res = run(w, sizes, max_warm_fraction=args.max_warm_fraction, starvation=not args.no_starvation)
+    res = run(w, sizes, max_warm_fraction=args.max_warm_fraction, starvation=not args.no_starvation,
+              progress=not args.no_progress)
     print(json.dumps(res, sort_keys=True) if args.json else _table(res))
     return 0
 

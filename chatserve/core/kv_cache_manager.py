@@ -6,10 +6,8 @@ Pure bookkeeping in plain ints and lists: it never touches KV tensors. Copy-on-w
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import xxhash
 
 from chatserve.core.block_pool import BlockPool
 from chatserve.core.outputs import CopyOp
@@ -64,7 +62,9 @@ class KVCacheStats:
 DROPPED = -1         # a table entry whose block slid out of the window (never read again)
 
 
-class _Seq:
+class _SeqBlocks:
+    """One sequence's block table, how far it is computed and granted, and its block hash chain."""
+
     __slots__ = ("table", "computed", "granted", "hashes", "extra", "shared_extra", "shared_blocks")
 
     def __init__(self, extra: bytes, shared_extra: bytes = b"", shared_blocks: int = 0) -> None:
@@ -106,7 +106,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, None if max_warm_fraction is None
                               else int(max_warm_fraction * num_blocks))
         self.hasher = PrefixHasher(block_size, hash_seed)
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, _SeqBlocks] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.cow_copies = 0
@@ -160,7 +160,7 @@ class KVCacheManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         shared_blocks = max(0, int(shared_prefix_tokens)) // self.block_size if cache_salt else 0
-        seq = _Seq(self.hasher.extra_key(cache_salt, self.model_key),
+        seq = _SeqBlocks(self.hasher.extra_key(cache_salt, self.model_key),
                    self.hasher.extra_key(None, self.model_key) if shared_blocks else b"", shared_blocks)
         self._seqs[seq_id] = seq
         if not self.enable_prefix_caching:
@@ -171,13 +171,7 @@ class KVCacheManager:
         table, hashes = seq.table, seq.hashes
         if max_blocks and self.pool.hash_to_block:
             lookup = self.pool.hash_to_block.get
-            h3, seed, extra = xxhash.xxh3_128_digest, self.hasher.seed, seq.extra
-            buf = self.hasher.pack(token_ids[:max_blocks * bs])   # same bytes as hash_block()
-            stride = 4 * bs
-            shared_end, shared_extra = seq.shared_blocks * stride, seq.shared_extra
-            h = ROOT_HASH
-            for off in range(0, len(buf), stride):
-                h = h3(h + (extra if off >= shared_end else shared_extra) + buf[off:off + stride], seed)
+            for h in self._block_hashes(seq, token_ids, ROOT_HASH, 0, max_blocks):
                 b = lookup(h)
                 if b is None:
                     break
@@ -197,7 +191,7 @@ class KVCacheManager:
             self._drop_out_of_window(seq, self.sliding_window)
         return hits
 
-    def _plan(self, seq: _Seq, num_tokens: int) -> tuple[int, list[int]]:
+    def _plan(self, seq: _SeqBlocks, num_tokens: int) -> tuple[int, list[int]]:
         """(new blocks to append, table indices to copy-on-write) for covering num_tokens slots."""
         bs = self.block_size
         table = seq.table
@@ -295,28 +289,33 @@ class KVCacheManager:
         if self.sliding_window is not None:
             self._drop_out_of_window(seq, self.sliding_window)
 
-    def _hash_full_blocks(self, seq: _Seq, token_ids: Sequence[int], num_computed: int) -> None:
+    def _hash_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int], num_computed: int) -> None:
         bs = self.block_size
         full = num_computed // bs
         hashes = seq.hashes
         k = len(hashes)
         if full <= k:
             return
-        pool, table, extra = self.pool, seq.table, seq.extra
-        shared_blocks, shared_extra = seq.shared_blocks, seq.shared_extra
-        hash_block = self.hasher.hash_block
-        block_hash, hash_to_block = pool.block_hash, pool.hash_to_block
-        parent = hashes[-1] if k else ROOT_HASH
-        for j in range(k, full):
-            parent = hash_block(parent, token_ids[j * bs:(j + 1) * bs],
-                                extra if j >= shared_blocks else shared_extra)
-            hashes.append(parent)
-            b = table[j]
-            if block_hash[b] is None and parent not in hash_to_block:
-                block_hash[b] = parent
-                hash_to_block[parent] = b
+        register, table = self.pool.register, seq.table
+        for j, h in enumerate(self._block_hashes(seq, token_ids, hashes[-1] if k else ROOT_HASH, k, full),
+                              start=k):
+            hashes.append(h)
+            register(table[j], h)          # a hash already mapped to another block stays there (no dedup)
 
-    def _drop_out_of_window(self, seq: _Seq, w: int) -> None:
+    def _block_hashes(self, seq: _SeqBlocks, token_ids: Sequence[int], parent: BlockHash, start: int,
+                      end: int) -> Iterator[BlockHash]:
+        """The chain of blocks start..end-1: the shared-prefix blocks hashed without the salt, the
+        rest with it (see add_seq)."""
+        hasher = self.hasher
+        if start < seq.shared_blocks:
+            shared_end = min(end, seq.shared_blocks)
+            for parent in hasher.iter_hashes(token_ids, seq.shared_extra, parent, start, shared_end - start):
+                yield parent
+            start = shared_end
+        if start < end:
+            yield from hasher.iter_hashes(token_ids, seq.extra, parent, start, end - start)
+
+    def _drop_out_of_window(self, seq: _SeqBlocks, w: int) -> None:
         """Release the blocks whose every position is out of the w-token window of the next token."""
         table = seq.table
         n = min(len(table), max(0, seq.computed - w + 1) // self.block_size)
@@ -333,7 +332,7 @@ class KVCacheManager:
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already exists")
         p = self._seqs[parent_id]
-        c = _Seq(p.extra, p.shared_extra, p.shared_blocks)
+        c = _SeqBlocks(p.extra, p.shared_extra, p.shared_blocks)
         take = self.pool.take
         for b in p.table:
             if b != DROPPED:

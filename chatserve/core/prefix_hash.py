@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import xxhash
 
@@ -66,18 +66,22 @@ class PrefixHasher:
         """hash_block() of a block already packed with pack() (4 * block_size bytes)."""
         return xxhash.xxh3_128_digest(parent + extra + packed_block, self.seed)
 
-    def hash_blocks(self, token_ids: Sequence[int], extra: bytes, parent: BlockHash = ROOT_HASH,
-                    start_block: int = 0, num_blocks: int | None = None) -> list[BlockHash]:
-        """Chained hashes of full blocks start_block.. of token_ids (parent = hash of block start_block-1)."""
+    def iter_hashes(self, token_ids: Sequence[int], extra: bytes, parent: BlockHash = ROOT_HASH,
+                    start_block: int = 0, num_blocks: int | None = None) -> Iterator[BlockHash]:
+        """Chained hashes of full blocks start_block.. of token_ids (parent = hash of block
+        start_block-1), computed lazily so a prefix lookup stops hashing at its first miss."""
         bs = self.block_size
         end = len(token_ids) // bs if num_blocks is None else min(len(token_ids) // bs,
                                                                    start_block + num_blocks)
         if end <= start_block:
-            return []
+            return
         buf = self.pack(token_ids[start_block * bs:end * bs])
-        stride, seed, h3 = 4 * bs, self.seed, xxhash.xxh3_128_digest
-        out: list[BlockHash] = []
+        stride = 4 * bs
         for off in range(0, len(buf), stride):
-            parent = h3(parent + extra + buf[off:off + stride], seed)
-            out.append(parent)
-        return out
+            parent = self.hash_packed(parent, buf[off:off + stride], extra)
+            yield parent
+
+    def hash_blocks(self, token_ids: Sequence[int], extra: bytes, parent: BlockHash = ROOT_HASH,
+                    start_block: int = 0, num_blocks: int | None = None) -> list[BlockHash]:
+        """Chained hashes of full blocks start_block.. of token_ids (parent = hash of block start_block-1)."""
+        return list(self.iter_hashes(token_ids, extra, parent, start_block, num_blocks))

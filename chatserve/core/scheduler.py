@@ -13,6 +13,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from chatserve.config import SchedulerConfig
+from chatserve.core.errors import ErrorCode
 from chatserve.core.outputs import (
     CopyOp,
     RequestEvent,
@@ -32,20 +33,21 @@ _FORK = RequestStatus.WAITING_FOR_FORK
 
 
 class AdmissionError(Exception):
-    """A request refused at the door.
+    """A request refused at the door, with its `ErrorCode`.
 
-    status 400: it can never fit (context length, whole KV cache, more samples than sequence slots).
-    status 503: the waiting queue is full; retry after `retry_after` seconds.
+    INVALID_VALUE / CONTEXT_LENGTH_EXCEEDED: it can never fit (context length, whole KV cache, more
+    samples than sequence slots). SERVER_OVERLOADED: the waiting queue is full; retry after
+    `retry_after` seconds.
     """
 
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.code = code
         self.message = message
         self.retry_after = retry_after
 
 
-class _Entry:
+class _LiveRequest:
     """The scheduler's private record of one live request (kept apart from the public Request)."""
 
     __slots__ = ("req", "rid", "tokens", "key", "seed", "stop_ids", "limit")
@@ -107,10 +109,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_preemptions = 0
 
-        self._entries: dict[str, _Entry] = {}       # every unfinished request (any status)
-        self._waiting: list[_Entry] = []            # WAITING / PREEMPTED, sorted by key
-        self._running: list[_Entry] = []            # RUNNING, sorted by key
-        self._forks: dict[str, list[_Entry]] = {}   # leader id → siblings WAITING_FOR_FORK
+        self._entries: dict[str, _LiveRequest] = {}       # every unfinished request (any status)
+        self._waiting: list[_LiveRequest] = []            # WAITING / PREEMPTED, sorted by key
+        self._running: list[_LiveRequest] = []            # RUNNING, sorted by key
+        self._forks: dict[str, list[_LiveRequest]] = {}   # leader id → siblings WAITING_FOR_FORK
         self._leader_of: dict[str, str] = {}        # sibling id → leader id (until the fork)
         self._num_pending = 0                       # siblings waiting for a fork
         self._waiting_tokens = 0                    # tokens to compute for the waiting queue
@@ -181,32 +183,32 @@ class Scheduler:
 
         plen = len(prompt)
         if plen == 0:
-            raise AdmissionError(400, "the prompt is empty")
+            raise AdmissionError(ErrorCode.INVALID_VALUE, "the prompt is empty")
         max_tokens = max(r.params.max_tokens for r in reqs)
         if plen + max_tokens > self.max_model_len:
             raise AdmissionError(
-                400,
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"prompt ({plen} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                 f"({self.max_model_len} tokens)",
             )
         need_blocks = -(-(plen + max_tokens) // self.kv.block_size)
         if need_blocks > self.kv.num_blocks:
             raise AdmissionError(
-                400,
+                ErrorCode.INVALID_VALUE,
                 f"prompt + max_tokens needs {need_blocks} KV blocks, the whole cache has "
                 f"{self.kv.num_blocks}",
             )
         if n > self.config.max_num_seqs:
-            raise AdmissionError(400, f"n={n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise AdmissionError(ErrorCode.INVALID_VALUE, f"n={n} exceeds max_num_seqs={self.config.max_num_seqs}")
 
         # An empty queue always accepts, so no request is refused forever by a small bound.
         queued = self.num_waiting
         if queued and (queued + n > self.config.max_waiting_requests
                        or self._waiting_tokens + plen > self.config.max_waiting_tokens):
             raise AdmissionError(
-                503,
+                ErrorCode.SERVER_OVERLOADED,
                 f"server busy: {queued} requests / {self._waiting_tokens} prompt tokens waiting",
-                retry_after=self._retry_after(),
+                retry_after=self.retry_after(),
             )
 
         base = next(self._counter) * 1024
@@ -215,7 +217,7 @@ class Scheduler:
             r.max_model_len = self.max_model_len
             r.num_computed_tokens = 0
             r.finish_reason = None
-            e = _Entry(r, (r.priority, r.arrival_time, base + i), self.max_model_len)
+            e = _LiveRequest(r, (r.priority, r.arrival_time, base + i), self.max_model_len)
             self._entries[e.rid] = e
             entries.append(e)
             if i == 0:
@@ -228,7 +230,7 @@ class Scheduler:
             self._forks[leader.request_id] = entries[1:]
             self._num_pending += n - 1
 
-    def _retry_after(self) -> float:
+    def retry_after(self) -> float:
         if not self._tokens_per_s:
             return 1.0
         return float(min(60.0, max(1.0, self._waiting_tokens / self._tokens_per_s)))
@@ -237,9 +239,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
         self._t_schedule = now = time.monotonic()
-        kv = self.kv
-        allocate = kv.allocate_slots
-        table_of = kv.get_block_table
+        table_of = self.kv.get_block_table
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         copy_ops: list[CopyOp] = []
@@ -270,24 +270,9 @@ class Scheduler:
                 n_new = min(rem, budget - decoders_left)
                 if n_new <= 0:   # the budget is spoken for by later decoders
                     continue
+            ops, n_new, decoders_left, preempted_any = self._grant_slots(e, start, n_new, decoders_left)
+            preempted = preempted or preempted_any
             end = start + n_new
-            ops = allocate(rid, end)
-            while ops is None:
-                if n_new > 1:
-                    fit = self._largest_fit(rid, start, n_new, reserve=False)
-                    if fit:
-                        n_new = fit
-                        end = start + n_new
-                        ops = allocate(rid, end)
-                        break
-                victim = running[-1]
-                if victim is e:
-                    break
-                if decoders_left > 0 and self._remaining(victim) == 1:
-                    decoders_left -= 1
-                self._preempt(victim)
-                preempted = True
-                ops = allocate(rid, end)
             if ops is None:   # nothing left to preempt behind it: it yields its own blocks
                 self._preempt(e)
                 preempted = True
@@ -313,7 +298,33 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
 
-    def _remaining(self, e: _Entry) -> int:
+    def _grant_slots(self, e: _LiveRequest, start: int, n_new: int, decoders_left: int
+                     ) -> tuple[list[CopyOp] | None, int, int, bool]:
+        """KV slots for e's next n_new tokens: shrink a chunk to what fits, else preempt from the back
+        of `running` until they fit. Returns (copy ops, or None when e itself must yield; the tokens
+        granted; decoders still behind e; whether anything was preempted)."""
+        allocate, running, rid = self.kv.allocate_slots, self._running, e.rid
+        end = start + n_new
+        ops = allocate(rid, end)
+        preempted = False
+        while ops is None:
+            if n_new > 1:
+                fit = self._largest_fit(rid, start, n_new, reserve=False)
+                if fit:
+                    n_new = fit
+                    ops = allocate(rid, start + n_new)
+                    break
+            victim = running[-1]
+            if victim is e:
+                break
+            if decoders_left > 0 and self._remaining(victim) == 1:
+                decoders_left -= 1
+            self._preempt(victim)
+            preempted = True
+            ops = allocate(rid, end)
+        return ops, n_new, decoders_left, preempted
+
+    def _remaining(self, e: _LiveRequest) -> int:
         """Tokens e still has to compute before its next sample (or, for a leader, its fork)."""
         rem = len(e.tokens) - e.req.num_computed_tokens
         return rem - 1 if e.rid in self._forks else rem
@@ -384,7 +395,7 @@ class Scheduler:
                     budget -= 1
         return budget
 
-    def _prefix_in_flight(self, e: _Entry) -> bool:
+    def _prefix_in_flight(self, e: _LiveRequest) -> bool:
         """A running request is still prefilling full blocks that e's prompt starts with: admitting e
         now would compute them twice (e.g. n chats sent at once with one long system prompt), so e
         waits a step or two and then finds them in the prefix cache."""
@@ -425,7 +436,7 @@ class Scheduler:
         ents = self._entries
         return sum(len(s) for lid, s in self._forks.items() if ents[lid].req.status is _RUNNING)
 
-    def _scheduled(self, e: _Entry, start: int, n_new: int, now: float) -> ScheduledSeq:
+    def _scheduled(self, e: _LiveRequest, start: int, n_new: int, now: float) -> ScheduledSeq:
         req = e.req
         end = start + n_new
         if req.first_scheduled_time is None:
@@ -442,7 +453,7 @@ class Scheduler:
             seed=e.seed,
         )
 
-    def _fork(self, leader: _Entry) -> list[_Entry]:
+    def _fork(self, leader: _LiveRequest) -> list[_LiveRequest]:
         """Siblings of `leader` start sharing its blocks (it has computed prompt[:-1])."""
         sibs = self._forks.pop(leader.rid, None)
         if not sibs:
@@ -458,7 +469,7 @@ class Scheduler:
             self._insert_running(s)
         return sibs
 
-    def _preempt(self, e: _Entry) -> None:
+    def _preempt(self, e: _LiveRequest) -> None:
         """Free all of e's blocks and requeue it; it recomputes prompt + outputs later."""
         self.kv.free(e.rid)
         self._remove_sorted(self._running, e)
@@ -542,7 +553,7 @@ class Scheduler:
             return None
         return self._finish(e, reason)
 
-    def _finish(self, e: _Entry, reason: FinishReason, error: str | None = None) -> RequestEvent:
+    def _finish(self, e: _LiveRequest, reason: FinishReason, error: str | None = None) -> RequestEvent:
         rid = e.rid
         req = e.req
         status = req.status
@@ -589,15 +600,15 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------------ sorted queues
-    def _insert_waiting(self, e: _Entry) -> None:
+    def _insert_waiting(self, e: _LiveRequest) -> None:
         bisect.insort(self._waiting, e, key=_key)
         self._waiting_tokens += len(e.tokens)
 
-    def _insert_running(self, e: _Entry) -> None:
+    def _insert_running(self, e: _LiveRequest) -> None:
         bisect.insort(self._running, e, key=_key)
 
     @staticmethod
-    def _remove_sorted(queue: list[_Entry], e: _Entry) -> None:
+    def _remove_sorted(queue: list[_LiveRequest], e: _LiveRequest) -> None:
         if queue and queue[-1] is e:
             queue.pop()
             return

@@ -6,94 +6,136 @@ is decided by the scheduler and the KV cache manager and arrives here as plain l
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 import chatserve_kernels
-from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
+from chatserve.config import CacheConfig, ModelConfig
+from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from chatserve.core.request import SamplingParams
 from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_threads
 from chatserve.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from chatserve.runtime.models import build_model
+from chatserve.runtime.sampler import Sampler
 from chatserve.runtime.weights import ArchConfig, LoadedWeights, load_weights, torch_dtype
 
 log = logging.getLogger(__name__)
 
 
-class _GreedySampler:
-    """Stand-in with the Sampler interface, used only when chatserve.runtime.sampler is absent."""
-
-    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]
-                 ) -> tuple[list[int], list[TokenLogprob | None]]:
-        # logits: [B, V] float32
-        ids = logits.argmax(-1).tolist()
-        return ids, [None] * len(ids)
-
-    def drop(self, request_ids: list[str]) -> None:
-        pass
-
-
-def _make_sampler():
-    try:
-        from chatserve.runtime.sampler import Sampler
-    except ImportError:
-        log.warning("chatserve.runtime.sampler not found: sampling greedily")
-        return _GreedySampler()
-    return Sampler()
-
-
 def auto_weight_quant(weights: LoadedWeights, device: torch.device) -> str | None:
     """int4 on CPU for a GGUF stored in 4 bits (the default model: Q4_1), where the int4 kernels
-    rebuild the stored weights and decode about 2× faster than fp32 at batch 1 (docs/benchmarks.md);
+    rebuild the stored weights and decode faster than fp32 at batch 1 (docs/benchmarks.md);
     dense weights otherwise (requantizing 8/16-bit weights costs quality; CUDA has no int4 path here)."""
     return "int4" if device.type == "cpu" and getattr(weights, "four_bit", False) else None
 
 
+def gpu_kv_budget(free_bytes: int, total_bytes: int, utilization: float) -> int:
+    """KV cache bytes under --gpu-memory-utilization: the share of the device this process may use,
+    less what is already taken (weights, other processes), measured after the weights are loaded."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = int(free_bytes - total_bytes * (1.0 - utilization))
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization}: nothing left for the KV cache "
+                         f"({free_bytes / 2**30:.1f} GiB free of {total_bytes / 2**30:.1f} GiB)")
+    return budget
+
+
+WARM_UP_ID = "__warm_up__"
+_LEGACY_MODEL_KEYS = ("dtype", "device", "num_threads", "weight_quant", "seed")
+_LEGACY_CACHE_KEYS = ("block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization")
+
+
 class ModelRunner:
-    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu",
-                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int = 2 << 30,
-                 max_model_len: int | None = None, num_threads: int | None = None,
-                 progress: bool = True, weights: LoadedWeights | None = None,
-                 weight_quant: str | None = None, kv_cache_dtype: str = "auto") -> None:
-        """weights: already-loaded weights of model_path (tests and benchmarks reuse one read).
-        weight_quant: None, "int8" or "int4" for weight-only quantized decode matmuls (see
-        models.llama.Linear), or "auto" (auto_weight_quant: int4 for a 4-bit GGUF on CPU, else None).
-        dtype: float32 | bfloat16 | float16, or "auto" (device.resolve_dtype: bf16 where the hardware has it).
-        kv_cache_dtype: "auto" (= dtype), or a quantized cache: "int8", "fp8", "fp8_per_tensor"."""
+    def __init__(self, model: ModelConfig | str, cache: CacheConfig | None = None, *,
+                 max_model_len: int | None = None, progress: bool = True,
+                 weights: LoadedWeights | None = None, **legacy: Any) -> None:
+        """model, cache: the model and KV cache sections of the config (chatserve/config.py).
+        weights: already-loaded weights of the model (tests and benchmarks reuse one read).
+        A model path with keyword settings (dtype=…, num_blocks=…) is accepted too, for scripts and
+        tests: they are the same fields, with the offline defaults (float32 on CPU, dense weights)."""
+        if isinstance(model, str):
+            model, cache = _configs_for_path(model, cache, legacy)
+        elif legacy:
+            raise TypeError(f"unexpected arguments {sorted(legacy)} (set them in the configs)")
+        cache = cache or CacheConfig()
         t0 = time.perf_counter()
-        self.device = resolve_device(device)
-        # CPU threads per step: all (or num_threads) for steps of many tokens (prefill: compute-bound,
-        # a second thread pays); for small steps (decode of <= SMALL_STEP_TOKENS) one core is left to
-        # the event loop, HTTP and detokenizer when num_threads is auto: there the GEMVs are
-        # memory-bound and the OpenMP barrier stalls whenever another thread takes a core (measured
-        # on 2 cores, one stream: TPOT 45.7 ms with 2 threads, 32.3 ms with 1; 16 streams: 64.2 vs
-        # 57.0 output tok/s, so big steps keep both).
+        self.device = resolve_device(model.device)
         self._threads_big = self._threads_small = None
         if self.device.type == "cpu":
-            self._threads_big = set_num_threads(num_threads)
-            self._threads_small = self._threads_big if num_threads else max(1, self._threads_big - 1)
-        self.dtype = torch_dtype(resolve_dtype(dtype, self.device) if isinstance(dtype, str) else dtype)
-        self.model_path = model_path
+            self._set_step_threads(model.num_threads)
+        if model.seed is not None:
+            torch.manual_seed(model.seed)
+        self.dtype = torch_dtype(resolve_dtype(model.dtype, self.device))
+        self.model_path = model.resolved_model()
         if weights is None:
-            weights = load_weights(model_path, self.dtype, progress=progress)
+            weights = load_weights(self.model_path, self.dtype, progress=progress)
         self.config: ArchConfig = weights.config
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
+        weight_quant = model.weight_quant
         if weight_quant == "auto":
             weight_quant = auto_weight_quant(weights, self.device)
         self.weight_quant = weight_quant
+        if weight_quant and progress:
+            log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
                                  weight_quant=weight_quant)
         del weights
-        self.block_size = int(block_size)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.num_blocks = int(num_blocks) if num_blocks is not None else num_blocks_for_budget(
-            self.config, self.block_size, self.dtype, kv_cache_memory, kv_cache_dtype)
+        self.block_size = int(cache.block_size)
+        self.kv_cache_dtype = cache.kv_cache_dtype
+        self.num_blocks = self._num_blocks(cache)
         self.kv_caches = allocate_kv_caches(self.config, self.block_size, self.dtype, self.device,
-                                            num_blocks=self.num_blocks, kv_cache_dtype=kv_cache_dtype)
-        self.bytes_per_block = bytes_per_block(self.config, self.block_size, self.dtype, kv_cache_dtype)
-        self.sampler = _make_sampler()
+                                            num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
+        self.bytes_per_block = bytes_per_block(self.config, self.block_size, self.dtype, self.kv_cache_dtype)
+        self.sampler = Sampler()
         self.load_seconds = time.perf_counter() - t0
+
+    def _set_step_threads(self, num_threads: int | None) -> None:
+        """CPU threads per step: all (or num_threads) for steps of many tokens (compute-bound prefill);
+        with num_threads auto, one core fewer for small (decode) steps, which are memory-bound and
+        stall on the OpenMP barrier whenever the event loop takes a core (docs/benchmarks.md)."""
+        self._threads_big = set_num_threads(num_threads)
+        self._threads_small = self._threads_big if num_threads else max(1, self._threads_big - 1)
+
+    def _num_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return int(cache.num_blocks)
+        budget = cache.kv_cache_memory
+        if cache.gpu_memory_utilization is not None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = gpu_kv_budget(free, total, cache.gpu_memory_utilization)
+        return num_blocks_for_budget(self.config, self.block_size, self.dtype, budget, cache.kv_cache_dtype)
+
+    def warm_up(self) -> float:
+        """One dummy prefill and one decode step over KV blocks no request owns yet, so kernels
+        compile (C at first use, Triton on CUDA) before the first user request; seconds taken."""
+        t0 = time.perf_counter()
+        prompt_len = max(1, min(self.block_size, self.max_model_len - 1))
+        blocks_needed = -(-(prompt_len + 1) // self.block_size)
+        if blocks_needed > self.num_blocks:
+            return 0.0                            # a cache too small to warm up in: skip it
+        table = list(range(blocks_needed))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        steps = (([0] * prompt_len, 0), ([0], prompt_len))        # (token ids, start position)
+        for step_id, (ids, start) in enumerate(steps):
+            seq = ScheduledSeq(request_id=WARM_UP_ID, token_ids=ids, start_pos=start,
+                               block_table=table, sample=True, params=params)
+            out = self.execute(SchedulerOutput(step_id=step_id, seqs=[seq]))
+            if out.errors:
+                raise RuntimeError(f"warm-up step failed: {out.errors[WARM_UP_ID]}")
+        self.sampler.drop([WARM_UP_ID])
+        return time.perf_counter() - t0
+
+    @property
+    def kv_window(self) -> int | None:
+        return self.config.kv_window
+
+    @property
+    def model_key(self) -> str:
+        return f"{self.model_path}:{self.dtype}"
 
     @property
     def vocab_size(self) -> int:
@@ -215,3 +257,17 @@ class ModelRunner:
             res.sampled[s.request_id] = int(tok)
             if lp is not None:
                 res.logprobs[s.request_id] = lp
+
+
+def _configs_for_path(path: str, cache: CacheConfig | None, settings: dict[str, Any]
+                      ) -> tuple[ModelConfig, CacheConfig]:
+    """A model path + keyword settings → the two config sections, with the offline defaults."""
+    unknown = set(settings) - set(_LEGACY_MODEL_KEYS) - set(_LEGACY_CACHE_KEYS)
+    if unknown:
+        raise TypeError(f"unexpected arguments {sorted(unknown)}")
+    model_kw = {"dtype": "float32", "device": "cpu", "weight_quant": None}
+    model_kw.update({k: v for k, v in settings.items() if k in _LEGACY_MODEL_KEYS})
+    if not isinstance(model_kw["dtype"], str):
+        model_kw["dtype"] = str(model_kw["dtype"]).replace("torch.", "")
+    cache_kw = {k: v for k, v in settings.items() if k in _LEGACY_CACHE_KEYS}
+    return ModelConfig(model=path, **model_kw), replace(cache or CacheConfig(), **cache_kw)

@@ -128,13 +128,9 @@ async def _openapi(request: Request) -> Response:
 
 
 def _vocab_size(state: ServerState) -> int | None:
-    for obj, attr in ((state.tokenizer, "vocab_size"),):
-        v = getattr(obj, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    cfg = getattr(getattr(state.engine, "runner", None), "config", None)
-    v = getattr(cfg, "vocab_size", None)
-    return v if isinstance(v, int) and v > 0 else None
+    """The tokenizer's vocabulary size (token ids a request may send), None when unknown."""
+    size = state.tokenizer.vocab_size if state.tokenizer is not None else 0
+    return size if size > 0 else None
 
 
 def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> Starlette:

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from chatserve.engine import AdmissionError
-from chatserve.server.errors import APIError, error_response
+from chatserve.server.errors import APIError, admission_error, engine_error_body, error_response, status_for
 from chatserve.server.identity import cache_salt
 from chatserve.server.protocol import (ChatRequest, CompletionRequest, GenerationRequest,
                                        parse_chat_body, parse_completion_body)
@@ -37,7 +37,7 @@ def precheck(state) -> None:
     try:
         check()
     except AdmissionError as e:
-        raise APIError(503, e.message, code="server_overloaded", retry_after=e.retry_after or 1.0) from None
+        raise admission_error(e.code, e.message, e.retry_after) from None
 
 
 def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, request_id: str,
@@ -52,12 +52,7 @@ def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, reques
         return state.engine.submit(req.prompt_ids, req.params, request_id=request_id,
                                    cache_salt=cache_salt(state, owner), keep_warm=keep_warm, **kwargs)
     except AdmissionError as e:
-        status = e.status if e.status in (400, 429, 503) else 503
-        code = "server_overloaded" if status == 503 else ("context_length_exceeded"
-                                                           if "context" in e.message or "long" in e.message
-                                                           else "invalid_value")
-        raise APIError(status, e.message, code=code,
-                       retry_after=(e.retry_after or 1.0) if status == 503 else e.retry_after) from None
+        raise admission_error(e.code, e.message, e.retry_after) from None
 
 
 def _shared_prefix_tokens(state, req: GenerationRequest) -> int:
@@ -66,12 +61,6 @@ def _shared_prefix_tokens(state, req: GenerationRequest) -> int:
     if prompts is None or not isinstance(req, ChatRequest):
         return 0
     return prompts.shared_tokens(req.messages, req.prompt_ids)
-
-
-def engine_error(message: str) -> dict:
-    code = "shutting_down" if "shutting down" in message else (
-        "client_too_slow" if "not reading" in message else "engine_error")
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
 
 
 class _Usage:
@@ -149,7 +138,7 @@ async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = 
         async for d in stream:
             usage.add(d)
             if d.finish_reason == "error":
-                yield engine_error(d.error or "generation failed")
+                yield engine_error_body(d.error or "generation failed", d.error_code)
                 return
             if not d.text and not d.logprobs and d.finish_reason is None:
                 continue
@@ -190,7 +179,7 @@ async def stream_completion(state, req: CompletionRequest, *, owner: str, reques
         async for d in stream:
             usage.add(d)
             if d.finish_reason == "error":
-                yield engine_error(d.error or "generation failed")
+                yield engine_error_body(d.error or "generation failed", d.error_code)
                 return
             if not d.text and not d.logprobs and d.finish_reason is None:
                 continue
@@ -206,8 +195,7 @@ async def stream_completion(state, req: CompletionRequest, *, owner: str, reques
 # ---- non-streaming: the same chunks, folded --------------------------------------------------------
 def _raise_chunk_error(c: dict) -> None:
     e = c["error"]
-    status = 503 if e.get("code") == "shutting_down" else 500
-    raise APIError(status, e["message"], code=e.get("code"), type="server_error")
+    raise APIError(status_for(e.get("code")), e["message"], code=e.get("code"), type="server_error")
 
 
 async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str]):

@@ -17,7 +17,7 @@ MAX_STOP = 16
 MAX_STOP_LEN = 512
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
 
@@ -262,6 +262,13 @@ def normalize_messages(v: Any) -> list[dict]:
         if role not in CHAT_ROLES:
             raise invalid(f"{p}.role {role[:40]!r} is not one of {sorted(CHAT_ROLES)}", f"{p}.role")
         content = m.get("content")
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)
+                                       or not all(isinstance(c, dict) for c in tool_calls)):
+            raise invalid(f"{p}.tool_calls must be a list of objects on an assistant message",
+                          f"{p}.tool_calls", "invalid_type")
+        if content is None and tool_calls:
+            content = ""                          # an assistant turn that only calls tools
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -273,7 +280,12 @@ def normalize_messages(v: Any) -> list[dict]:
         if not isinstance(content, str):
             raise invalid(f"{p}.content must be a string or a list of text parts", f"{p}.content",
                           "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if tool_calls:
+            msg["tool_calls"] = tool_calls        # rendered by the chat template (docs/chat-templates.md)
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
 
 

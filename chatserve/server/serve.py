@@ -9,120 +9,54 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 import sys
 import time
 from dataclasses import replace
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from chatserve.config import EngineConfig
+from chatserve.cli import version
+from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments, parse_bytes
+from chatserve.config import config_from_args as apply_args
+from chatserve.generation_defaults import load_generation_defaults
 from chatserve.server.sessions import redact_url
 
+if TYPE_CHECKING:
+    from chatserve.runtime.model_runner import ModelRunner
+    from chatserve.server.state import ServerState
+
 log = logging.getLogger("chatserve.serve")
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+SOCKET_SEND_BUFFER = ServerConfig().socket_send_buffer   # the declared default (config.py)
+DESCRIPTION = ("Serve a model over an OpenAI-compatible API and the web chat UI. Every option can also be "
+               "set by its CHATSERVE_* environment variable; a flag wins over the variable.")
 
 
-# The model step runs in a worker thread; whenever the event loop thread releases the GIL (every
-# socket send, every select) it must win it back from that thread, which by default keeps it for up to
-# 5 ms. Under load a loop iteration does dozens of sends, so 503s, pings and first chunks queue behind
-# the model. 1 ms keeps the loop responsive at a small throughput cost (see docs/reliability.md).
-GIL_SWITCH_INTERVAL_S = 0.001
-# Linux autotunes a connection's send buffer up to net.ipv4.tcp_wmem's max (4 MiB), so a client that
-# stops reading would absorb ~4,000 streamed tokens before a send ever blocks and --stream-timeout
-# could start counting. Accepted sockets inherit SO_SNDBUF from the listener (the kernel doubles it).
-SOCKET_SEND_BUFFER = 128 << 10
+def build_parser(env: EngineConfig | None = None) -> argparse.ArgumentParser:
+    """The `chatserve serve` flags, generated from the config declarations (chatserve/config.py).
 
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1.5G', '1000000' → bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
-    m, c, s, v = env.model, env.cache, env.scheduler, env.server
-    p = argparse.ArgumentParser(prog="chatserve serve", description="Serve a model over an "
-                                "OpenAI-compatible API and the web chat UI. CHATSERVE_* variables set defaults.")
-    a = p.add_argument
-    a("--model", default=m.model, help="GGUF file or HF/safetensors directory (default: SmolLM2-135M-Instruct)")
-    a("--dtype", default=m.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-      help="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16/AMX), else float32")
-    a("--device", default=m.device, help="auto | cpu | cuda")
-    a("--weight-quant", default=m.weight_quant, type=lambda x: None if x.lower() in ("none", "") else x,
-      choices=["auto", None, "int8", "int4"],
-      help="auto | none | int8 | int4: weight-only quantized decode matmuls (int4: CPU, int8 LM head); "
-           "auto = int4 for a 4-bit GGUF on CPU, else none")
-    a("--kv-cache-dtype", default=c.kv_cache_dtype, choices=["auto", "bfloat16", "int8", "fp8"],
-      help="auto (= --dtype) | bfloat16 | int8 | fp8 (8-bit: about half of fp16's bytes)")
-    a("--served-model-name", default=m.served_model_name)
-    a("--host", default=v.host)
-    a("--port", type=int, default=v.port)
-    a("--block-size", type=int, default=c.block_size, choices=[8, 16, 32])
-    a("--kv-blocks", type=int, default=c.num_blocks, help="exact KV block count (overrides --kv-cache-memory)")
-    a("--kv-cache-memory", type=parse_bytes, default=c.kv_cache_memory, help="KV cache budget, e.g. 2GiB")
-    a("--no-prefix-caching", action="store_true", default=not c.enable_prefix_caching)
-    a("--max-num-seqs", type=int, default=s.max_num_seqs)
-    a("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens)
-    a("--max-waiting-requests", type=int, default=s.max_waiting_requests)
-    a("--max-model-len", type=int, default=s.max_model_len)
-    a("--api-key", action="append", default=None, help="require this key (repeat for several)")
-    a("--cors-origin", action="append", default=None, help="allow this browser origin (repeatable)")
-    a("--rate-limit-rpm", type=int, default=v.rate_limit_rpm, help="requests per minute per key; 0 = off")
-    a("--rate-limit-tpm", type=int, default=v.rate_limit_tpm,
-      help="tokens (prompt + max_tokens × n) per minute per key; 0 = off")
-    a("--shared-system-prompt", action="append", default=None, metavar="TEXT",
-      help="a system prompt whose prefix cache is shared across owners (repeatable)")
-    a("--share-prefix-cache", action="store_true", default=v.share_prefix_cache,
-      help="one prefix cache for every caller (off: each API key, browser and keyless client address "
-           "gets its own; cached_tokens and TTFT would otherwise reveal other callers' prompts)")
-    a("--forwarded-allow-ips", default=None, metavar="IPS",
-      help="trust X-Forwarded-For from these proxy addresses (comma-separated, or '*'); "
-           "default: trust none, the peer address is the client")
-    a("--redis-url", default=v.redis_url, help="persist chat sessions in Redis (default: in-process)")
-    a("--drain-timeout", type=float, default=v.drain_timeout)
-    a("--stream-timeout", type=float, default=v.stream_timeout)
-    a("--max-body-bytes", type=parse_bytes, default=v.max_body_bytes)
-    a("--stats-interval", type=float, default=v.stats_interval, help="seconds between stats lines; 0 = off")
-    a("--socket-send-buffer", type=parse_bytes, default=SOCKET_SEND_BUFFER, metavar="BYTES",
-      help="SO_SNDBUF of client connections (0 = kernel autotuning): bounds what a stalled reader "
-           "absorbs before --stream-timeout applies")
-    a("--gil-switch-interval", type=float, default=GIL_SWITCH_INTERVAL_S, metavar="SECONDS",
-      help="sys.setswitchinterval: how long the model thread may hold the GIL before the event loop "
-           "gets it back (lower = snappier 503s, pings and streams under load)")
-    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    `env` is unused (kept for callers that passed their defaults): defaults are applied by
+    config_from_args, so a flag not given falls back to the environment, then to the declaration."""
+    p = argparse.ArgumentParser(prog="chatserve serve", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"chatserve {version()}")
+    add_arguments(p)
     return p
 
 
-def config_from_args(args: argparse.Namespace, env: EngineConfig) -> EngineConfig:
-    return EngineConfig(
-        model=replace(env.model, model=args.model, dtype=args.dtype, device=args.device,
-                      served_model_name=args.served_model_name, weight_quant=args.weight_quant),
-        cache=replace(env.cache, block_size=args.block_size, num_blocks=args.kv_blocks,
-                      kv_cache_dtype=args.kv_cache_dtype,
-                      kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=replace(env.scheduler, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_waiting_requests=args.max_waiting_requests, max_model_len=args.max_model_len),
-        server=replace(env.server, host=args.host, port=args.port,
-                       api_keys=tuple(args.api_key) if args.api_key else env.server.api_keys,
-                       cors_origins=tuple(args.cors_origin) if args.cors_origin else env.server.cors_origins,
-                       shared_system_prompts=(tuple(args.shared_system_prompt) if args.shared_system_prompt
-                                              else env.server.shared_system_prompts),
-                       redis_url=args.redis_url, drain_timeout=args.drain_timeout,
-                       stream_timeout=args.stream_timeout, max_body_bytes=args.max_body_bytes,
-                       stats_interval=args.stats_interval, rate_limit_rpm=args.rate_limit_rpm,
-                       rate_limit_tpm=args.rate_limit_tpm, share_prefix_cache=args.share_prefix_cache),
-    )
+def config_from_args(args: argparse.Namespace, env: EngineConfig | None = None) -> EngineConfig:
+    """The flags given on the command line applied over `env` (defaults + CHATSERVE_* variables)."""
+    return apply_args(args, env if env is not None else env_config())
+
+
+def env_config(environ: dict[str, str] | None = None) -> EngineConfig:
+    """The declared defaults with CHATSERVE_* overrides (ConfigError names a variable that does not parse)."""
+    return EngineConfig.from_env(environ)
 
 
 def served_name(cfg: EngineConfig) -> str:
     if cfg.model.served_model_name:
         return cfg.model.served_model_name
-    import os
     path = cfg.model.resolved_model().rstrip("/")
     base = os.path.basename(path)
     for ext in (".gguf", ".safetensors"):
@@ -131,38 +65,40 @@ def served_name(cfg: EngineConfig) -> str:
     return base
 
 
-def banner(cfg: EngineConfig, engine, name: str, load_s: float, redis_line: str | None = None) -> str:
-    r = engine.runner
-    kv_dtype = getattr(r, "kv_cache_dtype", "auto")
-    if kv_dtype == "auto":                        # the cache takes the model's dtype
-        kv_dtype = str(getattr(r, "dtype", cfg.model.dtype)).replace("torch.", "")
+def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
+    """The startup summary: what was loaded, how the KV cache is sized, where to connect."""
+    engine = state.engine
+    runner: ModelRunner = engine.runner     # type: ignore[assignment]  (serve always builds a real one)
+    dtype = str(runner.dtype).replace("torch.", "")
+    kv_dtype = dtype if runner.kv_cache_dtype == "auto" else runner.kv_cache_dtype
     blocks, bs, ctx = engine.num_blocks, engine.block_size, engine.max_model_len
     tokens = blocks * bs
-    mem = getattr(r, "bytes_per_block", 0) * blocks
+    mem = runner.bytes_per_block * blocks
     host = cfg.server.host
     shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
     base = f"http://{shown}:{cfg.server.port}"
     sessions = (f"Redis at {redact_url(cfg.server.redis_url)}" if cfg.server.redis_url
                 else "in-process memory (NOT persisted; set --redis-url)")
+    max_tokens = state.default_max_tokens
+    max_tokens_text = (f"{max_tokens:,} tokens ({state.default_max_tokens_source})" if max_tokens
+                       else "the rest of the context (set --max-tokens-default)")
     lines = [
         "",
-        f"  chatserve · {name}",
+        f"  chatserve · {state.model_name}",
         f"  model      {cfg.model.resolved_model()}",
-        f"  dtype      {str(getattr(r, 'dtype', cfg.model.dtype)).replace('torch.', '')} on "
-        f"{getattr(r, 'device', cfg.model.device)}, "
-        f"weights {getattr(r, 'weight_quant', None) or 'dense'}, KV {kv_dtype}"
+        f"  dtype      {dtype} on {runner.device}, weights {runner.weight_quant or 'dense'}, KV {kv_dtype}"
         f"   (loaded in {load_s:.1f} s)",
-        f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens"
-        + (f" ({mem / (1 << 20):.0f} MiB)" if mem else "")
-        + f", prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}",
+        f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens ({mem / (1 << 20):.0f} MiB)"
+        f", prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}",
         f"  context    {ctx:,} tokens; {tokens / max(1, ctx):.1f} sequences fit at full context; "
         f"max {cfg.scheduler.max_num_seqs} running, {cfg.scheduler.max_waiting_requests} waiting",
+        f"  max_tokens default {max_tokens_text}",
         f"  API        {base}/v1  (OpenAI-compatible; WebSocket {base.replace('http', 'ws')}/v1/ws)",
         f"  UI         {base}/",
         f"  metrics    {base}/metrics",
         f"  auth       {len(cfg.server.api_keys)} API key(s)" if cfg.server.api_keys else "  auth       none (open)",
         f"  sessions   {sessions}",
-        *([redis_line] if redis_line else []),
+        *([state.redis_check.banner_line()] if state.redis_check else []),
         "",
     ]
     return "\n".join(lines)
@@ -238,7 +174,7 @@ def nodelay_http_protocol():
     return NoDelayHTTPProtocol
 
 
-def make_server(app, cfg: EngineConfig, engine, forwarded_allow_ips: str | None = None):
+def make_server(app, cfg: EngineConfig, engine):
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -278,11 +214,12 @@ def make_server(app, cfg: EngineConfig, engine, forwarded_allow_ips: str | None 
     # X-Forwarded-For is believed only from the proxies named by --forwarded-allow-ips: the client
     # address is a cache-isolation identity for keyless callers (identity.py), so it must not be
     # something any local process can claim (uvicorn would trust 127.0.0.1 by default).
-    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level="warning",
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
+                            log_level=cfg.server.uvicorn_log_level,
                             ws_max_size=cfg.server.max_body_bytes + 4096, timeout_graceful_shutdown=5,
                             timeout_keep_alive=15, access_log=False, http=nodelay_http_protocol(),
-                            proxy_headers=bool(forwarded_allow_ips),
-                            forwarded_allow_ips=forwarded_allow_ips or None)
+                            proxy_headers=bool(cfg.server.forwarded_allow_ips),
+                            forwarded_allow_ips=cfg.server.forwarded_allow_ips or None)
     return DrainingServer(config)
 
 
@@ -295,30 +232,20 @@ def listener(config, send_buffer: int):
     return sock
 
 
-def env_config(environ: dict[str, str] | None = None) -> EngineConfig:
-    """EngineConfig.from_env, plus CHATSERVE_API_KEY (one key, or several comma-separated)."""
-    import os
-    environ = dict(os.environ if environ is None else environ)
-    env = EngineConfig.from_env(environ)
-    single = environ.get("CHATSERVE_API_KEY")
-    if single and not env.server.api_keys:
-        keys = tuple(k.strip() for k in single.split(",") if k.strip())
-        env = replace(env, server=replace(env.server, api_keys=keys))
-    return env
-
-
 def main(argv: list[str] | None = None) -> int:
-    env = env_config()
-    args = build_parser(env).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = config_from_args(args, env)
-    if args.gil_switch_interval > 0:
-        sys.setswitchinterval(args.gil_switch_interval)
+    args = build_parser().parse_args(argv)    # --help and --version exit here, before the environment is read
     try:
+        cfg = config_from_args(args, env_config())
         model_path = cfg.model.resolved_model()
-    except FileNotFoundError as e:
+        generation_defaults = load_generation_defaults(cfg.model)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"chatserve serve: {e}", file=sys.stderr)
         return 2
+    sc = cfg.server
+    logging.basicConfig(level=sc.log_level.upper() if sc.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if sc.gil_switch_interval > 0:
+        sys.setswitchinterval(sc.gil_switch_interval)
 
     from chatserve.engine import AsyncEngine
     from chatserve.server.app import build_app
@@ -332,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"chatserve serve: could not load the model: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    if engine.warm_up_seconds is not None:
+        print(f"[chatserve] warm-up: kernels compiled, one dummy prefill + decode ran in "
+              f"{engine.warm_up_seconds:.2f} s; ready for requests", flush=True)
     name = served_name(cfg)
-    state = ServerState(config=cfg, engine=engine, tokenizer=engine.tokenizer, model_name=name)
-    stats = StatsLine(engine, cfg.server.stats_interval)
+    state = ServerState(config=cfg, engine=engine, tokenizer=engine.tokenizer, model_name=name,
+                        sampling_defaults=generation_defaults)
+    stats = StatsLine(engine, sc.stats_interval)
     state.startup_hooks.append(stats.start)
     state.shutdown_hooks.append(stats.stop)
     state.startup_hooks.append(lambda: warm_tokenizer_process(state))
@@ -343,10 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         state.redis_check = RedisCheck(cfg.server.redis_url)
         state.redis_check.check_sync()      # a wrong password shows here, not at the first chat
     app = build_app(state)
-    print(banner(cfg, engine, name, time.perf_counter() - t0,
-                 state.redis_check.banner_line() if state.redis_check else None), flush=True)
-    server = make_server(app, cfg, engine, args.forwarded_allow_ips)
-    server.run(sockets=[listener(server.config, args.socket_send_buffer)])
+    print(banner(cfg, state, time.perf_counter() - t0), flush=True)
+    server = make_server(app, cfg, engine)
+    server.run(sockets=[listener(server.config, sc.socket_send_buffer)])
     print("[chatserve] stopped", flush=True)
     if server.draining:
         # a signal ended a clean shutdown (engine drained, shutdown hooks run): skip the second or so

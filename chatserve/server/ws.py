@@ -18,7 +18,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from chatserve.server.auth import WS_PROTOCOL
 from chatserve.server.body import parse_json_bytes
 from chatserve.server.chat_service import stream_chat, stream_completion
-from chatserve.server.errors import APIError
+from chatserve.server.errors import APIError, status_for
 from chatserve.server.identity import cache_owner_of, owner_of, rate_key_of
 from chatserve.server.prompt_guard import admit
 from chatserve.server.protocol import new_id, parse_chat_body, parse_completion_body
@@ -75,8 +75,8 @@ class _Socket:
             chunks = await self.chunks_for(cid, kind, msg)
             async for c in chunks:
                 if "error" in c:
-                    status = 503 if c["error"].get("code") == "shutting_down" else 500
-                    await self.send({"id": cid, "type": "error", "status": status, **c})
+                    await self.send({"id": cid, "type": "error", "status": status_for(c["error"].get("code")),
+                                     **c})
                     return
                 await self.send({"id": cid, "type": "chunk", "chunk": c})
             await self.send({"id": cid, "type": "done"})

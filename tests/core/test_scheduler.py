@@ -11,6 +11,7 @@ from chatserve.config import SchedulerConfig
 from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from chatserve.core.errors import ErrorCode
 from chatserve.core.scheduler import AdmissionError, Scheduler
 
 import scripted_model
@@ -329,16 +330,16 @@ def test_admission_refuses_what_can_never_fit():
     s = make(num_blocks=8, block_size=4, max_model_len=40, max_seqs=4)
     with pytest.raises(AdmissionError) as e:
         s.add_request(req("a", range(30), max_tokens=11))
-    assert e.value.status == 400 and "context length" in e.value.message
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and "context length" in e.value.message
     with pytest.raises(AdmissionError) as e:
         s.add_request(req("b", range(30), max_tokens=4))        # 34 tokens = 9 blocks > 8
-    assert e.value.status == 400 and e.value.retry_after is None
+    assert e.value.code is ErrorCode.INVALID_VALUE and e.value.retry_after is None
     with pytest.raises(AdmissionError) as e:
         s.add_group(group("g", [1, 2], 5))
-    assert e.value.status == 400
+    assert e.value.code is ErrorCode.INVALID_VALUE
     with pytest.raises(AdmissionError) as e:
         s.add_request(req("c", []))
-    assert e.value.status == 400
+    assert e.value.code is ErrorCode.INVALID_VALUE
     assert not s.has_unfinished
 
 
@@ -348,7 +349,7 @@ def test_admission_bounds_the_waiting_queue():
     s.add_group(group("g", range(10), 2))
     with pytest.raises(AdmissionError) as e:
         s.add_request(req("b", range(10)))
-    assert e.value.status == 503 and e.value.retry_after >= 1.0
+    assert e.value.code is ErrorCode.SERVER_OVERLOADED and e.value.retry_after >= 1.0
     with pytest.raises(AdmissionError):
         s.add_group(group("h", range(5), 2))                   # refused as a whole
     assert s.get_request("h.0") is None and s.get_request("h.1") is None
@@ -357,7 +358,7 @@ def test_admission_bounds_the_waiting_queue():
     s.add_request(req("b", range(90)))
     with pytest.raises(AdmissionError) as e:
         s.add_request(req("c", range(20)))                     # 110 queued tokens > 100
-    assert e.value.status == 503
+    assert e.value.code is ErrorCode.SERVER_OVERLOADED
     s2 = make(max_waiting_tokens=10)
     s2.add_request(req("big", range(50)))                      # an empty queue always accepts
 

@@ -11,6 +11,7 @@ from collections import defaultdict
 from chatserve.config import SchedulerConfig
 from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.request import FinishReason, Request, SamplingParams
+from chatserve.core.errors import ErrorCode
 from chatserve.core.scheduler import AdmissionError, Scheduler
 
 import scripted_model
@@ -89,12 +90,12 @@ def test_ten_thousand_random_requests():
                 try:
                     sched.add_request(bad)
                 except AdmissionError as e:
-                    assert e.status == 400
+                    assert e.code in (ErrorCode.CONTEXT_LENGTH_EXCEEDED, ErrorCode.INVALID_VALUE)
                     n_400 += 1
             try:
                 sched.add_group(g)
             except AdmissionError as e:
-                assert e.status == 503 and e.retry_after and e.retry_after >= 1.0
+                assert e.code is ErrorCode.SERVER_OVERLOADED and e.retry_after and e.retry_after >= 1.0
                 n_503 += 1
                 retry.append(g)
                 continue

@@ -31,9 +31,13 @@ def test_engine_load_passes_both_to_the_runner(monkeypatch):
     seen = {}
 
     class StubRunner:
-        def __init__(self, path, **kw):
-            seen.update(kw)
-            self.num_blocks, self.max_model_len = 8, 64
+        def __init__(self, model, cache, **kw):            # the config sections, as the builder passes them
+            seen.update(weight_quant=model.weight_quant, kv_cache_dtype=cache.kv_cache_dtype)
+            self.num_blocks, self.max_model_len, self.block_size = 8, 64, 16
+            self.model_path, self.model_key, self.kv_window = model.model, "stub", None
+
+        def warm_up(self) -> float:
+            return 0.0
     monkeypatch.setattr(mr, "ModelRunner", StubRunner)
     from dataclasses import replace
     base = EngineConfig()

@@ -14,7 +14,7 @@ from chatserve.core.request import SamplingParams
 from chatserve.engine import AsyncEngine
 from chatserve.runtime.device import resolve_dtype
 from chatserve.runtime.tiny import default_tokenizer_dir
-from chatserve.tokenizer import Tokenizer
+from chatserve.text import Tokenizer
 
 
 @pytest.mark.parametrize("start", ["load", "start"])
@@ -23,9 +23,14 @@ def test_load_and_steps_share_one_thread(monkeypatch, start):
     threads = {"init": set(), "step": set()}
 
     class StubRunner:
-        def __init__(self, path, **kw):
+        def __init__(self, model, cache=None, **kw):
             threads["init"].add(threading.get_ident())
             self.num_blocks, self.max_model_len, self.block_size = 32, 64, 16
+            self.model_path, self.model_key, self.kv_window = "/nonexistent.gguf", "stub", None
+
+        def warm_up(self):
+            threads["step"].add(threading.get_ident())
+            return 0.0
 
         def execute(self, out):
             threads["step"].add(threading.get_ident())

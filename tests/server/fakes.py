@@ -17,6 +17,7 @@ VOCAB = 64
 EOS = 63
 
 
+from chatserve.core.errors import ErrorCode
 from chatserve.engine import AdmissionError as FakeAdmissionError  # the real class: the server catches it
 
 
@@ -50,6 +51,10 @@ class FakeKV:
         return FakeKVStats(self.num_blocks, self.num_blocks - used, used, 0,
                            used / self.num_blocks, self.queries, self.hits)
 
+    def reset_prefix_cache(self) -> bool:
+        self.seen.clear()
+        return True
+
 
 class FakeScheduler:
     """One prefill step per request, then one token per step; FCFS; max_running at once."""
@@ -77,14 +82,17 @@ class FakeScheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def retry_after(self) -> float:
+        return 1.0
+
     def add_request(self, req: Request) -> None:
         self.add_group([req])
 
     def add_group(self, reqs: list[Request]) -> None:
         if reqs[0].num_prompt_tokens + 1 > self.max_model_len:
-            raise FakeAdmissionError(400, "prompt too long")
+            raise FakeAdmissionError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "prompt too long")
         if len(self.waiting) + len(reqs) > self.max_waiting:
-            raise FakeAdmissionError(503, "queue full", retry_after=1.0)
+            raise FakeAdmissionError(ErrorCode.SERVER_OVERLOADED, "queue full", retry_after=1.0)
         for r in reqs:
             self.waiting.append(r)
             self.reqs[r.request_id] = r

@@ -86,7 +86,7 @@ def real_model_available() -> bool:
     try:
         import chatserve.core.scheduler  # noqa: F401
         import chatserve.runtime.model_runner  # noqa: F401
-        import chatserve.tokenizer  # noqa: F401
+        import chatserve.text  # noqa: F401
     except ImportError:
         return False
     return True

@@ -1,0 +1,80 @@
+"""The engine's seams as `Protocol`s: what AsyncEngine and LLM need from a runner, a scheduler, a KV cache
+manager and a tokenizer. Structural types only (the real classes and the test fakes both satisfy them).
+
+Pure Python, no torch: the runtime's ModelRunner satisfies `Runner` without this module importing it.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from chatserve.core.outputs import RequestEvent, RunnerOutput, SchedulerOutput
+from chatserve.core.request import FinishReason, Request
+
+
+class Runner(Protocol):
+    """Runs one scheduled step on the model (on the engine's step thread)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    model_path: str
+    model_key: str          # names the weights and dtype in prefix hashes (blocks of another model never match)
+    kv_window: int | None   # the model reads at most this many past positions (sliding window), or None
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
+
+
+class KVStatsLike(Protocol):
+    usage: float
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+
+
+class KVCache(Protocol):
+    """The block bookkeeping the engine reads for stats and resets for benchmarks."""
+
+    def stats(self) -> KVStatsLike: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+
+class SchedulerLike(Protocol):
+    """Queues, admission and the step plan (core/scheduler.py, or a scripted fake in tests)."""
+
+    num_preemptions: int
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def has_unfinished(self) -> bool: ...
+
+    def add_request(self, req: Request) -> None: ...
+
+    def add_group(self, reqs: list[Request]) -> None: ...
+
+    def schedule(self) -> SchedulerOutput: ...
+
+    def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestEvent]: ...
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> None: ...
+
+    def retry_after(self) -> float: ...
+
+
+class TokenizerLike(Protocol):
+    """What the engine and the HTTP layer need from a tokenizer."""
+
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...

@@ -1,0 +1,105 @@
+"""chatserve/config.py: one declaration → flags, CHATSERVE_* variables and dataclasses, parsed alike."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from chatserve.config import (KV_CACHE_DTYPES, SECTIONS, ConfigError, EngineConfig, add_arguments,
+                              config_from_args, settings)
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfig:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_from_args(p.parse_args(argv), EngineConfig.from_env(environ or {}))
+
+
+def test_every_field_is_declared_once_with_a_flag_or_a_variable():
+    flags: set[str] = set()
+    for section, cls in SECTIONS.items():
+        names = [f.name for f in dataclasses.fields(cls)]
+        declared = [s.name for s in settings(section)]
+        assert declared == names                       # no field without its declaration
+    for s in settings():
+        assert s.option.help
+        for name in (s.flag, *s.option.aliases):
+            assert name not in flags, name
+            flags.add(name)
+    assert EngineConfig.from_env({}) == EngineConfig()
+
+
+def test_kv_cache_dtype_choices_are_the_kernels():
+    kernels = pytest.importorskip("chatserve_kernels")
+    assert tuple(KV_CACHE_DTYPES) == tuple(kernels.KV_CACHE_DTYPES)
+
+
+def test_env_values_parse_as_strictly_as_flags():
+    env = {"CHATSERVE_KV_CACHE_MEMORY": "2GiB", "CHATSERVE_MAX_BODY_BYTES": "512KiB",
+           "CHATSERVE_ENABLE_PREFIX_CACHING": "false", "CHATSERVE_PORT": "9001",
+           "CHATSERVE_WATERMARK": "0.05", "CHATSERVE_MAX_MODEL_LEN": "none", "CHATSERVE_WEIGHT_QUANT": "none"}
+    cfg = EngineConfig.from_env(env)
+    assert cfg.cache.kv_cache_memory == 2 << 30 and cfg.server.max_body_bytes == 512 << 10
+    assert cfg.cache.enable_prefix_caching is False and cfg.server.port == 9001
+    assert cfg.cache.watermark == 0.05 and cfg.scheduler.max_model_len is None
+    assert cfg.model.weight_quant is None
+    for var, value, words in (("CHATSERVE_PORT", "abc", "not an integer"),
+                              ("CHATSERVE_ENABLE_PREFIX_CACHING", "flase", "not a boolean"),
+                              ("CHATSERVE_KV_CACHE_MEMORY", "lots", "not a size"),
+                              ("CHATSERVE_KV_CACHE_DTYPE", "fp4", "invalid choice"),
+                              ("CHATSERVE_BLOCK_SIZE", "12", "invalid choice")):
+        with pytest.raises(ConfigError) as e:
+            EngineConfig.from_env({var: value})
+        assert str(e.value).startswith(f"{var}: ") and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_flags_vllm_names_old_aliases_and_precedence():
+    env = {"CHATSERVE_MAX_NUM_SEQS": "7", "CHATSERVE_API_KEY": "k1,k2", "CHATSERVE_BLOCK_SIZE": "32"}
+    cfg = parse(["some/model.gguf", "--num-gpu-blocks-override", "48", "--max-num-seqs", "16",
+                 "--no-enable-prefix-caching", "--allowed-origins", "https://a", "--cors-origin", "https://b",
+                 "--kv-cache-memory", "1GiB", "--seed", "3", "--max-tokens-default", "200"], env)
+    assert cfg.model.model == "some/model.gguf" and cfg.model.seed == 3
+    assert cfg.cache.num_blocks == 48 and cfg.cache.kv_cache_memory == 1 << 30
+    assert cfg.cache.block_size == 32                                # from the environment
+    assert cfg.cache.enable_prefix_caching is False
+    assert cfg.scheduler.max_num_seqs == 16                          # the flag wins
+    assert cfg.server.cors_origins == ("https://a", "https://b")
+    assert cfg.server.api_keys == ("k1", "k2") and cfg.server.max_tokens_default == 200
+    old = parse(["--model", "m", "--kv-blocks", "9", "--no-prefix-caching", "--api-key", "z"], env)
+    assert old.model.model == "m" and old.cache.num_blocks == 9 and not old.cache.enable_prefix_caching
+    assert old.server.api_keys == ("z",)
+    assert parse(["--enable-prefix-caching"], {"CHATSERVE_ENABLE_PREFIX_CACHING": "0"}).cache.enable_prefix_caching
+    with pytest.raises(ConfigError):
+        parse(["a.gguf", "--model", "b.gguf"])
+
+
+def test_bad_flag_values_are_argparse_errors(capsys):
+    for argv in (["--port", "abc"], ["--kv-cache-memory", "lots"], ["--kv-cache-dtype", "fp4"]):
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2
+    assert "not a size" in capsys.readouterr().err
+
+
+def test_generation_config_defaults_and_the_effective_max_tokens(tmp_path):
+    from chatserve.config import ModelConfig, ServerConfig
+    from chatserve.generation_defaults import load_generation_defaults
+    from chatserve.server.state import ServerState
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 512, "do_sample": true}')
+    shipped = load_generation_defaults(ModelConfig(model=str(tmp_path)))        # auto: the model's folder
+    assert shipped == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 512}
+    assert load_generation_defaults(ModelConfig(model=str(tmp_path), generation_config="none")) == {}
+    assert load_generation_defaults(ModelConfig(model="x.gguf", generation_config=str(tmp_path))) == shipped
+    with pytest.raises(FileNotFoundError):
+        load_generation_defaults(ModelConfig(model="x.gguf", generation_config=str(tmp_path / "nope")))
+
+    def state(flag: int | None, defaults: dict) -> ServerState:
+        cfg = EngineConfig(server=ServerConfig(max_tokens_default=flag))
+        return ServerState(config=cfg, engine=None, tokenizer=None, model_name="m",  # type: ignore[arg-type]
+                           sampling_defaults=defaults)
+    assert state(None, {}).default_max_tokens is None                            # OpenAI: the rest of the context
+    assert state(None, shipped).default_max_tokens == 512
+    assert state(64, shipped).default_max_tokens == 64
+    assert state(64, shipped).default_max_tokens_source == "--max-tokens-default"
