@@ -46,7 +46,8 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "REDIS_PASSWORD": secrets.token_hex(16),
                     "CHATSERVE_SESSION_SECRET": secrets.token_hex(32), "CHATSERVE_PORT": str(self.port),
-                    "CHATSERVE_API_KEYS": "", "COMPOSE_PROJECT_NAME": PROJECT}
+                    "CHATSERVE_API_KEYS": "", "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(8),
+                    "COMPOSE_PROJECT_NAME": PROJECT}
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
         cmd = [*_compose_bin(), "-f", str(ROOT / "docker-compose.yml"),
