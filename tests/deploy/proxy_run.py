@@ -31,11 +31,11 @@ def proxy_env(port: int, stats_port: int, replicas: list[str]) -> dict[str, str]
 
 
 class Proxy:
-    def __init__(self, replicas: list[str], log_path: Path) -> None:
+    def __init__(self, replicas: list[str], log_path: Path, cfg: Path = CFG) -> None:
         self.port, self.stats_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([haproxy_exe() or "haproxy", "-db", "-f", str(CFG)],
+        self.proc = subprocess.Popen([haproxy_exe() or "haproxy", "-db", "-f", str(cfg)],
                                      env=proxy_env(self.port, self.stats_port, replicas),
                                      stdout=self._log, stderr=subprocess.STDOUT)
 

@@ -180,6 +180,20 @@ def test_interpolation_only_known_forms():
             assert re.fullmatch(r"\$\{\w+(:[-?][^}]*)?\}", m.group(0)), (name, m.group(0))
 
 
+def test_redis_runs_as_its_own_user(svc):
+    """The `sh -c` command bypasses the image's drop from root, so compose names the user."""
+    assert svc["redis"].get("user") not in (None, "root", "0", "0:0")
+
+
+def test_kernel_cache_on_a_named_volume(compose, svc):
+    """A recreated replica finds its compiled kernels (C or Triton) instead of recompiling."""
+    dockerfile = (ROOT / "docker/Dockerfile").read_text()
+    cache = re.search(r"CHATSERVE_CACHE_DIR=(\S+)", dockerfile).group(1)
+    for name in REPLICAS:
+        mounts = [v.split(":") for v in svc[name].get("volumes", [])]
+        assert any(src in compose["volumes"] and dst == cache for src, dst, *_ in mounts), name
+
+
 def test_keyless_api_stays_on_loopback_and_grafana_password_from_env(svc):
     """Issue 14 items 3 and 8: the published API binds 127.0.0.1 unless the operator says otherwise,
     keys come from .env, and Grafana's admin password must be set there (no admin/admin)."""
