@@ -37,6 +37,7 @@ class Delta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0           # prefix-cache hit of this sample's prompt
     error: str | None = None             # set with finish_reason "error"
+    stop_reason: str | None = None       # the stop string that ended the sample, if one did
     # timings, set on a sample's last delta (seconds)
     ttft_s: float | None = None
     queue_s: float | None = None
@@ -347,8 +348,9 @@ class AsyncEngine:
         if factory is None:
             from chatserve.tokenizer import IncrementalDetokenizer
             factory = IncrementalDetokenizer
+        extra = {} if p.skip_special_tokens else {"skip_special_tokens": False}
         return factory(self.tokenizer, stop=list(p.stop), include_stop_str=p.include_stop_str_in_output,
-                       prompt_tail=list(prompt_ids[-4:]))
+                       prompt_tail=list(prompt_ids[-4:]), **extra)
 
     # ---- the step loop ------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -436,6 +438,7 @@ class AsyncEngine:
             d.logprobs = list(ev.logprobs)
             d.text = seq.detok.push(list(ev.new_token_ids))
         if seq.detok.stopped:
+            d.stop_reason = getattr(seq.detok, "stop_str", None)
             if not ev.finished:
                 self.scheduler.finish_request(ev.request_id, FinishReason.STOP)
             self._finish_seq(seq, d, "stop", now)

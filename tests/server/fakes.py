@@ -225,6 +225,7 @@ class FakeDetok:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.stop_str: str | None = None
 
     def push(self, ids: list[int]) -> str:
         if self.stopped:
@@ -234,6 +235,7 @@ class FakeDetok:
             k = self.text.find(s)
             if k >= 0:
                 self.stopped = True
+                self.stop_str = s
                 end = k + len(s) if self.include else k
                 out, self.emitted = self.text[self.emitted:end], end
                 return out
