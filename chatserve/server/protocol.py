@@ -159,7 +159,16 @@ def sampling_params(r: s.SamplingFields, state, *, n: int, logprobs: int | None)
         stop_token_ids=check_token_ids(r.stop_token_ids or [], "stop_token_ids", vocab),
         ignore_eos=r.ignore_eos, include_stop_str_in_output=r.include_stop_str_in_output,
         min_tokens=r.min_tokens, skip_special_tokens=r.skip_special_tokens,
+        min_tokens_banned_ids=_min_tokens_banned(r, state),
     )
+
+
+def _min_tokens_banned(r: s.SamplingFields, state) -> list[int]:
+    """The ids min_tokens holds back: the stop token ids and (unless ignore_eos) the model's EOS ids."""
+    if not r.min_tokens:
+        return []
+    eos = [] if r.ignore_eos else list(getattr(state.tokenizer, "eos_token_ids", ()) or ())
+    return sorted(set(r.stop_token_ids or []) | set(eos))
 
 
 def max_tokens_for(body: dict, prompt_len: int, max_model_len: int, kv_tokens: int = 0) -> int:
