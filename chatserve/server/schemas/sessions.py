@@ -24,15 +24,15 @@ class _Out(BaseModel):
 
 class SessionParams(_Body):
     """Sampling defaults stored with a session and applied to each of its turns."""
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1)
-    repetition_penalty: float | None = Field(None, ge=0.01, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 64 - 1)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
 
 
@@ -81,18 +81,18 @@ class TurnRequest(_Body):
     """POST /v1/sessions/{sid}/messages: a new user message (or an edit/regenerate), generated from the
     stored history; streamed as chat.completion.chunk SSE events unless stream is false."""
     content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = None
-    replace_from: int | None = Field(None, ge=0, description="edit: drop messages from this index first")
+    replace_from: Annotated[int, Field(ge=0, description="edit: drop messages from here first")] | None = None
     regenerate: bool | None = None
     stream: bool = True
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1)
-    repetition_penalty: float | None = Field(None, ge=0.01, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 64 - 1)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
 
 
