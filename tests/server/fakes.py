@@ -220,7 +220,7 @@ class FakeDetok:
     """Holds back a tail that could start a stop string; `stopped` once one appears."""
 
     def __init__(self, tok: FakeTokenizer, stop: list[str] | None = None, include_stop_str: bool = False,
-                 prompt_tail: list[int] | None = None):
+                 prompt_tail: list[int] | None = None, skip_special_tokens: bool = True):
         self.tok, self.stop, self.include = tok, list(stop or []), include_stop_str
         self.text = ""
         self.emitted = 0

@@ -77,45 +77,33 @@ class SessionImport(SessionSettings):
     updated: float | None = None
 
 
-class TurnRequest(_Body):
+class TurnRequest(SessionParams):
     """POST /v1/sessions/{sid}/messages: a new user message (or an edit/regenerate), generated from the
-    stored history; streamed as chat.completion.chunk SSE events unless stream is false."""
+    stored history with the session's params overridden by the sampling fields given here; streamed as
+    chat.completion.chunk SSE events unless stream is false."""
     content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = None
     replace_from: Annotated[int, Field(ge=0, description="edit: drop messages from here first")] | None = None
     regenerate: bool | None = None
     stream: bool = True
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 64 - 1)] | None = None
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=2)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
 
 
-class SessionSummary(_Out):
-    id: str
+class _SessionHead(_Out):
     title: str
     created: float
     updated: float
     model: str | None = None
     system_prompt: str = ""
     params: dict[str, Any] = {}
+
+
+class SessionSummary(_SessionHead):
+    id: str
     num_messages: int
     rev: int | None = None
 
 
-class Session(_Out):
+class Session(_SessionHead):
     id: str
-    title: str
-    created: float
-    updated: float
-    model: str | None = None
-    system_prompt: str = ""
-    params: dict[str, Any] = {}
     messages: list[StoredMessage]
     generating: bool | None = None
     rev: int | None = None
@@ -127,14 +115,8 @@ class SessionList(_Out):
     store: dict[str, Any] | None = None
 
 
-class SessionExport(_Out):
+class SessionExport(_SessionHead):
     format: Literal["chatserve.session.v1"]
-    title: str
-    created: float
-    updated: float
-    model: str | None = None
-    system_prompt: str = ""
-    params: dict[str, Any] = {}
     messages: list[StoredMessage]
 
 
