@@ -366,6 +366,9 @@ def _parse_completion(r: s.CompletionRequest, body: dict, state) -> CompletionRe
             raise invalid(f"'best_of' ({best_of}) must be at least n ({n})", "best_of")
         if stream and best_of != n:
             raise invalid("'best_of' cannot be used with stream", "best_of")
+    if len(prompts) * (best_of or n) > s.MAX_BATCH_SAMPLES:
+        raise invalid(f"{len(prompts)} prompts × {best_of or n} samples is more than the "
+                      f"{s.MAX_BATCH_SAMPLES} one request may ask for", "prompt")
     params = sampling_params(r, state, n=best_of or n, logprobs=r.logprobs)
     if best_of is not None and best_of > n and params.logprobs is None:
         params.logprobs = 0                 # ranking needs each sampled token's logprob

@@ -16,6 +16,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_USER_CHARS = 256
+MAX_BATCH_SAMPLES = 64       # prompts × (best_of or n) in one completions request
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 # Sampling bounds keep every logit finite in float32: logits / repetition_penalty stays below ~1e5.
 MIN_REPETITION_PENALTY = 0.01
@@ -126,8 +127,11 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Union[Annotated[str, StringConstraints(min_length=1)],
                   Annotated[list[TokenId], Field(min_length=1)],
-                  Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)],
-                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+                  Annotated[list[Annotated[str, StringConstraints(min_length=1)]],
+                            Field(min_length=1, max_length=MAX_BATCH_SAMPLES)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                            Field(min_length=1, max_length=MAX_BATCH_SAMPLES)]] = Field(
+        description=f"one prompt or a batch; prompts × (best_of or n) ≤ {MAX_BATCH_SAMPLES}")
     max_tokens: IntIn(0) | None = Field(None, description="default 16; 0 only with echo")
     echo: bool = False
     best_of: IntIn(1, MAX_N) | None = Field(None, description="n <= best_of; the best n by "
