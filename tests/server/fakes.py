@@ -15,6 +15,8 @@ from chatserve.core.request import FinishReason, Request, RequestStatus
 
 VOCAB = 64
 EOS = 63
+POISON = [13, 12, 11]      # a prompt starting with these fails in the runner (a per-request error);
+#                            three tokens, so schema fuzzing does not stumble on it
 
 
 from chatserve.engine import AdmissionError as FakeAdmissionError  # the real class: the server catches it
@@ -184,7 +186,7 @@ class FakeRunner:
         for s in out.seqs:
             if not s.sample:                 # a prefill chunk that does not reach the end yet
                 continue
-            if s.prompt_token_ids and s.prompt_token_ids[0] == 13:
+            if s.prompt_token_ids[:3] == POISON:
                 res.errors[s.request_id] = "bad prompt"
                 continue
             tok = (s.token_ids[-1] + 1) % VOCAB
