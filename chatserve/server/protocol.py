@@ -19,8 +19,7 @@ from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_T
 
 GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
 # Declared in the schema for the clients that send them; answered with a 400 until structured outputs and
-# tool calling land (branch `structured`): at merge, hand `response_format`/`tools`/`tool_choice`/
-# `parallel_tool_calls` on from `_structured_fields` instead of refusing them.
+# tool calling land (branch `structured`). The hand-off point is `_structured_fields` below.
 STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
 
 M = TypeVar("M", bound=BaseModel)
@@ -202,6 +201,15 @@ def _stream_flags(r: s.SamplingFields) -> tuple[bool, bool]:
     return r.stream, bool(r.stream_options and r.stream_options.include_usage)
 
 
+def _structured_fields(r: s.ChatCompletionRequest) -> dict[str, Any]:
+    """response_format / tools / tool_choice / parallel_tool_calls as the client set them, for
+    ChatRequest.structured. Today only their no-op values pass (the rest is a 400 naming the field);
+    at merge with branch `structured`, return them here and pass them to the sampler (and `tools`
+    to the chat template)."""
+    _refuse_unimplemented(r, STRUCTURED_FIELDS)
+    return {}
+
+
 def _refuse_unimplemented(r: BaseModel, names: tuple[str, ...]) -> None:
     for k in names:
         v = getattr(r, k, None)
@@ -298,7 +306,7 @@ def parse_chat_body(body: dict, state) -> ChatRequest:
 def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
     model = check_model(r.model, state)
     messages = normalize_messages(body["messages"])
-    _refuse_unimplemented(r, STRUCTURED_FIELDS)
+    structured = _structured_fields(r)
     if r.prompt_logprobs is not None:
         raise invalid("'prompt_logprobs' is not supported on chat completions; use /v1/completions with "
                       "echo and logprobs", "prompt_logprobs", "unsupported_parameter")
@@ -311,7 +319,8 @@ def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
     _check_min_tokens(params)
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
-                       logprobs=r.logprobs, top_logprobs=r.top_logprobs or 0, user=r.user)
+                       logprobs=r.logprobs, top_logprobs=r.top_logprobs or 0, user=r.user,
+                       structured=structured)
 
 
 def _check_min_tokens(params: SamplingParams) -> None:
