@@ -20,12 +20,11 @@ from chatserve.server.errors import APIError, invalid
 from chatserve.server.identity import api_owner_of, rate_key_of
 from chatserve.server.metrics import CONTENT_TYPE
 from chatserve.server.openapi import docs_page
+from chatserve.server.prompt_guard import admit, check_text_size
 from chatserve.server.protocol import (check_token_ids, normalize_messages, parse_chat_body,
                                        parse_completion_body, render_prompt, template_options, validate)
 from chatserve.server.schemas import openai as s
 from chatserve.server.state import ServerState
-
-BIG_PROMPT_CHARS = 32_768        # above this, tokenize in a worker thread (keeps the loop responsive)
 
 
 def state_of(request: Request) -> ServerState:
@@ -41,12 +40,6 @@ async def _generation_body(request: Request) -> dict:
     body = await _body(request)
     precheck(state_of(request))          # overloaded: refuse before tokenizing
     return body
-
-
-async def _parse(fn, body: dict, st: ServerState):
-    if len(str(body.get("messages") or body.get("prompt") or "")) > BIG_PROMPT_CHARS:
-        return await asyncio.to_thread(fn, body, st)
-    return fn(body, st)
 
 
 async def _drop_usage(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -86,7 +79,7 @@ async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], co
 async def _generation(request: Request, parse, stream, collect) -> Response:
     """Parse the body, then stream SSE chunks or answer once with the folded chunks."""
     st = state_of(request)
-    req = await _parse(parse, await _generation_body(request), st)
+    req = await admit(st, await _generation_body(request), parse, rate_key=rate_key_of(request))
     chunks = stream(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
@@ -127,6 +120,10 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     st = state_of(request)
     if getattr(st.engine, "ready", False):
+        # Redis down or refusing our password: still serving (sessions kept in process, rate limits
+        # per process), so 200, but the body says what is degraded and why (no host or password).
+        if st.redis_check is not None and not st.redis_check.ok:
+            return JSONResponse({"status": "degraded", "model": st.model_name, **st.redis_check.ready_info()})
         return JSONResponse({"status": "ready", "model": st.model_name})
     why = "draining" if not getattr(st.engine, "accepting", True) else "loading"
     return JSONResponse({"status": why}, status_code=503, headers={"Retry-After": "5"})
@@ -134,7 +131,9 @@ async def ready(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     st = state_of(request)
-    r = validate(s.TokenizeRequest, await _body(request))
+    body = await _body(request)
+    check_text_size(st, body)
+    r = validate(s.TokenizeRequest, body)
     if r.messages is not None:
         msgs = normalize_messages([m.model_dump(exclude_none=True) for m in r.messages])
         ids = await asyncio.to_thread(render_prompt, st, msgs, template_options(r))
