@@ -15,6 +15,11 @@ from chatserve.server import chat_service  # noqa: E402
 API_KEY = "sk-clients-test"
 
 
+@pytest.fixture(scope="session")
+def api_key() -> str:
+    return API_KEY
+
+
 @pytest.fixture(scope="module")
 def api_server():
     """Tokens every 20 ms; the API key is required (clients send it as a bearer token)."""

@@ -10,15 +10,14 @@ import subprocess
 
 import openai
 import pytest
-from conftest import API_KEY
 
 MSG = [{"role": "user", "content": "abc"}]
 NODE_DIR = os.path.join(os.path.dirname(__file__), "node")
 
 
 @pytest.fixture(scope="module")
-def client(api_server):
-    return openai.OpenAI(base_url=api_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+def client(api_server, api_key):
+    return openai.OpenAI(base_url=api_server.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
 def test_openai_chat_streamed_and_not(client):
@@ -65,23 +64,23 @@ def test_openai_errors_name_the_field(client):
     assert e.value.body["param"] == "top_logprobs"
 
 
-def test_langchain_chat_openai_invoke_and_stream(api_server):
+def test_langchain_chat_openai_invoke_and_stream(api_server, api_key):
     langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(base_url=api_server.url + "/v1", api_key=API_KEY, model="fake-model",
+    llm = langchain_openai.ChatOpenAI(base_url=api_server.url + "/v1", api_key=api_key, model="fake-model",
                                       max_tokens=4, max_retries=0, timeout=60)
     assert llm.invoke("abc").content == "defg"
     parts = [c.content for c in llm.stream("abc")]
     assert "".join(parts) == "defg" and len([p for p in parts if p]) >= 2
 
 
-def test_openai_npm_package(api_server):
+def test_openai_npm_package(api_server, api_key):
     node, npm = shutil.which("node"), shutil.which("npm")
     if not node or not npm:
         pytest.skip("node/npm not installed")
     if not os.path.isdir(os.path.join(NODE_DIR, "node_modules", "openai")):
         subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=300,
                        capture_output=True)
-    p = subprocess.run([node, "client.mjs", api_server.url, API_KEY], cwd=NODE_DIR, capture_output=True,
+    p = subprocess.run([node, "client.mjs", api_server.url, api_key], cwd=NODE_DIR, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
