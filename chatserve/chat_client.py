@@ -13,6 +13,8 @@ from typing import Callable, Iterator
 
 import httpx
 
+from chatserve.bench.sse_client import SSEParser
+
 HELP = """commands:
   /system TEXT   set the system prompt (and start over)
   /clear         forget the conversation
@@ -43,21 +45,20 @@ def stream_reply(client: httpx.Client, messages: list[dict], *, model: str | Non
             except Exception:
                 msg = r.text[:300]
             raise ChatError(f"HTTP {r.status_code}: {msg}")
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                return
-            obj = json.loads(data)
-            if "error" in obj:
-                raise ChatError(obj["error"].get("message", "error"))
-            for ch in obj.get("choices") or []:
-                text = (ch.get("delta") or {}).get("content")
-                if text:
-                    yield text
-            if obj.get("usage"):
-                yield obj["usage"]
+        parser = SSEParser()                    # the bench client's parser: multi-line data events too
+        for raw in r.iter_bytes():
+            for ev in parser.feed(raw):
+                if ev.data == "[DONE]":
+                    return
+                obj = json.loads(ev.data)
+                if "error" in obj:
+                    raise ChatError(obj["error"].get("message", "error"))
+                for ch in obj.get("choices") or []:
+                    text = (ch.get("delta") or {}).get("content")
+                    if text:
+                        yield text
+                if obj.get("usage"):
+                    yield obj["usage"]
 
 
 def format_usage(u: dict) -> str:

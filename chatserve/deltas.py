@@ -25,6 +25,7 @@ class Delta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0           # prefix-cache hit of this sample's prompt
     error: str | None = None             # set with finish_reason "error"
+    stop_reason: str | None = None       # the stop string that ended the sample, if one did
     error_code: ErrorCode | None = None  # why, for the HTTP status (chatserve.server.errors.status_for)
     # timings, set on a sample's last delta (seconds)
     ttft_s: float | None = None

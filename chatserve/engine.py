@@ -30,6 +30,7 @@ class Detokenizer(Protocol):
     """Sampled ids → text deltas for one sample (chatserve.text.IncrementalDetokenizer)."""
 
     stopped: bool
+    stop_str: str | None      # the stop string that ended the sample, once stopped
 
     def push(self, token_ids: list[int]) -> str: ...
 
@@ -275,8 +276,9 @@ class AsyncEngine:
         if factory is None:
             from chatserve.text import IncrementalDetokenizer
             factory = IncrementalDetokenizer
+        extra = {} if p.skip_special_tokens else {"skip_special_tokens": False}
         return factory(self.tokenizer, stop=list(p.stop), include_stop_str=p.include_stop_str_in_output,
-                       prompt_tail=list(prompt_ids[-4:]))
+                       prompt_tail=list(prompt_ids[-4:]), **extra)
 
     # ---- the step loop ------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -365,6 +367,7 @@ class AsyncEngine:
             d.logprobs = list(ev.logprobs)
             d.text = seq.detok.push(list(ev.new_token_ids))
         if seq.detok.stopped:
+            d.stop_reason = seq.detok.stop_str
             if not ev.finished:
                 self.scheduler.finish_request(ev.request_id, FinishReason.STOP)
             self._finish_seq(seq, d, "stop", now)

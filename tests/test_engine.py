@@ -100,7 +100,7 @@ async def test_runner_exception_ends_batch_with_error_engine_keeps_going():
     ok = await collect(eng.generate([0], SamplingParams(max_tokens=3), request_id="b"))
     assert text_of(ok) == "bcd" and ok[-1].finish_reason == "length"
     # a per-request runner error ends only that request
-    both = await asyncio.gather(collect(eng.generate([13], SamplingParams(max_tokens=3), request_id="c")),
+    both = await asyncio.gather(collect(eng.generate([13, 12, 11], SamplingParams(max_tokens=3), request_id="c")),
                                 collect(eng.generate([1], SamplingParams(max_tokens=3), request_id="d")))
     assert both[0][-1].finish_reason == "error" and both[0][-1].error == "bad prompt"
     assert both[1][-1].finish_reason == "length"

@@ -55,16 +55,18 @@ class SSEParser:
 
     def _drain(self, final: bool) -> list[SSEEvent]:
         out: list[SSEEvent] = []
+        buf, pos = self._buf, 0
         while True:
-            i = _line_end(self._buf, final)
+            i = _line_end(buf, pos, final)
             if i is None:
-                return out
-            line, rest = self._buf[:i], self._buf[i:]
-            rest = rest[2:] if rest.startswith("\r\n") else rest[1:]
-            self._buf = rest
+                break
+            line = buf[pos:i]
+            pos = i + 2 if buf.startswith("\r\n", i) else i + 1
             ev = self._line(line)
             if ev is not None:
                 out.append(ev)
+        self._buf = buf[pos:]
+        return out
 
     def _line(self, line: str) -> SSEEvent | None:
         if line == "":
@@ -86,15 +88,15 @@ class SSEParser:
         return None  # id:, retry: and unknown fields are ignored
 
 
-def _line_end(buf: str, final: bool) -> int | None:
-    """Index of the first line terminator; a CR at the very end waits for a possible LF."""
-    for i, ch in enumerate(buf):
-        if ch == "\n":
-            return i
-        if ch == "\r":
-            if i + 1 < len(buf) or final:
-                return i
-            return None
+def _line_end(buf: str, pos: int, final: bool) -> int | None:
+    """Index of the first line terminator at or after pos (str.find, not a loop over characters);
+    a CR at the very end waits for a possible LF."""
+    lf = buf.find("\n", pos)
+    cr = buf.find("\r", pos, lf if lf >= 0 else len(buf))
+    if cr < 0:
+        return lf if lf >= 0 else None
+    if cr + 1 < len(buf) or final:
+        return cr
     return None
 
 

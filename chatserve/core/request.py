@@ -49,6 +49,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0          # EOS and stop_token_ids are masked until this many tokens are out
+    min_tokens_banned_ids: list[int] = field(default_factory=list)   # those ids (set by the HTTP layer)
+    skip_special_tokens: bool = True   # drop special tokens from the streamed text
 
     @property
     def greedy(self) -> bool:

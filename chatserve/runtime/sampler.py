@@ -62,7 +62,7 @@ class Sampler:
             return [], []
         greedy = [_is_greedy(s) for s in seqs]
         penal = [_has_penalties(s) for s in seqs]
-        biased = [bool(s.params.logit_bias) for s in seqs]
+        biased = [bool(s.params.logit_bias) or _under_min_tokens(s) for s in seqs]
         want_lp = [s.params.logprobs is not None for s in seqs]
         if all(greedy) and not any(penal) and not any(biased) and not any(want_lp):
             return logits.argmax(dim=-1).tolist(), [None] * B  # the fast path: one argmax, one sync
@@ -207,13 +207,22 @@ def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x if len(rows) == x.shape[0] else x[rows]
 
 
+def _under_min_tokens(seq: ScheduledSeq) -> bool:
+    return seq.params.min_tokens > len(seq.output_token_ids) and bool(seq.params.min_tokens_banned_ids)
+
+
 def _apply_bias(x: torch.Tensor, seqs: list[ScheduledSeq], rows: list[int]) -> None:
+    """logit_bias, and min_tokens: EOS and stop token ids at -inf until that many tokens are out."""
     V = x.shape[1]
+    for i in rows:
+        if _under_min_tokens(seqs[i]):
+            ban = [t for t in seqs[i].params.min_tokens_banned_ids if 0 <= t < V]
+            x[i, ban] = float("-inf")
     r_idx: list[int] = []
     t_idx: list[int] = []
     vals: list[float] = []
     for i in rows:
-        for tok, b in seqs[i].params.logit_bias.items():
+        for tok, b in (seqs[i].params.logit_bias or {}).items():
             t = int(tok)
             if 0 <= t < V:
                 r_idx.append(i)

@@ -5,14 +5,17 @@ Not validation (protocol.py) and not HTTP reading (body.py).
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
+import math
 import time
 from typing import Any, AsyncIterator, Callable
 
-from sse_starlette.sse import EventSourceResponse, SendTimeoutError
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError, ServerSentEvent
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from chatserve.engine import AdmissionError
@@ -100,6 +103,13 @@ class _Usage:
                 "chatserve": {"ttft_s": r(self.ttft), "tokens_per_s": tps, "queue_s": r(self.queue)}}
 
 
+LOGPROB_FLOOR = -9999.0    # what -inf (or a NaN) logprob is written as: JSON has no infinities
+
+
+def finite(v: float) -> float:
+    return v if math.isfinite(v) else LOGPROB_FLOOR
+
+
 def _token_text(tok, tid: int) -> str:
     try:
         return tok.token_str(tid)
@@ -107,34 +117,61 @@ def _token_text(tok, tid: int) -> str:
         return tok.decode([tid])
 
 
+def _token_bytes(tok, tid: int, text: str) -> list[int]:
+    """The token's own bytes (part of a UTF-8 character stays that part), not its display text's."""
+    get = getattr(tok, "token_bytes", None)
+    if get is not None:
+        try:
+            return list(get(tid))
+        except Exception:
+            pass
+    return list(text.encode("utf-8", "replace"))
+
+
 def _chat_logprobs(state, d) -> dict | None:
     if not d.logprobs:
         return None
     tok = state.tokenizer
-    content = []
-    for lp in d.logprobs:
-        t = _token_text(tok, lp.token_id)
-        content.append({
-            "token": t, "logprob": lp.logprob, "bytes": list(t.encode("utf-8", "replace")),
-            "top_logprobs": [{"token": (s := _token_text(tok, i)), "logprob": v,
-                              "bytes": list(s.encode("utf-8", "replace"))} for i, v in lp.top]})
-    return {"content": content}
+
+    def entry(tid: int, v: float) -> dict:
+        t = _token_text(tok, tid)
+        return {"token": t, "logprob": finite(v), "bytes": _token_bytes(tok, tid, t)}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in d.logprobs]}
+
+
+def _stop_reason(d, params) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the sample (None for EOS/length)."""
+    if d.finish_reason != "stop":
+        return None
+    matched = getattr(d, "stop_reason", None)
+    if matched is not None:
+        return matched
+    if d.token_ids and d.token_ids[-1] in params.stop_token_ids:
+        return d.token_ids[-1]
+    return None
+
+
+def _log_user(req: GenerationRequest, rid: str) -> None:
+    if req.user:
+        log.info("request %s from user %r", rid, req.user[:256])
 
 
 async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = False,
                       request_id: str | None = None, rate_key: str | None = None) -> AsyncIterator[dict]:
-    """chat.completion.chunk dicts: one role chunk, content deltas, one finish_reason per choice,
+    """chat.completion.chunk dicts: a choice's first chunk carries the role with its first text (so
+    time to first chunk is time to first token), then content deltas, one finish_reason per choice,
     then a usage chunk (choices == []) carrying usage["chatserve"] timings. An engine failure yields
     one {"error": {...}} dict instead of the remaining chunks. Raises APIError before the first chunk."""
     rid = request_id or req.request_id
     stream = submit(state, req, owner=owner, keep_warm=keep_warm, request_id=rid, rate_key=rate_key)
+    _log_user(req, rid)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": req.model, "system_fingerprint": None}
     usage = _Usage(len(req.prompt_ids))
+    started: set[int] = set()
     try:
-        yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}
-                                   for i in range(req.params.n)]}
         async for d in stream:
             usage.add(d)
             if d.finish_reason == "error":
@@ -142,10 +179,14 @@ async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = 
                 return
             if not d.text and not d.logprobs and d.finish_reason is None:
                 continue
-            delta = {"content": d.text} if d.text else {}
+            delta: dict[str, Any] = {"content": d.text} if d.text else {}
+            if d.index not in started:
+                started.add(d.index)
+                delta = {"role": "assistant", "content": d.text}
             yield {**base, "choices": [{"index": d.index, "delta": delta,
                                         "logprobs": _chat_logprobs(state, d),
-                                        "finish_reason": d.finish_reason}]}
+                                        "finish_reason": d.finish_reason,
+                                        "stop_reason": _stop_reason(d, req.params)}]}
         yield {**base, "choices": [], "usage": usage.to_dict()}
     finally:
         stream.close()
@@ -159,37 +200,105 @@ def _completion_logprobs(state, d, offset: int) -> dict | None:
     for lp in d.logprobs:
         t = _token_text(tok, lp.token_id)
         out["tokens"].append(t)
-        out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append({_token_text(tok, i): v for i, v in lp.top})
+        out["token_logprobs"].append(finite(lp.logprob))
+        out["top_logprobs"].append({_token_text(tok, i): finite(v) for i, v in lp.top})
         out["text_offset"].append(offset)
         offset += len(t)
     return out
 
 
+async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
+    """(which stream, item) from several engine streams as items arrive."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k: int, st) -> None:
+        try:
+            async for d in st:
+                await queue.put((k, d))
+        finally:
+            await queue.put((k, done))
+
+    tasks = [asyncio.ensure_future(pump(k, st)) for k, st in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            k, d = await queue.get()
+            if d is done:
+                left -= 1
+                continue
+            yield k, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _submit_all(state, req: CompletionRequest, prompts: list, *, owner: str, rid: str,
+                rate_key: str | None) -> list:
+    streams: list = []
+    try:
+        for p, (ids, _) in enumerate(prompts):
+            one = req if p == 0 else dataclasses.replace(req, prompt_ids=ids)
+            streams.append(submit(state, one, owner=owner, keep_warm=False,
+                                  request_id=rid if p == 0 else f"{rid}-{p}", rate_key=rate_key))
+    except BaseException:
+        for st in streams:
+            st.close()
+        raise
+    return streams
+
+
 async def stream_completion(state, req: CompletionRequest, *, owner: str, request_id: str | None = None,
                             rate_key: str | None = None) -> AsyncIterator[dict]:
-    """text_completion chunk dicts (no role chunk), then a usage chunk; errors as in stream_chat."""
+    """text_completion chunk dicts (no role chunk), then a usage chunk; errors as in stream_chat.
+    Prompt p's sample j is choice p * n + j; with echo, a choice's first text starts with its prompt."""
     rid = request_id or req.request_id
-    stream = submit(state, req, owner=owner, keep_warm=False, request_id=rid, rate_key=rate_key)
+    prompts = req.prompts or [(req.prompt_ids, req.prompt_text)]
+    n = req.params.n
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
             "system_fingerprint": None}
-    usage = _Usage(len(req.prompt_ids))
-    offsets = [0] * req.params.n
+    usage = _Usage(sum(len(ids) for ids, _ in prompts))
+    echo = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
+            for ids, text in prompts]
+    if req.params.max_tokens == 0:                      # echo only: nothing to generate
+        for p in range(len(prompts)):
+            for j in range(n):
+                yield {**base, "choices": [{"index": p * n + j, "text": echo[p], "logprobs": None,
+                                            "finish_reason": "length", "stop_reason": None}]}
+        yield {**base, "choices": [], "usage": usage.to_dict()}
+        return
+    streams = _submit_all(state, req, prompts, owner=owner, rid=rid, rate_key=rate_key)
+    _log_user(req, rid)
+    offsets = [0] * (n * len(prompts))
+    started: set[int] = set()
     try:
-        async for d in stream:
+        async for p, d in _merged(streams):
             usage.add(d)
             if d.finish_reason == "error":
                 yield engine_error_body(d.error or "generation failed", d.error_code)
                 return
             if not d.text and not d.logprobs and d.finish_reason is None:
                 continue
-            lp = _completion_logprobs(state, d, offsets[d.index])
-            offsets[d.index] += len(d.text)
-            yield {**base, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
-                                        "finish_reason": d.finish_reason}]}
+            i = p * n + d.index
+            text = d.text
+            if i not in started:
+                started.add(i)
+                text = echo[p] + text
+                offsets[i] = len(echo[p])
+            lp = _completion_logprobs(state, d, offsets[i])
+            offsets[i] += len(d.text)
+            yield {**base, "choices": [{"index": i, "text": text, "logprobs": lp,
+                                        "finish_reason": d.finish_reason,
+                                        "stop_reason": _stop_reason(d, req.params)}]}
         yield {**base, "choices": [], "usage": usage.to_dict()}
     finally:
-        stream.close()
+        for st in streams:
+            st.close()
 
 
 # ---- non-streaming: the same chunks, folded --------------------------------------------------------
@@ -199,8 +308,8 @@ def _raise_chunk_error(c: dict) -> None:
 
 
 async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str]):
-    """Fold streamed chunks into per-choice text, finish reason and logprobs, plus head and usage."""
-    texts, reasons, lps = [""] * n, [None] * n, [None] * n
+    """Fold streamed chunks into per-choice text, finish/stop reason and logprobs, plus head and usage."""
+    texts, reasons, stops, lps = [""] * n, [None] * n, [None] * n, [None] * n
     head: dict[str, Any] = {}
     usage = None
     async for c in chunks:
@@ -214,42 +323,90 @@ async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str
             texts[i] += piece(ch)
             if ch.get("finish_reason"):
                 reasons[i] = ch["finish_reason"]
+                stops[i] = ch.get("stop_reason")
             if ch.get("logprobs"):
                 lps[i] = lps[i] or {}
                 for k, v in ch["logprobs"].items():     # chat: content; completions: tokens, token_logprobs, ...
                     lps[i].setdefault(k, []).extend(v or [])
-    return head, texts, reasons, lps, usage
+    return head, texts, reasons, stops, lps, usage
 
 
-async def collect_chat(chunks: AsyncIterator[dict], n: int) -> dict:
-    head, texts, reasons, lps, usage = await _fold(chunks, n, lambda ch: ch["delta"].get("content") or "")
+async def collect_chat(chunks: AsyncIterator[dict], req: ChatRequest) -> dict:
+    n = req.params.n
+    head, texts, reasons, stops, lps, usage = await _fold(chunks, n,
+                                                          lambda ch: ch["delta"].get("content") or "")
     return {"id": head["id"], "object": "chat.completion", "created": head["created"],
             "model": head["model"], "system_fingerprint": None,
             "choices": [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                         "logprobs": lps[i], "finish_reason": reasons[i]} for i in range(n)],
-            "usage": usage}
-
-
-async def collect_completion(chunks: AsyncIterator[dict], n: int) -> dict:
-    head, texts, reasons, lps, usage = await _fold(chunks, n, lambda ch: ch["text"])
-    return {"id": head.get("id"), "object": "text_completion", "created": head.get("created"),
-            "model": head.get("model"), "system_fingerprint": None,
-            "choices": [{"index": i, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i]}
+                         "logprobs": lps[i], "finish_reason": reasons[i], "stop_reason": stops[i]}
                         for i in range(n)],
             "usage": usage}
 
 
+async def collect_completion(chunks: AsyncIterator[dict], req: CompletionRequest) -> dict:
+    per_prompt = req.params.n
+    total = per_prompt * max(1, len(req.prompts))
+    head, texts, reasons, stops, lps, usage = await _fold(chunks, total, lambda ch: ch["text"])
+    order = list(range(total))
+    if req.best_of:            # per prompt, the req.n samples with the highest cumulative logprob
+        order = []
+        for p in range(total // per_prompt):
+            ids = range(p * per_prompt, (p + 1) * per_prompt)
+            score = {i: sum(v for v in ((lps[i] or {}).get("token_logprobs") or []) if v is not None)
+                     for i in ids}
+            order += sorted(ids, key=lambda i: -score[i])[:req.n]
+        if req.logprobs is None:
+            lps = [None] * total
+    return {"id": head.get("id"), "object": "text_completion", "created": head.get("created"),
+            "model": head.get("model"), "system_fingerprint": None,
+            "choices": [{"index": k, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i],
+                         "stop_reason": stops[i]} for k, i in enumerate(order)],
+            "usage": usage}
+
+
 # ---- SSE -------------------------------------------------------------------------------------------
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+SSE_SEP = "\n"                # bare LF framing (`data: …\n\n`), as OpenAI and vLLM frame their streams
+FIRST_CHUNK_GRACE_S = 0.05     # an admission error within this answers with its own status, not a 200 stream
+
+
+def _finite_copy(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite_copy(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON that is always valid: a non-finite number (which JSON cannot represent) becomes null."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        log.error("non-finite number in a response body; written as null")
+        return json.dumps(_finite_copy(obj), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+class FiniteJSONResponse(JSONResponse):
+    """A JSON response that never writes NaN/Infinity (nor fails on them with a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def _ping_event() -> ServerSentEvent:
+    return ServerSentEvent(comment="ping", sep=SSE_SEP)
 
 
 class ChunkStreamResponse(Response):
-    """An SSE response over chunk dicts that answers with a plain JSON error (right status) when the
-    first chunk raises an APIError; afterwards errors arrive as an in-stream error event."""
+    """An SSE response over chunk dicts. An APIError raised at admission (within FIRST_CHUNK_GRACE_S)
+    is answered as a plain JSON error with its status; otherwise the 200 headers and a keep-alive
+    comment go out at once, so a long prefill never looks like a dead connection, and later errors
+    arrive as an in-stream error event. Every event is framed with bare LF."""
 
     def __init__(self, chunks: AsyncIterator[dict], *, send_timeout: float | None,
-                 ping: float = SSE_PING_SECONDS) -> None:
+                 ping: float | None = None) -> None:
         self.chunks = chunks
         self.send_timeout = send_timeout
         self.ping = ping
@@ -258,39 +415,57 @@ class ChunkStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chunks = self.chunks
+        first_task = asyncio.ensure_future(chunks.__anext__())
         try:
-            try:
-                first = await chunks.__anext__()
-            except StopAsyncIteration:
-                first = None
-            except APIError as e:
-                await error_response(e)(scope, receive, send)
+            await asyncio.wait({first_task}, timeout=FIRST_CHUNK_GRACE_S)
+            if first_task.done() and isinstance(first_task.exception(), APIError):
+                await error_response(first_task.exception())(scope, receive, send)
                 return
 
-            async def events() -> AsyncIterator[dict]:
-                if first is not None:
-                    yield {"data": _dumps(first)}
-                    if "error" in first:
-                        yield {"data": "[DONE]"}
-                        return
-                async for c in chunks:
-                    yield {"data": _dumps(c)}
+            async def events() -> AsyncIterator[Any]:
+                if not first_task.done():
+                    yield _ping_event()                 # flushes headers through buffering proxies
+                try:
+                    c = await first_task
+                except StopAsyncIteration:
+                    yield {"data": "[DONE]"}
+                    return
+                while True:
+                    yield {"data": dumps(c)}
                     if "error" in c:
+                        break
+                    try:
+                        c = await chunks.__anext__()
+                    except StopAsyncIteration:
                         break
                 yield {"data": "[DONE]"}
 
-            resp = EventSourceResponse(events(), ping=self.ping, send_timeout=self.send_timeout,
+            async def guarded() -> AsyncIterator[Any]:
+                try:
+                    async for e in events():
+                        yield e
+                except APIError as e:                   # raised after the headers went out
+                    yield {"data": dumps(e.to_dict())}
+                    yield {"data": "[DONE]"}
+
+            resp = EventSourceResponse(guarded(), ping=SSE_PING_SECONDS if self.ping is None else self.ping,
+                                       sep=SSE_SEP, ping_message_factory=_ping_event,
+                                       send_timeout=self.send_timeout,
                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             try:
                 await resp(scope, receive, send)
             except SendTimeoutError:       # the client stopped reading: end the stream, not an error
                 log.warning("stream ended: the client did not read for %s s", self.send_timeout)
         finally:
+            if not first_task.done():
+                first_task.cancel()
+                await asyncio.gather(first_task, return_exceptions=True)
             await chunks.aclose()          # aborts the request in the engine if it is still running
 
 
 def sse_response(chunks: AsyncIterator[dict], request: Request | None = None) -> Response:
-    """Stream chunk dicts as `data: {json}` events, `data: [DONE]` last, with keep-alive pings.
+    """Stream chunk dicts as `data: {json}` events, `data: [DONE]` last, with keep-alive pings; every
+    SSE stream of the server (chat, completions, session turns) goes through here.
     A reader that blocks a send for ServerConfig.stream_timeout is ended; a disconnect aborts."""
     timeout = None
     if request is not None:

@@ -1,7 +1,7 @@
 """HTTP handlers for the OpenAI-compatible API and the operational endpoints.
 
-/v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /tokenize, /detokenize, /metrics,
-/reset_prefix_cache.
+/v1/chat/completions, /v1/completions, /v1/models, /v1/models/{id}, /health, /ready, /tokenize,
+/detokenize, /metrics, /reset_prefix_cache, /openapi.json and /docs.
 Not the WebSocket (ws.py), not sessions (session_routes.py), not the app wiring (app.py).
 """
 from __future__ import annotations
@@ -10,18 +10,20 @@ import asyncio
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from chatserve.server.body import read_json_object
-from chatserve.server.chat_service import (collect_chat, collect_completion, precheck, sse_response,
-                                           stream_chat, stream_completion)
+from chatserve.server.chat_service import (FiniteJSONResponse, collect_chat, collect_completion, precheck,
+                                           sse_response, stream_chat, stream_completion)
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.identity import api_owner_of, rate_key_of
 from chatserve.server.metrics import CONTENT_TYPE
+from chatserve.server.openapi import docs_page
 from chatserve.server.prompt_guard import admit, check_text_size
-from chatserve.server.protocol import (get_bool, normalize_messages, parse_chat_body,
-                                       parse_completion_body, parse_token_ids)
+from chatserve.server.protocol import (check_token_ids, normalize_messages, parse_chat_body,
+                                       parse_completion_body, render_prompt, template_options, validate)
+from chatserve.server.schemas import openai as s
 from chatserve.server.state import ServerState
 
 
@@ -56,14 +58,14 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], collect, n: int) -> Response:
+async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], collect, req) -> Response:
     """A non-streaming answer; if the client hangs up first, the generation is aborted."""
-    work = asyncio.ensure_future(collect(chunks, n))
+    work = asyncio.ensure_future(collect(chunks, req))
     gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if work.done():
-            return JSONResponse(work.result())
+            return FiniteJSONResponse(work.result())
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
         return Response(status_code=499)          # nobody is listening any more
@@ -81,7 +83,7 @@ async def _generation(request: Request, parse, stream, collect) -> Response:
     chunks = stream(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
-    return await _collect_unless_gone(request, chunks, collect, req.params.n)
+    return await _collect_unless_gone(request, chunks, collect, req)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -92,12 +94,23 @@ async def completions(request: Request) -> Response:
     return await _generation(request, parse_completion_body, stream_completion, collect_completion)
 
 
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "chatserve",
+            "root": st.config.model.model or st.model_name, "parent": None, "max_model_len": st.max_model_len}
+
+
 async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(state_of(request))]})
+
+
+async def model(request: Request) -> Response:
+    """GET /v1/models/{id} (the SDKs' models.retrieve); any served name (aliases too) answers."""
     st = state_of(request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "chatserve",
-        "root": st.config.model.model or st.model_name, "parent": None,
-        "max_model_len": st.max_model_len}]})
+    mid = request.path_params["model_id"]
+    if mid not in st.model_names():
+        raise APIError(404, f"the model '{mid[:200]}' does not exist; this server serves '{st.model_name}'",
+                       param="model", code="model_not_found")
+    return JSONResponse({**_model_card(st), "id": mid})
 
 
 async def health(request: Request) -> Response:
@@ -120,30 +133,26 @@ async def tokenize(request: Request) -> Response:
     st = state_of(request)
     body = await _body(request)
     check_text_size(st, body)
-    if "messages" in body:
-        msgs = normalize_messages(body["messages"])
-        try:
-            ids = await asyncio.to_thread(st.tokenizer.apply_chat_template, msgs,
-                                          add_generation_prompt=get_bool(body, "add_generation_prompt", True))
-        except Exception as e:       # template errors are the messages' fault
-            raise invalid(f"invalid messages: {e}"[:500], "messages") from None
-    elif isinstance(body.get("prompt"), str):
-        ids = await asyncio.to_thread(st.tokenizer.encode, body["prompt"])
+    r = validate(s.TokenizeRequest, body)
+    if r.messages is not None:
+        msgs = normalize_messages([m.model_dump(exclude_none=True) for m in r.messages])
+        ids = await asyncio.to_thread(render_prompt, st, msgs, template_options(r))
+    elif r.prompt is not None:
+        extra = {"add_special_tokens": True} if r.add_special_tokens else {}
+        ids = await asyncio.to_thread(st.tokenizer.encode, r.prompt, **extra)
     else:
         raise invalid("send 'prompt' (a string) or 'messages'", "prompt", "missing_required_parameter")
     ids = list(ids)
     out = {"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len}
-    if get_bool(body, "return_token_strs"):
+    if r.return_token_strs:
         out["token_strs"] = [st.tokenizer.token_str(i) for i in ids]
     return JSONResponse(out)
 
 
 async def detokenize(request: Request) -> Response:
     st = state_of(request)
-    body = await _body(request)
-    if "tokens" not in body:
-        raise invalid("'tokens' is required", "tokens", "missing_required_parameter")
-    ids = parse_token_ids(body["tokens"], "tokens", st.vocab_size)
+    r = validate(s.DetokenizeRequest, await _body(request))
+    ids = check_token_ids(r.tokens, "tokens", st.vocab_size)
     text = await asyncio.to_thread(st.tokenizer.decode, ids)
     return JSONResponse({"prompt": text})
 
@@ -162,10 +171,18 @@ async def metrics(request: Request) -> Response:
     return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
 
+async def docs(request: Request) -> Response:
+    return HTMLResponse(docs_page(), headers={"Content-Security-Policy": DOCS_CSP})
+
+
+DOCS_CSP = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; frame-ancestors 'none'"
+
 routes = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+    Route("/docs", docs, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/ready", ready, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),

@@ -1,139 +1,194 @@
-"""The hand-written OpenAPI 3.1 description served at /openapi.json (also the schemathesis fuzz target).
+"""/openapi.json (OpenAPI 3.1) built from the pydantic models in schemas/, and the static /docs page.
 
-Describes the routes of openai_routes.py; the WebSocket is documented in docs/api.md.
-Not validation: the server enforces its own rules (protocol.py) whatever this schema says.
+Every HTTP route is listed here once (the WebSocket is described in docs/api.md); the request schemas
+are the models the routes validate with, so the published limits are the enforced ones.
+Not validation itself (protocol.py) and not the routes.
 """
 from __future__ import annotations
 
+import html
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
-_ERR = {"$ref": "#/components/schemas/Error"}
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from chatserve.server.schemas import openai as o
+from chatserve.server.schemas import sessions as ss
+
+REF = "#/components/schemas/{model}"
 
 
-def _errors(*codes: int) -> dict:
-    return {str(c): {"description": "error", "content": {"application/json": {"schema": _ERR}}}
-            for c in codes}
+@dataclass(frozen=True)
+class Op:
+    method: str
+    path: str
+    op_id: str
+    summary: str
+    body: type[BaseModel] | None = None
+    ok: type[BaseModel] | None = None
+    ok_status: int = 200
+    errors: tuple[int, ...] = (400, 401, 413, 415)
+    sse: type[BaseModel] | None = None         # the event model when the route can stream
+    path_params: tuple[str, ...] = ()
+    query: dict[str, dict] = field(default_factory=dict)
+    other_media: str | None = None             # a non-JSON 200 (text/plain, text/html)
+    tags: tuple[str, ...] = ()
 
 
-_SAMPLING: dict[str, Any] = {
-    "model": {"type": "string"},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "n": {"type": "integer", "minimum": 1, "maximum": 16},
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": -1},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
-    "seed": {"type": "integer"},
-    "stop": {"oneOf": [{"type": "string", "minLength": 1},
-                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"}, "maxProperties": 1024,
-                   "additionalProperties": {"type": "number", "minimum": -100,
-                                                              "maximum": 100}},
-    "ignore_eos": {"type": "boolean"},
-    "include_stop_str_in_output": {"type": "boolean"},
-}
+GEN_ERRORS = (400, 401, 404, 413, 415, 429, 503)
+SID = ("sid",)
+OPS: tuple[Op, ...] = (
+    Op("post", "/v1/chat/completions", "createChatCompletion", "Chat completion (SSE with stream: true)",
+       o.ChatCompletionRequest, o.ChatCompletion, errors=GEN_ERRORS, sse=o.ChatCompletionChunk, tags=("openai",)),
+    Op("post", "/v1/completions", "createCompletion", "Text completion (SSE with stream: true)",
+       o.CompletionRequest, o.Completion, errors=GEN_ERRORS, sse=o.Completion, tags=("openai",)),
+    Op("get", "/v1/models", "listModels", "The served model", ok=o.ModelList, errors=(401,), tags=("openai",)),
+    Op("get", "/v1/models/{model_id}", "retrieveModel", "One model by name", ok=o.Model, errors=(401, 404),
+       path_params=("model_id",), tags=("openai",)),
+    Op("post", "/tokenize", "tokenize", "Token ids of a prompt or of chat messages", o.TokenizeRequest,
+       o.TokenizeResponse, tags=("tokens",)),
+    Op("post", "/detokenize", "detokenize", "Text of token ids", o.DetokenizeRequest, o.DetokenizeResponse,
+       tags=("tokens",)),
+    Op("post", "/reset_prefix_cache", "resetPrefixCache", "Forget cached prefixes no request holds",
+       ok=o.ResetPrefixCacheResponse, errors=(401,), tags=("operations",)),
+    Op("get", "/health", "health", "Liveness", ok=o.Status, errors=(), tags=("operations",)),
+    Op("get", "/ready", "ready", "Readiness (503 while loading or draining)", ok=o.Status, errors=(503,),
+       tags=("operations",)),
+    Op("get", "/metrics", "metrics", "Prometheus exposition format", errors=(404,), other_media="text/plain",
+       tags=("operations",)),
+    Op("get", "/docs", "docs", "This API, as a page", errors=(), other_media="text/html", tags=("operations",)),
+    Op("get", "/openapi.json", "openapi", "This document", errors=(), other_media="application/json",
+       tags=("operations",)),
+    Op("get", "/", "chatUI", "The web chat UI (its files are under /static/)", errors=(),
+       other_media="text/html", tags=("ui",)),
+    Op("post", "/v1/sessions", "createSession", "New chat session", ss.SessionSettings, ss.Session, 201,
+       errors=(400, 401, 403, 413, 415, 503), tags=("sessions",)),
+    Op("get", "/v1/sessions", "listSessions", "The caller's sessions, newest first", ok=ss.SessionList,
+       errors=(400, 401, 503), query={"limit": {"type": "integer", "minimum": 1, "maximum": 500}},
+       tags=("sessions",)),
+    Op("get", "/v1/sessions/status", "sessionStoreStatus", "The session store's state", ok=ss.StoreStatus,
+       errors=(401,), tags=("sessions",)),
+    Op("post", "/v1/sessions/import", "importSession", "A session from an export file", ss.SessionImport,
+       ss.Session, 201, errors=(400, 401, 403, 413, 415, 503), tags=("sessions",)),
+    Op("get", "/v1/sessions/{sid}", "getSession", "One session with its messages", ok=ss.Session,
+       errors=(401, 404, 503), path_params=SID, tags=("sessions",)),
+    Op("patch", "/v1/sessions/{sid}", "updateSession", "Title, system prompt, params or model", ss.SessionSettings,
+       ss.Session, errors=(400, 401, 403, 404, 413, 415, 503), path_params=SID, tags=("sessions",)),
+    Op("delete", "/v1/sessions/{sid}", "deleteSession", "Delete a session (cancels its turn)",
+       ok=ss.SessionDeleted, errors=(401, 403, 404, 503), path_params=SID, tags=("sessions",)),
+    Op("post", "/v1/sessions/{sid}/messages", "postSessionMessage", "One turn (SSE unless stream: false)",
+       ss.TurnRequest, ss.TurnResult, errors=(400, 401, 403, 404, 409, 413, 415, 429, 503),
+       sse=o.ChatCompletionChunk, path_params=SID, tags=("sessions",)),
+    Op("post", "/v1/sessions/{sid}/cancel", "cancelSessionTurn", "Stop the running turn",
+       ok=ss.TurnCancelled, errors=(401, 403), path_params=SID, tags=("sessions",)),
+    Op("get", "/v1/sessions/{sid}/export", "exportSession", "The session as a file", ok=ss.SessionExport,
+       errors=(401, 404, 503), path_params=SID, tags=("sessions",)),
+)
 
-_MESSAGE = {
-    "type": "object", "required": ["role", "content"],
-    "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-    },
-}
 
-_USAGE = {"type": "object", "properties": {
-    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-    "total_tokens": {"type": "integer"},
-    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
-    "chatserve": {"type": "object", "description": "extension: ttft_s, tokens_per_s, queue_s"}}}
+def _models() -> list[tuple[type[BaseModel], str]]:
+    out: list[tuple[type[BaseModel], str]] = [(o.ErrorResponse, "serialization")]
+    for op in OPS:
+        if op.body is not None:
+            out.append((op.body, "validation"))
+        for m in (op.ok, op.sse):
+            if m is not None:
+                out.append((m, "serialization"))
+    seen: set = set()
+    return [x for x in out if not (x in seen or seen.add(x))]
 
 
-def _json_body(schema: dict) -> dict:
-    return {"required": True, "content": {"application/json": {"schema": schema}}}
+@lru_cache(maxsize=1)
+def _components() -> tuple[dict, dict]:
+    keys, top = models_json_schema(_models(), ref_template=REF)
+    return {k: v["$ref"] for k, v in keys.items()}, top.get("$defs", {})
+
+
+def _set_token_id_max(node: Any, vocab_size: int) -> None:
+    """Token ids are published with the served vocabulary's bound (the fuzzer then sends valid ones)."""
+    if isinstance(node, dict):
+        if node.get("x-token-id"):
+            node["maximum"] = vocab_size - 1
+        for v in node.values():
+            _set_token_id_max(v, vocab_size)
+    elif isinstance(node, list):
+        for v in node:
+            _set_token_id_max(v, vocab_size)
+
+
+def _ref(refs: dict, model: type[BaseModel], mode: str) -> dict:
+    return {"$ref": refs[(model, mode)]}
+
+
+def _json(schema: dict) -> dict:
+    return {"application/json": {"schema": schema}}
+
+
+def _operation(op: Op, refs: dict) -> dict:
+    out: dict[str, Any] = {"operationId": op.op_id, "summary": op.summary, "tags": list(op.tags)}
+    params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+              for p in op.path_params]
+    params += [{"name": k, "in": "query", "required": False, "schema": v} for k, v in op.query.items()]
+    if params:
+        out["parameters"] = params
+    if op.body is not None:
+        out["requestBody"] = {"required": True, "content": _json(_ref(refs, op.body, "validation"))}
+    ok: dict[str, Any] = {"description": op.summary}
+    content: dict[str, Any] = {}
+    if op.ok is not None:
+        content.update(_json(_ref(refs, op.ok, "serialization")))
+    if op.sse is not None:
+        content["text/event-stream"] = {
+            "schema": {"type": "string", "description": "`data: {json}` events framed with bare LF, `: ping` "
+                       "comments, `data: [DONE]` last; each event's JSON is an " + op.sse.__name__},
+            "x-event-schema": _ref(refs, op.sse, "serialization")}
+    if op.other_media:
+        content[op.other_media] = {"schema": {"type": "object"} if op.other_media.endswith("json")
+                                   else {"type": "string"}}
+    if content:
+        ok["content"] = content
+    err = {"description": "error", "content": _json(_ref(refs, o.ErrorResponse, "serialization"))}
+    out["responses"] = {str(op.ok_status): ok, **{str(c): err for c in op.errors}}
+    return out
 
 
 def openapi_schema(model_name: str = "chatserve", vocab_size: int | None = None) -> dict:
-    tid: dict[str, Any] = {"type": "integer", "minimum": 0}
-    if vocab_size:
-        tid["maximum"] = vocab_size - 1
-    sampling = {**_SAMPLING, "stop_token_ids": {"type": "array", "items": tid, "maxItems": 64}}
-    chat_req = {"type": "object", "required": ["messages"], "properties": {
-        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
-        "max_completion_tokens": {"type": "integer", "minimum": 1},
-        "logprobs": {"type": "boolean"},
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        **sampling}}
-    cmpl_req = {"type": "object", "required": ["prompt"], "properties": {
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "minItems": 1, "items": tid}]},
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        **sampling}}
-    gen_responses = {"200": {"description": "a completion object, or an SSE stream of chunks when "
-                                            "stream is true",
-                             "content": {"application/json": {"schema": {"type": "object"}},
-                                         "text/event-stream": {"schema": {"type": "string"}}}},
-                     **_errors(400, 401, 404, 413, 415, 429, 503)}
-    return {
+    refs, defs = _components()
+    paths: dict[str, dict] = {}
+    for op in OPS:
+        paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
+    spec = {
         "openapi": "3.1.0",
         "info": {"title": "chatserve", "version": "0.1.0",
-                 "description": f"OpenAI-compatible API serving {model_name}."},
-        "paths": {
-            "/v1/chat/completions": {"post": {"operationId": "createChatCompletion",
-                                              "requestBody": _json_body(chat_req),
-                                              "responses": gen_responses}},
-            "/v1/completions": {"post": {"operationId": "createCompletion",
-                                         "requestBody": _json_body(cmpl_req), "responses": gen_responses}},
-            "/v1/models": {"get": {"operationId": "listModels", "responses": {
-                "200": {"description": "models", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["object", "data"],
-                    "properties": {"object": {"const": "list"}, "data": {"type": "array"}}}}}},
-                **_errors(401)}}},
-            "/health": {"get": {"operationId": "health", "responses": {"200": {"description": "alive"}}}},
-            "/ready": {"get": {"operationId": "ready", "responses": {
-                "200": {"description": "ready"}, "503": {"description": "loading or draining"}}}},
-            "/tokenize": {"post": {"operationId": "tokenize", "requestBody": _json_body({
-                "type": "object", "properties": {
-                    "prompt": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
-                    "add_generation_prompt": {"type": "boolean"},
-                    "return_token_strs": {"type": "boolean"}}}),
-                "responses": {"200": {"description": "token ids", "content": {"application/json": {
-                    "schema": {"type": "object", "properties": {
-                        "tokens": {"type": "array", "items": {"type": "integer"}},
-                        "count": {"type": "integer"}, "max_model_len": {"type": "integer"}}}}}},
-                    **_errors(400, 401, 413, 415)}}},
-            "/detokenize": {"post": {"operationId": "detokenize", "requestBody": _json_body({
-                "type": "object", "required": ["tokens"],
-                "properties": {"tokens": {"type": "array", "items": tid}}}),
-                "responses": {"200": {"description": "text", "content": {"application/json": {
-                    "schema": {"type": "object", "properties": {"prompt": {"type": "string"}}}}}},
-                    **_errors(400, 401, 413, 415)}}},
-            "/reset_prefix_cache": {"post": {"operationId": "resetPrefixCache", "responses": {
-                "200": {"description": "reset is false while running requests still hold cached blocks",
-                        "content": {"application/json": {"schema": {
-                            "type": "object", "required": ["reset"],
-                            "properties": {"reset": {"type": "boolean"}}}}}},
-                **_errors(401)}}},
-            "/metrics": {"get": {"operationId": "metrics", "responses": {
-                "200": {"description": "Prometheus text format",
-                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        },
-        "components": {
-            "schemas": {
-                "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-                    "type": "object", "required": ["message", "type", "param", "code"],
-                    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                                   "param": {"type": ["string", "null"]},
-                                   "code": {"type": ["string", "null"]}}}}},
-                "Usage": _USAGE,
-            },
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
+                 "description": f"OpenAI-compatible API serving {model_name}, plus chat sessions. "
+                                "The WebSocket /v1/ws is described in docs/api.md."},
+        "paths": paths,
+        "components": {"schemas": json.loads(json.dumps(defs)),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{}, {"bearer": []}],
     }
+    if vocab_size:
+        _set_token_id_max(spec["components"], vocab_size)
+    return spec
+
+
+def docs_page() -> str:
+    """A self-contained HTML page listing every route with its request fields (no scripts, no CDN)."""
+    refs, defs = _components()
+    rows = []
+    for op in OPS:
+        fields = ""
+        if op.body is not None:
+            props = defs[refs[(op.body, "validation")].rsplit("/", 1)[1]].get("properties", {})
+            fields = ", ".join(f"<code>{html.escape(k)}</code>" for k in props)
+        rows.append(f"<tr><td><b>{op.method.upper()}</b></td><td><code>{html.escape(op.path)}</code></td>"
+                    f"<td>{html.escape(op.summary)}</td><td>{fields}</td></tr>")
+    return ("<!doctype html><html><head><meta charset=utf-8><title>chatserve API</title><style>"
+            "body{font:14px system-ui,sans-serif;margin:2em}td{border-top:1px solid #ddd;padding:4px 8px;"
+            "vertical-align:top}code{background:#f4f4f4}</style></head><body><h1>chatserve API</h1>"
+            "<p>The full schema: <a href=\"/openapi.json\">/openapi.json</a> (OpenAPI 3.1). Field "
+            "status: docs/api.md.</p><table><tr><th>method</th><th>path</th><th>what</th>"
+            "<th>request fields</th></tr>" + "".join(rows) + "</table></body></html>")

@@ -1,24 +1,28 @@
-"""Validation of OpenAI request bodies into typed requests with SamplingParams and prompt token ids.
+"""OpenAI request bodies → typed requests with SamplingParams and prompt token ids.
 
-Every rule answers 400/404 with an APIError naming the offending `param`; nothing is truncated.
-Not HTTP reading (body.py) and not response formatting (chat_service.py).
+Types, ranges and unknown fields are checked by the pydantic models (schemas/openai.py); this module adds
+the rules that need the served model (vocabulary, context length, chat template) and maps every failure
+to a 400/404 APIError naming the offending `param`. Not HTTP reading (body.py), not formatting (chat_service.py).
 """
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from chatserve.core.request import SamplingParams
 from chatserve.server.errors import APIError, invalid
+from chatserve.server.schemas import openai as s
+from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_TOP_LOGPROBS  # noqa: F401
 
-MAX_N = 16
-MAX_STOP = 16
-MAX_STOP_LEN = 512
-MAX_LOGIT_BIAS = 1024
-MAX_TOP_LOGPROBS = 20
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
+# Declared in the schema for the clients that send them; answered with a 400 until structured outputs and
+# tool calling land (branch `structured`). The hand-off point is `_structured_fields` below.
+STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
+
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass
@@ -29,70 +33,76 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     request_id: str = ""
+    user: str | None = None
 
 
 @dataclass
 class ChatRequest(GenerationRequest):
-    messages: list[dict] = field(default_factory=list)   # normalized: {"role", "content": str}
+    messages: list[dict] = field(default_factory=list)   # normalized: {"role", "content": str, ...}
     logprobs: bool = False
     top_logprobs: int = 0
+    structured: dict[str, Any] = field(default_factory=dict)   # response_format/tools/...: see STRUCTURED_FIELDS
 
 
 @dataclass
 class CompletionRequest(GenerationRequest):
     prompt_text: str | None = None
     logprobs: int | None = None
+    # more than one prompt: (ids, text) of each, prompt_ids/prompt_text being the first; choice index
+    # of prompt p, sample j is p * n + j (as vLLM and OpenAI)
+    prompts: list[tuple[list[int], str | None]] = field(default_factory=list)
+    echo: bool = False
+    best_of: int | None = None         # generate best_of, return the n with the highest cumulative logprob
+    n: int = 1                         # choices returned per prompt (params.n is best_of when that is set)
 
 
-# ---- field helpers --------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# ---- pydantic → the OpenAI error object ---------------------------------------------------------
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "function-after",
+               "function-before", "constrained-str", "constrained-int"}
+_WHOLE_FIELD = {"logit_bias", "chat_template_kwargs", "stop", "stop_token_ids", "prompt", "tools",
+                "response_format", "tool_choice", "tokens"}
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _param(loc: tuple) -> str | None:
+    """('messages', 0, 'content', 'str') → 'messages[0].content'; dict keys and union tags dropped."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        if part in _UNION_TAGS or "[" in part or "-" in part or (i and not part.isidentifier()):
+            break
+        out += ("." if out else "") + part
+        if i == 0 and part in _WHOLE_FIELD:
+            break
+    return out or None
 
 
-def _opt(body: dict, key: str) -> Any:
-    v = body.get(key)
-    return None if v is None else v
+def _is_type_error(t: str) -> bool:
+    return t.endswith("_type") or t in ("union_tag_invalid", "is_instance_of", "model_attributes_type")
 
 
-def get_bool(body: dict, key: str, default: bool = False) -> bool:
-    v = _opt(body, key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(f"'{key}' must be a boolean", key, "invalid_type")
-    return v
+def from_validation_error(e: ValidationError) -> APIError:
+    errs = e.errors(include_url=False)
+    err = next((x for x in errs if not _is_type_error(x["type"])), errs[0])   # a union's real complaint
+    param = _param(tuple(err["loc"]))
+    name = param or "body"
+    if err["type"] == "missing":
+        return invalid(f"'{name}' is required", param, "missing_required_parameter")
+    if err["type"] == "extra_forbidden":
+        return invalid(f"'{name}' is not supported by this server", param, "unsupported_parameter")
+    code = "invalid_type" if _is_type_error(err["type"]) else "invalid_value"
+    return invalid(f"'{name}': {err['msg']}"[:500], param, code)
 
 
-def get_int(body: dict, key: str, default: int | None, lo: int | None = None,
-            hi: int | None = None) -> int | None:
-    v = _opt(body, key)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 63:
-        v = int(v)                         # JSON Schema: 7.0 is an integer
-    if not _is_int(v):
-        raise invalid(f"'{key}' must be an integer", key, "invalid_type")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise invalid(f"'{key}' must be in {rng}, got {v}", key)
-    return v
-
-
-def get_float(body: dict, key: str, default: float, lo: float, hi: float, *,
-              lo_open: bool = False) -> float:
-    v = _opt(body, key)
-    if v is None:
-        return default
-    if not _is_num(v):
-        raise invalid(f"'{key}' must be a number", key, "invalid_type")
-    v = float(v)
-    if v != v or v > hi or v < lo or (lo_open and v == lo):
-        raise invalid(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", key)
-    return v
+def validate(model: type[M], body: Any) -> M:
+    """The body as `model`, or a 400 naming the first offending field."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None, "invalid_type")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
 
 
 def new_id(prefix: str) -> str:
@@ -100,124 +110,83 @@ def new_id(prefix: str) -> str:
 
 
 # ---- shared parts ---------------------------------------------------------------------------------
-def check_model(body: dict, state) -> str:
-    m = body.get("model")
-    if m is None:
+def check_model(name: str | None, state) -> str:
+    if name is None:
         return state.model_name
-    if not isinstance(m, str):
-        raise invalid("'model' must be a string", "model", "invalid_type")
-    if m not in state.model_names():
-        raise APIError(404, f"the model '{m[:200]}' does not exist; this server serves "
+    if name not in state.model_names():
+        raise APIError(404, f"the model '{name[:200]}' does not exist; this server serves "
                        f"'{state.model_name}'", param="model", code="model_not_found")
-    return m
+    return name
 
 
-def parse_stop(body: dict) -> list[str]:
-    v = _opt(body, "stop")
-    if v is None:
-        return []
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list):
-        raise invalid("'stop' must be a string or a list of strings", "stop", "invalid_type")
-    if len(items) > MAX_STOP:
-        raise invalid(f"'stop' takes at most {MAX_STOP} strings", "stop")
-    for s in items:
-        if not isinstance(s, str):
-            raise invalid("'stop' must contain only strings", "stop", "invalid_type")
-        if not s:
-            raise invalid("'stop' strings must not be empty", "stop")
-        if len(s) > MAX_STOP_LEN:
-            raise invalid(f"'stop' strings are at most {MAX_STOP_LEN} characters", "stop")
-    return list(items)
+def check_token_ids(ids: list[int], param: str, vocab_size: int | None) -> list[int]:
+    for t in ids:
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise invalid(f"'{param}' contains token id {t} outside the vocabulary", param)
+    return list(ids)
 
 
-def parse_logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
-    v = _opt(body, "logit_bias")
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise invalid("'logit_bias' must be an object mapping token ids to numbers", "logit_bias",
-                      "invalid_type")
-    if len(v) > MAX_LOGIT_BIAS:
-        raise invalid(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+def parse_token_ids(v: Any, param: str, vocab_size: int | None) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise invalid(f"'{param}' must be a list of token ids", param, "invalid_type")
+    return check_token_ids(v, param, vocab_size)
+
+
+def _logit_bias(v: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
     out: dict[int, float] = {}
-    for k, b in v.items():
-        ks = k.strip()
-        if not (ks.isascii() and ks.lstrip("-").isdigit()) or len(ks) > 12:
-            raise invalid(f"'logit_bias' key {k[:40]!r} is not a token id", "logit_bias")
-        tid = int(ks)
-        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+    for k, b in (v or {}).items():
+        tid = int(k.strip())
+        if vocab_size is not None and tid >= vocab_size:
             raise invalid(f"'logit_bias' token id {tid} is outside the vocabulary", "logit_bias")
-        if not _is_num(b) or not (-100.0 <= float(b) <= 100.0):
-            raise invalid(f"'logit_bias' values must be numbers in [-100, 100]", "logit_bias")
         out[tid] = float(b)
     return out or None
 
 
-def parse_token_ids(v: Any, param: str, vocab_size: int | None) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
-        raise invalid(f"'{param}' must be a list of token ids", param, "invalid_type")
-    for t in v:
-        if t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise invalid(f"'{param}' contains token id {t} outside the vocabulary", param)
-    return list(v)
-
-
-def sampling_params(body: dict, state, *, n: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(r: s.SamplingFields, state, *, n: int, logprobs: int | None) -> SamplingParams:
     """The sampling fields shared by chat and completions (max_tokens is set by the caller)."""
     vocab = state.vocab_size
-    stop_ids = body.get("stop_token_ids")
-    seed = get_int(body, "seed", None, *SEED_RANGE)
+    temperature = 0.0 if r.temperature < GREEDY_BELOW else r.temperature
+    top_k = 0 if r.top_k == -1 else r.top_k
+    if vocab and top_k > vocab:
+        raise invalid(f"'top_k' must be at most the vocabulary size {vocab}, got {top_k}", "top_k")
+    stop = [] if r.stop is None else ([r.stop] if isinstance(r.stop, str) else list(r.stop))
     return SamplingParams(
-        n=n,
-        temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_top_k(body, vocab),
-        min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
-        presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        seed=seed,
-        logit_bias=parse_logit_bias(body, vocab),
-        logprobs=logprobs,
-        stop=parse_stop(body),
-        stop_token_ids=[] if stop_ids is None else parse_token_ids(stop_ids, "stop_token_ids", vocab)[:64],
-        ignore_eos=get_bool(body, "ignore_eos"),
-        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+        n=n, temperature=temperature, top_p=r.top_p, top_k=top_k, min_p=r.min_p,
+        repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
+        frequency_penalty=r.frequency_penalty, seed=r.seed, logit_bias=_logit_bias(r.logit_bias, vocab),
+        logprobs=logprobs, stop=stop,
+        stop_token_ids=check_token_ids(r.stop_token_ids or [], "stop_token_ids", vocab),
+        ignore_eos=r.ignore_eos, include_stop_str_in_output=r.include_stop_str_in_output,
+        min_tokens=r.min_tokens, skip_special_tokens=r.skip_special_tokens,
+        min_tokens_banned_ids=_min_tokens_banned(r, state),
     )
 
 
-def _top_k(body: dict, vocab: int | None) -> int:
-    k = get_int(body, "top_k", 0, -1, vocab if vocab else 1 << 20)
-    return 0 if k in (None, -1) else int(k)
-
-
-def parse_n(body: dict) -> int:
-    n = get_int(body, "n", 1, 1, MAX_N)
-    best_of = _opt(body, "best_of")
-    if best_of is not None and best_of != n:
-        raise invalid("'best_of' is not supported (it must equal n)", "best_of")
-    return int(n or 1)
+def _min_tokens_banned(r: s.SamplingFields, state) -> list[int]:
+    """The ids min_tokens holds back: the stop token ids and (unless ignore_eos) the model's EOS ids."""
+    if not r.min_tokens:
+        return []
+    eos = [] if r.ignore_eos else list(getattr(state.tokenizer, "eos_token_ids", ()) or ())
+    return sorted(set(r.stop_token_ids or []) | set(eos))
 
 
 def max_tokens_for(body: dict, prompt_len: int, max_model_len: int, kv_tokens: int = 0) -> int:
     """max_tokens / max_completion_tokens checked against the context; default = the rest of it
     (and of the whole KV cache, `kv_tokens`, when that is smaller)."""
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    mt = get_int(body, key, None, 1, None)
+    mt = body.get(key)
+    where = "messages" if "messages" in body else "prompt"
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt is {prompt_len} tokens, but this model's context is "
-                       f"{max_model_len} tokens: nothing is left to generate",
-                       param="messages" if "messages" in body else "prompt",
+                       f"{max_model_len} tokens: nothing is left to generate", param=where,
                        code="context_length_exceeded")
     if mt is None:
         if kv_tokens:
             room = min(room, kv_tokens - prompt_len)
             if room < 1:
                 raise APIError(400, f"the prompt is {prompt_len} tokens; the whole KV cache holds "
-                               f"{kv_tokens}", param="messages" if "messages" in body else "prompt",
-                               code="context_length_exceeded")
+                               f"{kv_tokens}", param=where, code="context_length_exceeded")
         return room
     if prompt_len + mt > max_model_len:
         raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt is "
@@ -226,27 +195,32 @@ def max_tokens_for(body: dict, prompt_len: int, max_model_len: int, kv_tokens: i
     return mt
 
 
-def parse_stream(body: dict) -> tuple[bool, bool]:
-    stream = get_bool(body, "stream")
-    so = _opt(body, "stream_options")
-    include_usage = False
-    if so is not None:
-        if not isinstance(so, dict):
-            raise invalid("'stream_options' must be an object", "stream_options", "invalid_type")
-        include_usage = get_bool(so, "include_usage") and stream     # ignored without stream
-    return stream, include_usage
+def _stream_flags(r: s.SamplingFields) -> tuple[bool, bool]:
+    if r.stream_options is not None and not r.stream:
+        raise invalid("'stream_options' is only allowed with stream: true", "stream_options")
+    return r.stream, bool(r.stream_options and r.stream_options.include_usage)
 
 
-def _reject_unsupported(body: dict, keys: tuple[str, ...]) -> None:
-    for k in keys:
-        v = body.get(k)
-        if v not in (None, [], False, "none", "auto") and not (k == "response_format" and
-                                                                 isinstance(v, dict) and v.get("type") == "text"):
+def _structured_fields(r: s.ChatCompletionRequest) -> dict[str, Any]:
+    """response_format / tools / tool_choice / parallel_tool_calls as the client set them, for
+    ChatRequest.structured. Today only their no-op values pass (the rest is a 400 naming the field);
+    at merge with branch `structured`, return them here and pass them to the sampler (and `tools`
+    to the chat template)."""
+    _refuse_unimplemented(r, STRUCTURED_FIELDS)
+    return {}
+
+
+def _refuse_unimplemented(r: BaseModel, names: tuple[str, ...]) -> None:
+    for k in names:
+        v = getattr(r, k, None)
+        if v not in (None, [], False, "none", "auto") and not (k == "response_format" and v == {"type": "text"}):
             raise invalid(f"'{k}' is not supported by this server", k, "unsupported_parameter")
 
 
 # ---- chat -----------------------------------------------------------------------------------------
 def normalize_messages(v: Any) -> list[dict]:
+    """Messages as the chat template gets them: content folded to one string, developer → system;
+    `name`, `tool_calls` and `tool_call_id` passed on when present."""
     if not isinstance(v, list):
         raise invalid("'messages' must be a list of message objects", "messages", "invalid_type")
     if not v:
@@ -259,8 +233,6 @@ def normalize_messages(v: Any) -> list[dict]:
         role = m.get("role")
         if not isinstance(role, str):
             raise invalid(f"{p}.role must be a string", f"{p}.role", "invalid_type")
-        if role not in CHAT_ROLES:
-            raise invalid(f"{p}.role {role[:40]!r} is not one of {sorted(CHAT_ROLES)}", f"{p}.role")
         content = m.get("content")
         tool_calls = m.get("tool_calls")
         if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)
@@ -281,95 +253,151 @@ def normalize_messages(v: Any) -> list[dict]:
             raise invalid(f"{p}.content must be a string or a list of text parts", f"{p}.content",
                           "invalid_type")
         msg = {"role": "system" if role == "developer" else role, "content": content}
-        if tool_calls:
-            msg["tool_calls"] = tool_calls        # rendered by the chat template (docs/chat-templates.md)
-        if role == "tool" and isinstance(m.get("tool_call_id"), str):
-            msg["tool_call_id"] = m["tool_call_id"]
+        for k in ("name", "tool_calls", "tool_call_id"):
+            if m.get(k) is not None:
+                msg[k] = m[k]
         out.append(msg)
     return out
 
 
+def template_options(r: s.ChatCompletionRequest | s.TokenizeRequest) -> dict[str, Any]:
+    """Keyword arguments for tokenizer.apply_chat_template: only what the client set, so a tokenizer
+    without `chat_template`/`continue_final_message` keeps working for everyone else."""
+    set_ = r.model_fields_set
+    cont = r.continue_final_message
+    add_gen = r.add_generation_prompt if "add_generation_prompt" in set_ else not cont
+    if cont and add_gen:
+        raise invalid("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                      "continue_final_message")
+    kw: dict[str, Any] = {"add_generation_prompt": add_gen}
+    if cont:
+        kw["continue_final_message"] = True
+    if r.chat_template is not None:
+        kw["chat_template"] = r.chat_template
+    for k, v in (r.chat_template_kwargs or {}).items():
+        if k in ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "tools",
+                 "prefix_ids"):
+            raise invalid(f"'chat_template_kwargs' must not set {k!r}", "chat_template_kwargs")
+        kw[k] = v
+    return kw
+
+
+def render_prompt(state, messages: list[dict], options: dict[str, Any]) -> list[int]:
+    if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
+        raise invalid("'continue_final_message' needs an assistant message last", "continue_final_message")
+    try:
+        ids = list(state.tokenizer.apply_chat_template(messages, **options))
+    except TypeError as e:
+        raise invalid(f"this server's tokenizer does not take that option yet: {e}"[:500],
+                      "chat_template_kwargs") from None
+    except ValueError as e:
+        raise invalid(f"invalid messages: {e}"[:500], "messages") from None
+    if not ids:
+        raise invalid("the messages produce an empty prompt", "messages")
+    return ids
+
+
 def parse_chat_body(body: dict, state) -> ChatRequest:
     """Validate a /v1/chat/completions body and tokenize it with the chat template."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object", None, "invalid_type")
+    r = validate(s.ChatCompletionRequest, body)
     try:
-        return _parse_chat(body, state)
+        return _parse_chat(r, body, state)
     except APIError:
         raise
     except Exception as e:  # anything unforeseen in user input is still the input's fault
         raise invalid(f"invalid request: {type(e).__name__}: {e}"[:500], None, "invalid_request") from e
 
 
-def _parse_chat(body: dict, state) -> ChatRequest:
-    model = check_model(body, state)
-    if "messages" not in body:
-        raise invalid("'messages' is required", "messages", "missing_required_parameter")
+def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
+    model = check_model(r.model, state)
     messages = normalize_messages(body["messages"])
-    _reject_unsupported(body, ("tools", "functions", "tool_choice", "function_call", "response_format",
-                               "audio", "prediction"))
-    stream, include_usage = parse_stream(body)
-    n = parse_n(body)
-    want_lp = get_bool(body, "logprobs")
-    top = get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    params = sampling_params(body, state, n=n, logprobs=(top or 0) if want_lp else None)  # top alone: ignored
-    add_gen = get_bool(body, "add_generation_prompt", True)
-    try:
-        prompt_ids = list(state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen))
-    except ValueError as e:
-        raise invalid(f"invalid messages: {e}"[:500], "messages") from None
-    if not prompt_ids:
-        raise invalid("the messages produce an empty prompt", "messages")
+    structured = _structured_fields(r)
+    if r.prompt_logprobs is not None:
+        raise invalid("'prompt_logprobs' is not supported on chat completions; use /v1/completions with "
+                      "echo and logprobs", "prompt_logprobs", "unsupported_parameter")
+    stream, include_usage = _stream_flags(r)
+    if r.top_logprobs is not None and not r.logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    params = sampling_params(r, state, n=r.n, logprobs=(r.top_logprobs or 0) if r.logprobs else None)
+    prompt_ids = render_prompt(state, messages, template_options(r))
     params.max_tokens = max_tokens_for(body, len(prompt_ids), state.max_model_len, state.kv_tokens)
+    _check_min_tokens(params)
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
-                       logprobs=want_lp, top_logprobs=top or 0)
+                       logprobs=r.logprobs, top_logprobs=r.top_logprobs or 0, user=r.user,
+                       structured=structured)
+
+
+def _check_min_tokens(params: SamplingParams) -> None:
+    if params.min_tokens > params.max_tokens:
+        raise invalid(f"'min_tokens' ({params.min_tokens}) is more than max_tokens ({params.max_tokens})",
+                      "min_tokens")
 
 
 # ---- completions ----------------------------------------------------------------------------------
 def parse_completion_body(body: dict, state) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object", None, "invalid_type")
+    r = validate(s.CompletionRequest, body)
     try:
-        return _parse_completion(body, state)
+        return _parse_completion(r, body, state)
     except APIError:
         raise
     except Exception as e:
         raise invalid(f"invalid request: {type(e).__name__}: {e}"[:500], None, "invalid_request") from e
 
 
-def _parse_completion(body: dict, state) -> CompletionRequest:
-    model = check_model(body, state)
-    if "prompt" not in body or body["prompt"] is None:
-        raise invalid("'prompt' is required", "prompt", "missing_required_parameter")
-    prompt = body["prompt"]
-    text: str | None = None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("'prompt' must not be empty", "prompt")
-        text = prompt
-        ids = list(state.tokenizer.encode(prompt))
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = parse_token_ids(prompt, "prompt", state.vocab_size)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise invalid("batched prompts are not supported: send one prompt per request", "prompt")
+def _prompts(r: s.CompletionRequest, state) -> list[tuple[list[int], str | None]]:
+    p = r.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        items: list = [p]
     else:
-        raise invalid("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
-    if not ids:
-        raise invalid("'prompt' produces no tokens", "prompt")
-    if get_bool(body, "echo"):
-        raise invalid("'echo' is not supported", "echo", "unsupported_parameter")
-    if body.get("suffix") not in (None, ""):
-        raise invalid("'suffix' is not supported", "suffix", "unsupported_parameter")
-    stream, include_usage = parse_stream(body)
-    n = parse_n(body)
-    lp = get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    params = sampling_params(body, state, n=n, logprobs=lp)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body = dict(body, max_tokens=min(16, max(1, state.max_model_len - len(ids))))  # OpenAI's default
-    params.max_tokens = max_tokens_for(body, len(ids), state.max_model_len, state.kv_tokens)
+        items = list(p)
+    out: list[tuple[list[int], str | None]] = []
+    for item in items:
+        if isinstance(item, str):
+            ids = list(state.tokenizer.encode(item))
+            if not ids:
+                raise invalid("'prompt' produces no tokens", "prompt")
+            out.append((ids, item))
+        else:
+            out.append((check_token_ids(item, "prompt", state.vocab_size), None))
+    return out
+
+
+def _parse_completion(r: s.CompletionRequest, body: dict, state) -> CompletionRequest:
+    model = check_model(r.model, state)
+    if r.prompt_logprobs is not None:
+        raise invalid("'prompt_logprobs': use echo with logprobs for the prompt's logprobs",
+                      "prompt_logprobs", "unsupported_parameter")
+    prompts = _prompts(r, state)
+    stream, include_usage = _stream_flags(r)
+    if r.echo and r.logprobs is not None:
+        raise invalid("'echo' with 'logprobs' (prompt logprobs) is not supported yet", "echo",
+                      "unsupported_parameter")
+    n = r.n
+    best_of = r.best_of
+    if best_of is not None:
+        if best_of < n:
+            raise invalid(f"'best_of' ({best_of}) must be at least n ({n})", "best_of")
+        if stream and best_of != n:
+            raise invalid("'best_of' cannot be used with stream", "best_of")
+    if len(prompts) * (best_of or n) > s.MAX_BATCH_SAMPLES:
+        raise invalid(f"{len(prompts)} prompts × {best_of or n} samples is more than the "
+                      f"{s.MAX_BATCH_SAMPLES} one request may ask for", "prompt")
+    params = sampling_params(r, state, n=best_of or n, logprobs=r.logprobs)
+    if best_of is not None and best_of > n and params.logprobs is None:
+        params.logprobs = 0                 # ranking needs each sampled token's logprob
+    longest = max(len(ids) for ids, _ in prompts)
+    if r.max_tokens == 0:
+        if not r.echo:
+            raise invalid("'max_tokens' may be 0 only with echo", "max_tokens")
+    elif r.max_tokens is None and body.get("max_completion_tokens") is None:
+        body = dict(body, max_tokens=min(16, max(1, state.max_model_len - longest)))  # OpenAI's default
+    params.max_tokens = max_tokens_for(body, longest, state.max_model_len, state.kv_tokens) \
+        if r.max_tokens != 0 else 0
+    _check_min_tokens(params)
+    ids, text = prompts[0]
     return CompletionRequest(model=model, prompt_ids=ids, params=params, stream=stream,
                              include_usage=include_usage, request_id=new_id("cmpl"), prompt_text=text,
-                             logprobs=lp)
+                             logprobs=r.logprobs, prompts=prompts, echo=r.echo,
+                             best_of=best_of if best_of and best_of > n else None, n=n,
+                             user=r.user)

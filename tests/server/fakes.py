@@ -15,6 +15,8 @@ from chatserve.core.request import FinishReason, Request, RequestStatus
 
 VOCAB = 64
 EOS = 63
+POISON = [13, 12, 11]      # a prompt starting with these fails in the runner (a per-request error);
+#                            three tokens, so schema fuzzing does not stumble on it
 
 
 from chatserve.core.errors import ErrorCode
@@ -192,7 +194,7 @@ class FakeRunner:
         for s in out.seqs:
             if not s.sample:                 # a prefill chunk that does not reach the end yet
                 continue
-            if s.prompt_token_ids and s.prompt_token_ids[0] == 13:
+            if s.prompt_token_ids[:3] == POISON:
                 res.errors[s.request_id] = "bad prompt"
                 continue
             tok = (s.token_ids[-1] + 1) % VOCAB
@@ -228,11 +230,12 @@ class FakeDetok:
     """Holds back a tail that could start a stop string; `stopped` once one appears."""
 
     def __init__(self, tok: FakeTokenizer, stop: list[str] | None = None, include_stop_str: bool = False,
-                 prompt_tail: list[int] | None = None):
+                 prompt_tail: list[int] | None = None, skip_special_tokens: bool = True):
         self.tok, self.stop, self.include = tok, list(stop or []), include_stop_str
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.stop_str: str | None = None
 
     def push(self, ids: list[int]) -> str:
         if self.stopped:
@@ -242,6 +245,7 @@ class FakeDetok:
             k = self.text.find(s)
             if k >= 0:
                 self.stopped = True
+                self.stop_str = s
                 end = k + len(s) if self.include else k
                 out, self.emitted = self.text[self.emitted:end], end
                 return out

@@ -44,15 +44,19 @@ def test_chat_stream_shape_n2_and_usage(client):
     chunks = list(client.chat.completions.create(
         model="fake-model", messages=MSG, max_tokens=4, n=2, stream=True,
         stream_options={"include_usage": True}))
-    assert {c.choices[0].delta.role for c in chunks[:1]} == {"assistant"}
-    assert len(chunks[0].choices) == 2
     text = {0: "", 1: ""}
     finishes = {0: 0, 1: 0}
-    for c in chunks[1:-1]:
+    roles: dict[int, list] = {0: [], 1: []}
+    for c in chunks[:-1]:
         for ch in c.choices:
+            roles[ch.index].append(ch.delta.role)
             text[ch.index] += ch.delta.content or ""
             finishes[ch.index] += ch.finish_reason is not None
     assert text == {0: "defg", 1: "defg"} and finishes == {0: 1, 1: 1}
+    # each choice's first chunk carries the role together with its first token (no empty role chunk)
+    assert all(r[0] == "assistant" and set(r[1:]) <= {None} for r in roles.values())
+    first = chunks[0].choices[0]
+    assert first.delta.role == "assistant" and first.delta.content == "d"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
@@ -172,8 +176,15 @@ INVALID_COMPLETIONS = [
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
     ({"prompt": [10 ** 6]}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
-    ({"prompt": "abc", "echo": True}, 400, "echo"),
+    ({"prompt": ["a", 5]}, 400, "prompt"),
+    ({"prompt": [[1], "b"]}, 400, "prompt"),
+    ({"prompt": [[]]}, 400, "prompt"),
+    ({"prompt": "abc", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "abc", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "abc", "best_of": 1, "n": 2}, 400, "best_of"),
+    ({"prompt": "abc", "best_of": 3, "stream": True}, 400, "best_of"),
+    ({"prompt": "abc", "suffix": "x"}, 400, "suffix"),
+    ({"prompt": "abc", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "abc", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": "abc", "max_tokens": 300}, 400, "max_tokens"),
 ]

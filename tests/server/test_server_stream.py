@@ -57,11 +57,13 @@ async def test_stalled_reader_is_ended_and_its_request_aborted():
 
 
 async def test_admission_error_before_first_chunk_is_a_json_response():
-    st = await make_state(max_waiting=2, max_running=1, delay=0.05)
+    st = await make_state(max_waiting=1, max_running=1, delay=0.05)
     body = {"messages": MSG, "max_tokens": 50, "ignore_eos": True, "stream": True}
     keep = [stream_chat(st, parse_chat_body(body, st), owner="o") for _ in range(2)]
-    for k in keep:
-        await k.__anext__()                   # both admitted: the queue (2) is now full
+    waiting = []
+    for k in keep:                            # one running, then one waiting: the queue (1) is full
+        waiting.append(asyncio.ensure_future(k.__anext__()))
+        await asyncio.sleep(0.03)
     sent: list[dict] = []
 
     async def send(m):
@@ -71,6 +73,9 @@ async def test_admission_error_before_first_chunk_is_a_json_response():
     assert sent[0]["status"] == 503
     assert any(k == b"retry-after" and int(v) >= 1 for k, v in sent[0]["headers"])
     assert json.loads(sent[1]["body"])["error"]["code"] == "server_overloaded"
+    for w in waiting:
+        w.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
     for k in keep:
         await k.aclose()
     await st.engine.shutdown(0)

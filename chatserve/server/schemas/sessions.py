@@ -1,0 +1,142 @@
+"""Request and response shapes of the /v1/sessions routes, for /openapi.json and the schema fuzz test.
+
+Descriptive only: session_routes.py validates its own bodies (the same limits are repeated there).
+Not the store (sessions.py) and not the routes.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+MAX_TITLE_CHARS = 200
+MAX_CONTENT_CHARS = 200_000
+MAX_IMPORT_MESSAGES = 5_000
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SessionParams(_Body):
+    """Sampling defaults stored with a session and applied to each of its turns."""
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 64 - 1)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+
+
+class SessionSettings(_Body):
+    """POST /v1/sessions and PATCH /v1/sessions/{sid}: every field optional."""
+    title: Annotated[str, StringConstraints(max_length=MAX_TITLE_CHARS)] | None = None
+    system_prompt: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = None
+    params: SessionParams | None = None
+    model: Annotated[str, StringConstraints(max_length=200)] | None = None
+
+
+class StoredUsage(_Out):
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+    tokens_per_s: float | None = None
+    queue_s: float | None = None
+
+
+class StoredMessage(_Out):
+    role: Literal["user", "assistant", "system"]
+    content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
+    created: float | None = None
+    usage: StoredUsage | None = None
+    finish_reason: str | None = None
+
+
+class ImportedMessage(_Body):
+    role: Literal["user", "assistant", "system"]
+    content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
+    created: float | None = None
+    usage: dict[str, float] | None = None
+    finish_reason: Annotated[str, StringConstraints(max_length=20)] | None = None
+
+
+class SessionImport(SessionSettings):
+    """POST /v1/sessions/import: a file written by GET /v1/sessions/{sid}/export."""
+    format: Literal["chatserve.session.v1"] = "chatserve.session.v1"
+    messages: Annotated[list[ImportedMessage], Field(max_length=MAX_IMPORT_MESSAGES)] = []
+    created: float | None = None
+    updated: float | None = None
+
+
+class TurnRequest(SessionParams):
+    """POST /v1/sessions/{sid}/messages: a new user message (or an edit/regenerate), generated from the
+    stored history with the session's params overridden by the sampling fields given here; streamed as
+    chat.completion.chunk SSE events unless stream is false."""
+    content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = None
+    replace_from: Annotated[int, Field(ge=0, description="edit: drop messages from here first")] | None = None
+    regenerate: bool | None = None
+    stream: bool = True
+
+
+class _SessionHead(_Out):
+    title: str
+    created: float
+    updated: float
+    model: str | None = None
+    system_prompt: str = ""
+    params: dict[str, Any] = {}
+
+
+class SessionSummary(_SessionHead):
+    id: str
+    num_messages: int
+    rev: int | None = None
+
+
+class Session(_SessionHead):
+    id: str
+    messages: list[StoredMessage]
+    generating: bool | None = None
+    rev: int | None = None
+
+
+class SessionList(_Out):
+    object: Literal["list"]
+    data: list[SessionSummary]
+    store: dict[str, Any] | None = None
+
+
+class SessionExport(_SessionHead):
+    format: Literal["chatserve.session.v1"]
+    messages: list[StoredMessage]
+
+
+class TurnResult(_Out):
+    session_id: str
+    index: int | None
+    message: StoredMessage | None
+
+
+class SessionDeleted(_Out):
+    id: str
+    object: Literal["session"]
+    deleted: bool
+
+
+class TurnCancelled(_Out):
+    id: str
+    cancelled: bool
+
+
+class StoreStatus(_Out):
+    persistent: bool
+    degraded: bool | None = None
