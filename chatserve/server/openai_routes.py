@@ -96,7 +96,8 @@ async def completions(request: Request) -> Response:
 
 def _model_card(st: ServerState) -> dict:
     return {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "chatserve",
-            "root": st.config.model.model or st.model_name, "parent": None, "max_model_len": st.max_model_len}
+            "root": st.config.model.model or st.model_name, "parent": None, "max_model_len": st.max_model_len,
+            "max_tokens_default": st.default_max_tokens}
 
 
 async def models(request: Request) -> Response:

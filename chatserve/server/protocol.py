@@ -142,8 +142,17 @@ def _logit_bias(v: dict[str, float] | None, vocab_size: int | None) -> dict[int,
     return out or None
 
 
+# Fields a model's generation config may default (chatserve/generation_defaults.py), when the client left them unset.
+_MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def sampling_params(r: s.SamplingFields, state, *, n: int, logprobs: int | None) -> SamplingParams:
-    """The sampling fields shared by chat and completions (max_tokens is set by the caller)."""
+    """The sampling fields shared by chat and completions (max_tokens is set by the caller). A field the
+    client did not send takes the model's generation-config value when it ships one (--generation-config)."""
+    defaults = {k: v for k, v in state.sampling_defaults.items()
+                if k in _MODEL_DEFAULTED and k not in r.model_fields_set}
+    if defaults:
+        r = r.model_copy(update=defaults)
     vocab = state.vocab_size
     temperature = 0.0 if r.temperature < GREEDY_BELOW else r.temperature
     top_k = 0 if r.top_k == -1 else r.top_k
@@ -170,9 +179,11 @@ def _min_tokens_banned(r: s.SamplingFields, state) -> list[int]:
     return sorted(set(r.stop_token_ids or []) | set(eos))
 
 
-def max_tokens_for(body: dict, prompt_len: int, max_model_len: int, kv_tokens: int = 0) -> int:
-    """max_tokens / max_completion_tokens checked against the context; default = the rest of it
-    (and of the whole KV cache, `kv_tokens`, when that is smaller)."""
+def max_tokens_for(body: dict, prompt_len: int, max_model_len: int, kv_tokens: int = 0,
+                   default: int | None = None) -> int:
+    """max_tokens / max_completion_tokens checked against the context; default = `default`
+    (--max-tokens-default or the model's generation config) capped by the room left, else the rest of
+    the context (and of the whole KV cache, `kv_tokens`, when that is smaller), as OpenAI does."""
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     mt = body.get(key)
     where = "messages" if "messages" in body else "prompt"
@@ -187,7 +198,7 @@ def max_tokens_for(body: dict, prompt_len: int, max_model_len: int, kv_tokens: i
             if room < 1:
                 raise APIError(400, f"the prompt is {prompt_len} tokens; the whole KV cache holds "
                                f"{kv_tokens}", param=where, code="context_length_exceeded")
-        return room
+        return min(room, default) if default else room
     if prompt_len + mt > max_model_len:
         raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt is "
                        f"{prompt_len} and {key} is {mt} ({prompt_len + mt} in all)",
@@ -320,7 +331,8 @@ def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     params = sampling_params(r, state, n=r.n, logprobs=(r.top_logprobs or 0) if r.logprobs else None)
     prompt_ids = render_prompt(state, messages, template_options(r))
-    params.max_tokens = max_tokens_for(body, len(prompt_ids), state.max_model_len, state.kv_tokens)
+    params.max_tokens = max_tokens_for(body, len(prompt_ids), state.max_model_len, state.kv_tokens,
+                                       state.default_max_tokens)
     _check_min_tokens(params)
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
@@ -391,8 +403,10 @@ def _parse_completion(r: s.CompletionRequest, body: dict, state) -> CompletionRe
         if not r.echo:
             raise invalid("'max_tokens' may be 0 only with echo", "max_tokens")
     elif r.max_tokens is None and body.get("max_completion_tokens") is None:
-        body = dict(body, max_tokens=min(16, max(1, state.max_model_len - longest)))  # OpenAI's default
-    params.max_tokens = max_tokens_for(body, longest, state.max_model_len, state.kv_tokens) \
+        # OpenAI's default is 16; an operator's or the model's default (--max-tokens-default) wins
+        body = dict(body, max_tokens=min(state.default_max_tokens or 16, max(1, state.max_model_len - longest)))
+    params.max_tokens = max_tokens_for(body, longest, state.max_model_len, state.kv_tokens,
+                                       state.default_max_tokens) \
         if r.max_tokens != 0 else 0
     _check_min_tokens(params)
     ids, text = prompts[0]

@@ -279,6 +279,9 @@ class Model(Open):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # max_tokens of a request that sets none (--max-tokens-default or the model's generation config);
+    # null = the rest of the context, as OpenAI does
+    max_tokens_default: int | None = None
 
 
 class ModelList(Open):

@@ -1,7 +1,7 @@
 """Request and response shapes of the /v1/sessions routes, for /openapi.json and the schema fuzz test.
 
-Descriptive only: session_routes.py validates its own bodies (the same limits are repeated there).
-Not the store (sessions.py) and not the routes.
+A turn body is validated with TurnRequest itself (sessions/inputs.py); the other bodies are checked by
+sessions/inputs.py with the same limits. Not the store and not the routes.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class SessionParams(_Body):
     repetition_penalty: Annotated[float, Field(ge=0.01, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
 
 
 class SessionSettings(_Body):
@@ -82,7 +82,9 @@ class TurnRequest(SessionParams):
     stored history with the session's params overridden by the sampling fields given here; streamed as
     chat.completion.chunk SSE events unless stream is false."""
     content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = None
-    replace_from: Annotated[int, Field(ge=0, description="edit: drop messages from here first")] | None = None
+    replace_from: Annotated[int, Field(ge=0, description="edit: a new version of messages[i] (a branch)")] | None = None
+    edit_id: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = Field(
+        None, description="edit by message id (instead of replace_from)")
     regenerate: bool | None = None
     stream: bool = True
 

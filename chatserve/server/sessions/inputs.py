@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatserve.server.errors import APIError, invalid
-from chatserve.server.protocol import get_bool, get_int, sampling_params
+from chatserve.server.protocol import sampling_params, validate
+from chatserve.server.schemas.openai import SamplingFields
+from chatserve.server.schemas.sessions import TurnRequest as TurnBody
 from chatserve.server.sessions.session import MESSAGE_FIELDS, ROOT, Session
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty",
@@ -34,10 +36,7 @@ def clean_params(raw: Any, state: Any, param: str = "params") -> dict[str, Any]:
         if k not in SAMPLING_KEYS:
             raise invalid(f"unknown sampling parameter {k[:40]!r}", param)
     out = {k: v for k, v in raw.items() if v is not None}
-    sampling_params(out, state, n=1, logprobs=None)          # raises the routes' 400s
-    mt = get_int(out, "max_tokens", None, 1, None)
-    if mt is not None:
-        out["max_tokens"] = mt
+    sampling_params(validate(SamplingFields, out), state, n=1, logprobs=None)   # the routes' own 400s
     if isinstance(out.get("stop"), str):
         out["stop"] = [out["stop"]]
     return out
@@ -140,16 +139,14 @@ class TurnRequest:
 
 
 def parse_turn(body: dict, state: Any) -> TurnRequest:
-    content = body.get("content")
-    if content is not None:
-        content = clean_text(content, "content", MAX_CONTENT_CHARS)
-    replace_from = get_int(body, "replace_from", None, 0, None)
-    edit_id = None if body.get("edit_id") is None else clean_id(body["edit_id"], "edit_id")
+    """A turn body (HTTP, or the WebSocket `session` message with its session_id), validated by the
+    schema /openapi.json publishes (schemas/sessions.TurnRequest)."""
+    t = validate(TurnBody, {k: v for k, v in body.items() if k != "session_id"})
+    content, replace_from, regenerate = t.content, t.replace_from, bool(t.regenerate)
+    edit_id = None if t.edit_id is None else clean_id(t.edit_id, "edit_id")
     if replace_from is not None and edit_id is not None:
         raise invalid("send 'replace_from' or 'edit_id', not both", "edit_id")
-    regenerate = get_bool(body, "regenerate")
     overrides = clean_params({k: v for k, v in body.items() if k in SAMPLING_KEYS}, state, "params")
     if content is None and not regenerate and replace_from is None and edit_id is None:
         raise APIError(400, "'content' is required", param="content", code="missing_required_parameter")
-    stream = get_bool(body, "stream", True)
-    return TurnRequest(content, replace_from, edit_id, regenerate, overrides, stream)
+    return TurnRequest(content, replace_from, edit_id, regenerate, overrides, t.stream)

@@ -1,0 +1,48 @@
+"""Request defaults an operator or the model sets (issue 23): --max-tokens-default caps a request that
+sets no max_tokens and shows in /v1/models; the model's generation-config sampling values fill the
+fields a client left unset, never the ones it sent."""
+from __future__ import annotations
+
+import httpx
+
+from chatserve.server import protocol
+from server_support import start_fake_server
+
+
+def test_max_tokens_default_applies_and_is_shown():
+    srv = start_fake_server(max_tokens_default=3)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            card = c.get("/v1/models").json()["data"][0]
+            assert card["max_tokens_default"] == 3
+            assert c.get(f"/v1/models/{card['id']}").json()["max_tokens_default"] == 3
+            r = c.post("/v1/completions", json={"model": card["id"], "prompt": "hello there"})
+            assert r.status_code == 200, r.text
+            assert 0 < r.json()["usage"]["completion_tokens"] <= 3
+            r = c.post("/v1/completions", json={"model": card["id"], "prompt": "hello there", "max_tokens": 5})
+            assert r.json()["usage"]["completion_tokens"] == 5          # an explicit value wins
+    finally:
+        srv.stop()
+
+
+def test_without_a_default_the_model_card_says_null():
+    srv = start_fake_server()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/v1/models").json()["data"][0]["max_tokens_default"] is None
+    finally:
+        srv.stop()
+
+
+def test_generation_config_fills_only_unset_sampling_fields():
+    srv = start_fake_server()
+    try:
+        state = srv.state
+        state.sampling_defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 7}
+        unset = protocol.parse_completion_body({"prompt": "hi"}, state)
+        assert (unset.params.temperature, unset.params.top_p, unset.params.top_k) == (0.6, 0.9, 20)
+        assert unset.params.max_tokens == 7
+        sent = protocol.parse_completion_body({"prompt": "hi", "temperature": 0, "top_p": 1.0}, state)
+        assert (sent.params.temperature, sent.params.top_p, sent.params.top_k) == (0.0, 1.0, 20)
+    finally:
+        srv.stop()
