@@ -85,6 +85,7 @@ class ServerConfig:
     rate_limit_rpm: int = 0              # per key requests/min; 0 = off
     rate_limit_tpm: int = 0              # per key tokens/min; 0 = off
     stats_interval: float = 10.0
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None = implied by the chat template
 
 
 @dataclass(frozen=True)

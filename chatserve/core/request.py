@@ -49,6 +49,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Output constraint (chatserve.structured.spec.StructuredSpec: JSON schema, regex, grammar…), opaque
+    # here: the HTTP layer compiles it, the sampler's grammar masks apply it. None = unconstrained.
+    structured: object | None = None
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from chatserve.engine import AdmissionError
 from chatserve.server.errors import APIError, error_response
 from chatserve.server.identity import cache_salt
+from chatserve.tools.stream import ToolCallFolder
 from chatserve.server.protocol import (ChatRequest, CompletionRequest, GenerationRequest,
                                        parse_chat_body, parse_completion_body)
 
@@ -143,6 +144,7 @@ async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = 
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": req.model, "system_fingerprint": None}
     usage = _Usage(len(req.prompt_ids))
+    calls = [req.tools.streamer() for _ in range(req.params.n)] if req.tools is not None else None
     try:
         yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}
@@ -155,9 +157,15 @@ async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = 
             if not d.text and not d.logprobs and d.finish_reason is None:
                 continue
             delta = {"content": d.text} if d.text else {}
+            reason = d.finish_reason
+            if calls is not None:          # tool calls read from the text (chatserve.tools.stream)
+                delta = calls[d.index].push(d.text, final=reason is not None)
+                reason = calls[d.index].finish_reason(reason)
+                if not delta and not d.logprobs and reason is None:
+                    continue
             yield {**base, "choices": [{"index": d.index, "delta": delta,
                                         "logprobs": _chat_logprobs(state, d),
-                                        "finish_reason": d.finish_reason}]}
+                                        "finish_reason": reason}]}
         yield {**base, "choices": [], "usage": usage.to_dict()}
     finally:
         stream.close()
@@ -235,10 +243,11 @@ async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str
 
 
 async def collect_chat(chunks: AsyncIterator[dict], n: int) -> dict:
-    head, texts, reasons, lps, usage = await _fold(chunks, n, lambda ch: ch["delta"].get("content") or "")
+    calls = ToolCallFolder(n)
+    head, texts, reasons, lps, usage = await _fold(chunks, n, calls.content)
     return {"id": head["id"], "object": "chat.completion", "created": head["created"],
             "model": head["model"], "system_fingerprint": None,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+            "choices": [{"index": i, "message": calls.message(i, texts[i]),
                          "logprobs": lps[i], "finish_reason": reasons[i]} for i in range(n)],
             "usage": usage}
 

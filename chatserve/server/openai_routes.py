@@ -42,7 +42,8 @@ async def _generation_body(request: Request) -> dict:
 
 
 async def _parse(fn, body: dict, st: ServerState):
-    if len(str(body.get("messages") or body.get("prompt") or "")) > BIG_PROMPT_CHARS:
+    if (len(str(body.get("messages") or body.get("prompt") or "")) > BIG_PROMPT_CHARS
+            or body.get("response_format") or body.get("tools")):   # grammar compiles off the event loop
         return await asyncio.to_thread(fn, body, st)
     return fn(body, st)
 

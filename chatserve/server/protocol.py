@@ -11,13 +11,15 @@ from typing import Any
 
 from chatserve.core.request import SamplingParams
 from chatserve.server.errors import APIError, invalid
+from chatserve.structured.chat_request import chat_constraints, tool_message_fields
+from chatserve.tools.request import ToolPlan
 
 MAX_N = 16
 MAX_STOP = 16
 MAX_STOP_LEN = 512
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
 
@@ -36,6 +38,7 @@ class ChatRequest(GenerationRequest):
     messages: list[dict] = field(default_factory=list)   # normalized: {"role", "content": str}
     logprobs: bool = False
     top_logprobs: int = 0
+    tools: ToolPlan | None = None                        # tool calls to read back from the output
 
 
 @dataclass
@@ -270,10 +273,13 @@ def normalize_messages(v: Any) -> list[dict]:
                                   f"{p}.content", "invalid_type")
                 parts.append(part["text"])
             content = "".join(parts)
+        extra = tool_message_fields(m, p)
+        if content is None and extra.get("tool_calls"):
+            content = ""                   # an assistant turn that only calls tools
         if not isinstance(content, str):
             raise invalid(f"{p}.content must be a string or a list of text parts", f"{p}.content",
                           "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content, **extra})
     return out
 
 
@@ -294,8 +300,8 @@ def _parse_chat(body: dict, state) -> ChatRequest:
     if "messages" not in body:
         raise invalid("'messages' is required", "messages", "missing_required_parameter")
     messages = normalize_messages(body["messages"])
-    _reject_unsupported(body, ("tools", "functions", "tool_choice", "function_call", "response_format",
-                               "audio", "prediction"))
+    _reject_unsupported(body, ("functions", "function_call", "audio", "prediction"))
+    constraints = chat_constraints(body, messages, state)
     stream, include_usage = parse_stream(body)
     n = parse_n(body)
     want_lp = get_bool(body, "logprobs")
@@ -303,15 +309,17 @@ def _parse_chat(body: dict, state) -> ChatRequest:
     params = sampling_params(body, state, n=n, logprobs=(top or 0) if want_lp else None)  # top alone: ignored
     add_gen = get_bool(body, "add_generation_prompt", True)
     try:
-        prompt_ids = list(state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen))
+        prompt_ids = list(state.tokenizer.apply_chat_template(constraints.messages, add_generation_prompt=add_gen,
+                                                              tools=constraints.template_tools))
     except ValueError as e:
         raise invalid(f"invalid messages: {e}"[:500], "messages") from None
     if not prompt_ids:
         raise invalid("the messages produce an empty prompt", "messages")
     params.max_tokens = max_tokens_for(body, len(prompt_ids), state.max_model_len, state.kv_tokens)
+    params.structured = constraints.spec
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
-                       logprobs=want_lp, top_logprobs=top or 0)
+                       logprobs=want_lp, top_logprobs=top or 0, tools=constraints.tools)
 
 
 # ---- completions ----------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
     a("--gil-switch-interval", type=float, default=GIL_SWITCH_INTERVAL_S, metavar="SECONDS",
       help="sys.setswitchinterval: how long the model thread may hold the GIL before the event loop "
            "gets it back (lower = snappier 503s, pings and streams under load)")
+    a("--tool-call-parser", default=v.tool_call_parser, choices=["hermes", "llama3_json", "mistral"],
+      help="how tool calls are read from the model's output (default: implied by the chat template)")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -109,7 +111,7 @@ def config_from_args(args: argparse.Namespace, env: EngineConfig) -> EngineConfi
                        redis_url=args.redis_url, drain_timeout=args.drain_timeout,
                        stream_timeout=args.stream_timeout, max_body_bytes=args.max_body_bytes,
                        stats_interval=args.stats_interval, rate_limit_rpm=args.rate_limit_rpm,
-                       rate_limit_tpm=args.rate_limit_tpm),
+                       rate_limit_tpm=args.rate_limit_tpm, tool_call_parser=args.tool_call_parser),
     )
 
 

@@ -1,0 +1,124 @@
+"""Per-request grammar matchers and the one batched token bitmask a sampling step applies to its rows.
+
+Lives beside the sampler (runtime side, torch): a request's matcher is created from its compiled spec
+on first use, caught up with the tokens it already has (a resumed preempted request, a restart), fed
+each sampled token, and dropped when the request ends. Not compilation (compiler.py).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import llguidance
+import numpy as np
+import torch
+
+from chatserve.core.outputs import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+
+def constrained_rows(seqs: Sequence[ScheduledSeq]) -> list[int]:
+    """Rows whose request carries an output constraint (usually none: then nothing else runs)."""
+    return [i for i, s in enumerate(seqs) if getattr(s.params, "structured", None) is not None]
+
+
+@dataclass
+class _State:
+    matcher: llguidance.LLMatcher
+    consumed: int = 0          # output tokens fed to the matcher
+
+
+class GrammarMasks:
+    """Matchers by request id; fills one int32 bitmask [R, ceil(V/32)] for the R constrained rows.
+
+    `prefetch(seqs)` starts the fill on a helper thread (llguidance releases the GIL), so it runs while
+    the step thread does the model forward; `apply` then waits for it (or fills inline) and masks.
+    """
+
+    def __init__(self) -> None:
+        self._states: dict[str, _State] = {}
+        self._executor = llguidance.LLExecutor()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatserve-mask")
+        self._pending: tuple[tuple[str, ...], concurrent.futures.Future] | None = None
+
+    def drop(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._states.pop(rid, None)
+
+    # ── masks ───────────────────────────────────────────────────────────────────────────────────
+    def prefetch(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> None:
+        """Begin computing the masks of the sampling rows of this step in the background."""
+        rows = [s for s in seqs if s.sample and getattr(s.params, "structured", None) is not None]
+        if not rows:
+            return
+        key = tuple(s.request_id for s in rows)
+        self._pending = (key, self._pool.submit(self._fill, rows, vocab_size))
+
+    def apply(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
+        """Set the logits of tokens the grammar forbids to -inf, in place, for `rows` of the batch."""
+        # logits: [B, V] float32; rows: indices of constrained rows
+        picked = [seqs[i] for i in rows]
+        key = tuple(s.request_id for s in picked)
+        bitmask = None
+        if self._pending is not None:
+            pkey, fut = self._pending
+            self._pending = None
+            if pkey == key:
+                bitmask = fut.result()
+            else:
+                fut.result()       # a stale prefetch (rows changed): finish it, then fill inline
+        if bitmask is None:
+            bitmask = self._fill(picked, logits.shape[1])
+        V = logits.shape[1]
+        # one bit per token, token 32*w + b at bit b of word w (little-endian words → bytes → bits)
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]  # [R, V]
+        forbid = torch.from_numpy(allowed).to(logits.device) == 0
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(forbid, float("-inf"))
+
+    def _fill(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
+        matchers = [self._state(s, vocab_size).matcher for s in seqs]
+        bitmask = torch.zeros(len(seqs), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
+        words = bitmask.shape[1]
+        if len(matchers) == 1:
+            matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+        else:
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                                   bitmask.data_ptr(), words * 4, len(matchers))
+        return bitmask
+
+    # ── state ───────────────────────────────────────────────────────────────────────────────────
+    def _state(self, s: ScheduledSeq, vocab_size: int) -> _State:
+        st = self._states.get(s.request_id)
+        if st is None:
+            compiled = s.params.structured.compiled
+            if compiled is None:
+                raise RuntimeError("structured output without a compiled grammar")
+            if compiled.vocab_size != vocab_size:
+                raise RuntimeError(f"grammar compiled for {compiled.vocab_size} tokens, logits have {vocab_size}")
+            st = self._states[s.request_id] = _State(compiled.template.deep_copy())
+        out = s.output_token_ids
+        if st.consumed > len(out):    # tokens the scheduler dropped: forget them
+            st.matcher.rollback(st.consumed - len(out))
+            st.consumed = len(out)
+        if st.consumed < len(out):    # state rebuilt (new matcher, resumed request): replay the output
+            st.matcher.consume_tokens(list(out[st.consumed:]))
+            st.consumed = len(out)
+        return st
+
+    def accept(self, seqs: Sequence[ScheduledSeq], rows: list[int], tokens: Sequence[int]) -> None:
+        """Feed each constrained row its sampled token."""
+        for i in rows:
+            st = self._states.get(seqs[i].request_id)
+            if st is None:
+                continue
+            if not st.matcher.consume_token(int(tokens[i])):
+                log.warning("request %s: grammar rejected token %d: %s", seqs[i].request_id, tokens[i],
+                            st.matcher.get_error())
+            st.consumed += 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
