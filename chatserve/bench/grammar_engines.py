@@ -98,7 +98,6 @@ class _LLGuidance(_Engine):
         from chatserve.structured.compiler import ll_tokenizer
         self.ll = llguidance
         self.tok = ll_tokenizer(tok, vocab)
-        self.executor = llguidance.LLExecutor()
 
     def compile(self, schema: dict) -> Any:
         from chatserve.structured.compiler import JSON_OPTIONS
@@ -118,11 +117,8 @@ class _LLGuidance(_Engine):
         return m.is_accepting()
 
     def fill(self, ms: list[Any], bitmask: torch.Tensor) -> None:
-        if len(ms) == 1:
-            ms[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.shape[1] * 4)
-        else:
-            self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(ms)], bitmask.data_ptr(),
-                                                  bitmask.shape[1] * 4, bitmask.shape[0])
+        for i, m in enumerate(ms):   # one after the other, as chatserve.structured.matchers does
+            m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), bitmask.shape[1] * 4)
 
 
 class _XGrammar(_Engine):

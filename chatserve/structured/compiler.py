@@ -17,10 +17,10 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from chatserve.structured.spec import StructuredSpec
 
-# Compact JSON (no free whitespace between tokens): a small model sampling at temperature 1 would
-# otherwise spend its max_tokens on newlines; "," and ":" as json.dumps(separators=(",", ":")) writes.
+# JSON as models write it (indented or not), but whitespace between tokens is bounded: a run of at most
+# 16 spaces/newlines, so a small model sampling at temperature 1 cannot spend max_tokens on newlines.
 # oneOf is enforced as anyOf (pydantic writes oneOf for unions whose branches rarely overlap).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":",
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}",
                 "coerce_one_of": True}
 CACHE_SIZE = 256
 

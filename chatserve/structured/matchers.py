@@ -40,7 +40,6 @@ class GrammarMasks:
 
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
-        self._executor = llguidance.LLExecutor()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatserve-mask")
         self._pending: tuple[tuple[str, ...], concurrent.futures.Future] | None = None
 
@@ -73,21 +72,25 @@ class GrammarMasks:
         if bitmask is None:
             bitmask = self._fill(picked, logits.shape[1])
         V = logits.shape[1]
-        # one bit per token, token 32*w + b at bit b of word w (little-endian words → bytes → bits)
-        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]  # [R, V]
-        forbid = torch.from_numpy(allowed).to(logits.device) == 0
-        idx = torch.tensor(rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(forbid, float("-inf"))
+        # one bit per token, token 32*w + b at bit b of word w (little-endian words → bytes → bits);
+        # the words are inverted first, so the unpacked bits are the forbidden tokens
+        forbid = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :V]
+        forbid_t = torch.from_numpy(forbid.view(np.bool_)).to(logits.device)     # [R, V]
+        if len(rows) == logits.shape[0]:
+            logits.masked_fill_(forbid_t, float("-inf"))
+        else:
+            for r, i in enumerate(rows):
+                logits[i].masked_fill_(forbid_t[r], float("-inf"))
 
     def _fill(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
         matchers = [self._state(s, vocab_size).matcher for s in seqs]
         bitmask = torch.zeros(len(seqs), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
         words = bitmask.shape[1]
-        if len(matchers) == 1:
-            matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
-        else:
-            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
-                                                   bitmask.data_ptr(), words * 4, len(matchers))
+        # one matcher after the other: llguidance's parallel executor hands rows to a thread pool,
+        # which on a busy small machine costs far more than the masks (0.25 vs 35 ms for 16 rows on
+        # 2 loaded cores, docs/benchmarks.md)
+        for i, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
         return bitmask
 
     # ── state ───────────────────────────────────────────────────────────────────────────────────

@@ -57,7 +57,8 @@ def schema_spec(schema: Any, param: str) -> StructuredSpec:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise RequestFieldError(f"'{param}' is not a valid JSON Schema at {where}: {e.message}", param) from None
-    source = json.dumps(schema, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    # key order kept: properties are generated in the order the schema lists them
+    source = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     if len(source) > MAX_SOURCE_CHARS:
         raise RequestFieldError(f"'{param}' is longer than {MAX_SOURCE_CHARS} characters", param)
     return StructuredSpec("json_schema", source)

@@ -13,7 +13,7 @@ Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "lark
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """One output constraint. `source` is canonical text (a JSON Schema dumped with sorted keys, a regex,
+    """One output constraint. `source` is canonical text (a JSON Schema dumped compactly, a regex,
     a JSON list of choices, a GBNF/EBNF or Lark grammar): equal specs compile to one cached grammar."""
 
     kind: Kind
