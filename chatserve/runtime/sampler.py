@@ -61,11 +61,6 @@ class Sampler:
         if self._masks is not None:
             self._masks.drop(request_ids)
 
-    def prefetch(self, seqs: list[ScheduledSeq], vocab_size: int) -> None:
-        """Start the grammar masks of this step's constrained rows while the forward runs (no-op without)."""
-        if any(getattr(s.params, "structured", None) is not None for s in seqs):
-            self._grammar_masks().prefetch(seqs, vocab_size)
-
     def _grammar_masks(self) -> Any:
         if self._masks is None:
             from chatserve.structured.matchers import GrammarMasks

@@ -6,7 +6,6 @@ each sampled token, and dropped when the request ends. Not compilation (compiler
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -34,48 +33,28 @@ class _State:
 class GrammarMasks:
     """Matchers by request id; fills one int32 bitmask [R, ceil(V/32)] for the R constrained rows.
 
-    `prefetch(seqs)` starts the fill on a helper thread (llguidance releases the GIL), so it runs while
-    the step thread does the model forward; `apply` then waits for it (or fills inline) and masks.
+    The fill runs on the step thread just before the mask is applied. On CUDA that overlaps the
+    forward, whose kernels are still queued (nothing synchronizes before the sampler). On CPU a
+    helper thread computing it during the forward took a core from the forward's OpenMP team and
+    made steps several times slower on 2 cores (docs/benchmarks.md), so there is none.
     """
 
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatserve-mask")
-        self._pending: tuple[tuple[str, ...], concurrent.futures.Future] | None = None
 
     def drop(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._states.pop(rid, None)
 
-    # ── masks ───────────────────────────────────────────────────────────────────────────────────
-    def prefetch(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> None:
-        """Begin computing the masks of the sampling rows of this step in the background."""
-        rows = [s for s in seqs if s.sample and getattr(s.params, "structured", None) is not None]
-        if not rows:
-            return
-        key = tuple(s.request_id for s in rows)
-        self._pending = (key, self._pool.submit(self._fill, rows, vocab_size))
-
     def apply(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
         """Set the logits of tokens the grammar forbids to -inf, in place, for `rows` of the batch."""
         # logits: [B, V] float32; rows: indices of constrained rows
-        picked = [seqs[i] for i in rows]
-        key = tuple(s.request_id for s in picked)
-        bitmask = None
-        if self._pending is not None:
-            pkey, fut = self._pending
-            self._pending = None
-            if pkey == key:
-                bitmask = fut.result()
-            else:
-                fut.result()       # a stale prefetch (rows changed): finish it, then fill inline
-        if bitmask is None:
-            bitmask = self._fill(picked, logits.shape[1])
+        bitmask = self._fill([seqs[i] for i in rows], logits.shape[1])   # [R, W] int32
         V = logits.shape[1]
         # one bit per token, token 32*w + b at bit b of word w (little-endian words → bytes → bits);
         # the words are inverted first, so the unpacked bits are the forbidden tokens
         forbid = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :V]
-        forbid_t = torch.from_numpy(forbid.view(np.bool_)).to(logits.device)     # [R, V]
+        forbid_t = torch.from_numpy(forbid.view(np.bool_)).to(logits.device, non_blocking=True)  # [R, V]
         if len(rows) == logits.shape[0]:
             logits.masked_fill_(forbid_t, float("-inf"))
         else:
@@ -122,6 +101,3 @@ class GrammarMasks:
                 log.warning("request %s: grammar rejected token %d: %s", seqs[i].request_id, tokens[i],
                             st.matcher.get_error())
             st.consumed += 1
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)

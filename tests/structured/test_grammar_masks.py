@@ -95,4 +95,3 @@ def test_lost_state_is_rebuilt_from_the_output_so_far(tok, compiler):
     logits = torch.zeros(1, tok.vocab_size)
     masks.apply(logits, [_seq("r", spec, prefix)], [0])
     assert set((logits[0] == 0).nonzero().squeeze(1).tolist()) == allowed
-    masks.close()
