@@ -84,6 +84,7 @@ class ServerConfig:
     shared_system_prompts: tuple[str, ...] = ()  # system prompts whose cache is shared across owners
     rate_limit_rpm: int = 0              # per key requests/min; 0 = off
     rate_limit_tpm: int = 0              # per key tokens/min; 0 = off
+    share_prefix_cache: bool = False     # True: one prefix cache for all callers (no per-owner salt)
     stats_interval: float = 10.0
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None = implied by the chat template
 

@@ -210,7 +210,8 @@ class AsyncEngine:
             self.kv = KVCacheManager(
                 self.runner.num_blocks, cc.block_size, enable_prefix_caching=cc.enable_prefix_caching,
                 hash_seed=cc.hash_seed,
-                model_key=f"{mc.resolved_model()}:{getattr(self.runner, 'dtype', mc.dtype)}")
+                model_key=f"{mc.resolved_model()}:{getattr(self.runner, 'dtype', mc.dtype)}",
+                sliding_window=getattr(getattr(self.runner, "config", None), "kv_window", None))
         if self.scheduler is None:
             from chatserve.core.scheduler import Scheduler
             self.scheduler = Scheduler(self.config.scheduler, self.kv, max_model_len=self.max_model_len)
@@ -372,6 +373,7 @@ class AsyncEngine:
                 res = await self._execute(out)
                 events = self.scheduler.update(out, res)
                 self._stats.steps += 1
+                self._observe("iteration_tokens", out.num_batched_tokens)
                 self.last_step_time = time.monotonic()
                 self._apply_pending_aborts()
                 self._dispatch(events)
@@ -469,6 +471,15 @@ class AsyncEngine:
         self._observe("e2e", d.e2e_s)
         if d.queue_s is not None:
             self._observe("queue", max(0.0, d.queue_s))
+            self._observe("inference", d.e2e_s - d.queue_s)
+            if d.ttft_s is not None:
+                self._observe("prefill", d.ttft_s - d.queue_s)
+        if d.ttft_s is not None:
+            self._observe("decode", d.e2e_s - d.ttft_s)
+        self._observe("generation_tokens", seq.num_output)
+        if seq.group.done:                                # once per request
+            self._observe("prompt_tokens", seq.num_prompt_tokens or len(r.prompt_token_ids))
+            self._observe("params_n", len(seq.group.seqs))
         self._count_finish(reason)
         self._seqs.pop(r.request_id, None)
         g = seq.group

@@ -54,11 +54,16 @@ def main(argv: list[str]) -> int:
         ids = tok.encode(args.prompt)
     # a KV cache sized to this one request (plus a block of slack), not the server's default budget
     block_size = 16
-    llm = LLM(path, dtype=args.dtype, device=args.device, block_size=block_size,
-              num_blocks=(len(ids) + args.max_tokens) // block_size + 2,
-              max_model_len=None, num_threads=args.num_threads, progress=args.progress,
-              eos_token_ids=sorted(set(tok.eos_token_ids)),
-              weight_quant=None if args.weight_quant == "none" else args.weight_quant)
+    from chatserve.runtime.weights import UnsupportedModelError
+    try:
+        llm = LLM(path, dtype=args.dtype, device=args.device, block_size=block_size,
+                  num_blocks=(len(ids) + args.max_tokens) // block_size + 2,
+                  max_model_len=None, num_threads=args.num_threads, progress=args.progress,
+                  eos_token_ids=sorted(set(tok.eos_token_ids)),
+                  weight_quant=None if args.weight_quant == "none" else args.weight_quant)
+    except UnsupportedModelError as e:
+        print(f"chatserve generate: cannot run {path}: {e}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     out = llm.generate([ids], params)[0]

@@ -36,7 +36,8 @@ class LLM:
         self.model_path = self.runner.model_path
         self.kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
                                  enable_prefix_caching=enable_prefix_caching,
-                                 model_key=f"{self.model_path}:{self.runner.dtype}")
+                                 model_key=f"{self.model_path}:{self.runner.dtype}",
+                                 sliding_window=self.runner.config.kv_window)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_waiting_requests=1 << 30, max_waiting_tokens=1 << 40),

@@ -49,22 +49,29 @@ def _variants(tl) -> list[tuple[str, str, dict, dict, int, int]]:
                 dict(out_ptr="bf16", part_o_ptr="f32", part_lse_ptr="f32", qsl_ptr="pi32", num_splits="i32",
                      stride_ot="i32", stride_oh="i32"),
                 dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=64), 4, 2))
-    # extend: (q dtype, cache dtype, scale mode, window, skip decode, head_dim, group_pad, block_m)
-    for q, c, mode, win, skip, d, gp, bm in [
-            ("bf16", "bf16", 0, False, True, 128, 4, 32), ("f16", "f16", 0, True, False, 64, 4, 16),
-            ("f32", "f32", 0, False, False, 64, 4, 8), ("f32", "f32", 0, False, False, 128, 1, 32),
-            ("bf16", "i8", 1, False, True, 128, 8, 16), ("f16", "fp8", 2, True, False, 64, 2, 64)]:
+    # extend: (q dtype, cache dtype, scale mode, window, skip decode, head_dim, group_pad, block_m, split)
+    for q, c, mode, win, skip, d, gp, bm, split in [
+            ("bf16", "bf16", 0, False, True, 128, 4, 32, False), ("f16", "f16", 0, True, False, 64, 4, 16, False),
+            ("f32", "f32", 0, False, False, 64, 4, 8, False), ("f32", "f32", 0, False, False, 128, 1, 32, False),
+            ("bf16", "i8", 1, False, True, 128, 8, 16, False), ("f16", "fp8", 2, True, False, 64, 2, 64, False),
+            ("bf16", "bf16", 0, False, True, 128, 4, 4, True), ("bf16", "i8", 1, True, True, 64, 8, 2, True),
+            ("f32", "f32", 0, False, True, 64, 4, 4, True)]:
         s = "f32" if mode else c
-        args = dict(q_ptr=q, k_ptr=c, v_ptr=c, ks_ptr=s, vs_ptr=s, out_ptr=q, block_tables_ptr="pi32",
-                    seq_lens_ptr="pi32", qsl_ptr="pi32", sm_scale_log2="fp32", window="i32",
+        args = dict(q_ptr=q, k_ptr=c, v_ptr=c, ks_ptr=s, vs_ptr=s, out_ptr=q, part_o_ptr="f32",
+                    part_lse_ptr="f32", block_tables_ptr="pi32", seq_lens_ptr="pi32", qsl_ptr="pi32",
+                    sm_scale_log2="fp32", window="i32", tokens_per_split="i32", num_splits="i32",
                     **{n: "i32" for n in _ATTN_STRIDES})
         fp32 = q == "f32"
-        consts = dict(GROUP=gp, GROUP_PAD=gp, BLOCK_M=bm, HEAD_DIM=d, D_PAD=d, BLOCK_SIZE=16,
+        consts = dict(NUM_Q_HEADS=32, GROUP=gp, GROUP_PAD=gp, BLOCK_M=bm, HEAD_DIM=d, D_PAD=d, BLOCK_SIZE=16,
                       BLOCK_N=32 if fp32 else 64, SCALE_MODE=mode, COMPUTE=comp[q],
-                      PRECISION="ieee" if fp32 else "tf32", WINDOW=win, SKIP_DECODE=skip)
-        out.append((f"extend q={q} kv={c} scale={mode} window={win} d={d} rows={gp * bm}",
+                      PRECISION="ieee" if fp32 else "tf32", WINDOW=win, SKIP_DECODE=skip, SPLIT=split)
+        out.append((f"extend q={q} kv={c} scale={mode} window={win} d={d} rows={gp * bm} split={split}",
                     "extend_attention._extend_kernel", args, consts, extend_num_warps(gp * bm, d, fp32),
                     1 if fp32 else 2))
+    out.append(("extend merge d=128", "extend_attention._extend_merge_kernel",
+                dict(out_ptr="bf16", part_o_ptr="f32", part_lse_ptr="f32", qsl_ptr="pi32", num_splits="i32",
+                     stride_ot="i32", stride_oh="i32"),
+                dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=32, SKIP_DECODE=True), 4, 2))
     # store: (key dtype, cache dtype, scale mode)
     for k, c, mode in [("bf16", "bf16", 0), ("f32", "f16", 0), ("f16", "i8", 1), ("bf16", "fp8", 1),
                        ("f32", "fp8", 2)]:

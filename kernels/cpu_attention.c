@@ -29,6 +29,16 @@ typedef struct {
     float scale;
 } job_t;
 
+typedef struct {                        /* one work item: keys [k0, k1) of decode sequence b */
+    int b, k0, k1;
+    int part;                           /* -1: the whole sequence (write out), else its partial slot */
+} item_t;
+
+typedef struct {                        /* a split's unnormalized result, merged by merge_parts */
+    float *acc;                         /* [nparts, hq, D] */
+    float *mx, *den;                    /* [nparts, hq] */
+} parts_t;
+
 typedef struct {                        /* per-thread workspace */
     float q[MAX_HQ * MAX_D], acc[MAX_HQ * MAX_D];
     float s[MAX_HQ * MAX_BS];
@@ -86,9 +96,15 @@ static inline void write_out(const job_t *j, int64_t off, const float *acc, floa
     }
 }
 
-/* Start sequence b's decode row: scaled queries, empty accumulators. Returns the first visible key. */
-static int seq_begin(const job_t *j, work_t *w, int b, int hq, int D) {
-    const int t_q = j->qsl[b], sl = j->lens[b];
+/* First key sequence b's decode row sees (its sliding window). */
+static inline int first_key(const job_t *j, int b) {
+    const int lo = j->window > 0 ? j->lens[b] - j->window : 0;
+    return lo < 0 ? 0 : lo;
+}
+
+/* Start a work item: scaled queries, empty accumulators. Returns its first key. */
+static int seq_begin(const job_t *j, work_t *w, const item_t *it, int hq, int D) {
+    const int t_q = j->qsl[it->b];
     for (int h = 0; h < hq; h++) {
         const float *qh = as_f32(j->dtype, j->q, (int64_t)t_q * j->q_st + (int64_t)h * j->q_sh, w->row, D);
         for (int d = 0; d < D; d++) w->q[h * D + d] = qh[d] * j->scale;
@@ -96,16 +112,28 @@ static int seq_begin(const job_t *j, work_t *w, int b, int hq, int D) {
         w->mx[h] = -1e30f;
         w->den[h] = 0.0f;
     }
-    const int lo = j->window > 0 ? sl - j->window : 0;
-    return lo < 0 ? 0 : lo;
+    return it->k0;
+}
+
+/* Finish a work item: the output row of a whole sequence, else its partial (acc, max, sum) */
+static void seq_end(const job_t *j, const work_t *w, const item_t *it, const parts_t *pt, int hq, int D) {
+    if (it->part < 0) {
+        const int t_q = j->qsl[it->b];
+        for (int h = 0; h < hq; h++)
+            write_out(j, (int64_t)t_q * j->o_st + (int64_t)h * j->o_sh, w->acc + h * D, w->den[h]);
+        return;
+    }
+    memcpy(pt->acc + (int64_t)it->part * hq * D, w->acc, (size_t)hq * D * sizeof(float));
+    memcpy(pt->mx + (int64_t)it->part * hq, w->mx, (size_t)hq * sizeof(float));
+    memcpy(pt->den + (int64_t)it->part * hq, w->den, (size_t)hq * sizeof(float));
 }
 
 /* The generic body: any head_dim and group size, one dot product per (head, key). */
-static void run_seq(const job_t *j, work_t *w, int b) {
+static void run_seq(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
     const int D = j->D, bs = j->bs, hq = j->hq, G = hq / j->hkv, row = j->hkv * D;
-    const int t_q = j->qsl[b], sl = j->lens[b];
-    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
-    const int lo = seq_begin(j, w, b, hq, D);                 /* visible keys [lo, sl) */
+    const int sl = it->k1;
+    const int32_t *table = j->tables + (int64_t)it->b * j->bt_stride;
+    const int lo = seq_begin(j, w, it, hq, D);                /* this item's keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
         const int a = lo > blk0 ? lo - blk0 : 0;
@@ -145,8 +173,7 @@ static void run_seq(const job_t *j, work_t *w, int b) {
             }
         }
     }
-    for (int h = 0; h < hq; h++)
-        write_out(j, (int64_t)t_q * j->o_st + (int64_t)h * j->o_sh, w->acc + h * D, w->den[h]);
+    seq_end(j, w, it, pt, hq, D);
 }
 
 #if defined(__AVX512F__)
@@ -161,12 +188,13 @@ static inline __m512 load16(int dtype, const void *base, int64_t off) {    /* 16
 /* run_seq for head_dim = 16 * NV and G query heads per kv head, both compile-time constants after
  * inlining: per block and kv head, the G query vectors and the G x NV output accumulators stay in
  * registers while the block's tokens stream through (no converted copies, no per-token stores). */
-static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j, work_t *w, int b,
+static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j, work_t *w,
+                                                                 const item_t *it, const parts_t *pt,
                                                                  const int G, const int NV) {
     const int D = 16 * NV, bs = j->bs, hkv = j->hkv, hq = G * hkv, row = hkv * D;
-    const int t_q = j->qsl[b], sl = j->lens[b];
-    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
-    const int lo = seq_begin(j, w, b, hq, D);
+    const int sl = it->k1;
+    const int32_t *table = j->tables + (int64_t)it->b * j->bt_stride;
+    const int lo = seq_begin(j, w, it, hq, D);                /* this item's keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
         const int a = lo > blk0 ? lo - blk0 : 0;
@@ -227,15 +255,14 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
                 for (int v = 0; v < NV; v++) _mm512_storeu_ps(w->acc + (hk * G + g) * D + v * 16, av[g][v]);
         }
     }
-    for (int h = 0; h < hq; h++)
-        write_out(j, (int64_t)t_q * j->o_st + (int64_t)h * j->o_sh, w->acc + h * D, w->den[h]);
+    seq_end(j, w, it, pt, hq, D);
 }
 
-#define SPECIAL(g, nv) if (G == g && NV == nv) { run_seq_avx512(j, w, b, g, nv); return; }
+#define SPECIAL(g, nv) if (G == g && NV == nv) { run_seq_avx512(j, w, it, pt, g, nv); return; }
 #endif
 
-/* One decode row: the register-blocked AVX-512 body for the common head shapes, else the generic one. */
-static void decode_row(const job_t *j, work_t *w, int b) {
+/* One work item: the register-blocked AVX-512 body for the common head shapes, else the generic one. */
+static void decode_item(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
 #if defined(__AVX512F__)
     const int G = j->hq / j->hkv, NV = j->D / 16;
     if (j->D % 16 == 0) {
@@ -243,7 +270,54 @@ static void decode_row(const job_t *j, work_t *w, int b) {
         SPECIAL(1, 8) SPECIAL(2, 8) SPECIAL(4, 8)
     }
 #endif
-    run_seq(j, w, b);
+    run_seq(j, w, it, pt);
+}
+
+/* out row = Σ_s e^(mx_s - M) acc_s / Σ_s e^(mx_s - M) den_s over a sequence's n splits (M = max mx_s) */
+static void merge_parts(const job_t *j, const parts_t *pt, int b, int first, int n) {
+    const int hq = j->hq, D = j->D;
+    float acc[MAX_D];
+    for (int h = 0; h < hq; h++) {
+        float M = -1e30f, den = 0.0f;
+        for (int s = first; s < first + n; s++) M = pt->mx[s * hq + h] > M ? pt->mx[s * hq + h] : M;
+        memset(acc, 0, (size_t)D * sizeof(float));
+        for (int s = first; s < first + n; s++) {
+            const float c = exp_neg(pt->mx[s * hq + h] - M);
+            const float *a = pt->acc + ((int64_t)s * hq + h) * D;
+            den += c * pt->den[s * hq + h];
+            for (int d = 0; d < D; d++) acc[d] += c * a[d];
+        }
+        write_out(j, (int64_t)j->qsl[b] * j->o_st + (int64_t)h * j->o_sh, acc, den);
+    }
+}
+
+/* Work items: each decode sequence's visible keys cut into splits of whole blocks, at least
+ * MIN_SPLIT keys each, so that there are about SPLITS_PER_THREAD items per thread (one long
+ * sequence, or a few of unequal lengths, still keep every thread busy). Returns the item count;
+ * *nparts: partial slots used (items that are one split of several). */
+#define MIN_SPLIT 256
+#define SPLITS_PER_THREAD 4
+static int plan_items(const job_t *j, const int *seqs, int n, int threads, item_t *items, int *nparts) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += j->lens[seqs[i]] - first_key(j, seqs[i]);
+    int64_t chunk = threads > 1 ? (total + (int64_t)threads * SPLITS_PER_THREAD - 1) /
+                                      ((int64_t)threads * SPLITS_PER_THREAD)
+                                : INT32_MAX;
+    if (chunk < MIN_SPLIT) chunk = MIN_SPLIT;
+    chunk = (chunk + j->bs - 1) / j->bs * j->bs;
+    int m = 0, p = 0;
+    for (int i = 0; i < n; i++) {
+        const int b = seqs[i], lo = first_key(j, b), sl = j->lens[b];
+        const int k = (int)((sl - lo + chunk - 1) / chunk);
+        for (int s = 0; s < k; s++) {
+            /* split boundaries on block boundaries: no block is read by two items */
+            int k0 = s == 0 ? lo : (int)((lo / j->bs) * j->bs + s * chunk);
+            int k1 = s == k - 1 ? sl : (int)((lo / j->bs) * j->bs + (s + 1) * chunk);
+            items[m++] = (item_t){b, k0, k1, k > 1 ? p++ : -1};
+        }
+    }
+    *nparts = p;
+    return m;
 }
 
 /* Decode rows (sequences with exactly one new token) of a varlen batch. Returns 0 on success, a
@@ -260,12 +334,29 @@ int chatserve_decode_attention(int dtype, const void *q, int64_t q_st, int64_t q
     int *seqs = (int *)malloc((size_t)(B > 0 ? B : 1) * sizeof(int));
     if (!seqs) return 3;
     int n = 0;
+    int64_t max_items = 0;
     for (int b = 0; b < B; b++)
-        if (query_start_loc[b + 1] - query_start_loc[b] == 1 && seq_lens[b] >= 1) seqs[n++] = b;
+        if (query_start_loc[b + 1] - query_start_loc[b] == 1 && seq_lens[b] >= 1) {
+            seqs[n++] = b;
+            max_items += seq_lens[b] / MIN_SPLIT + 1;
+        }
     const job_t j = {dtype, q, k_cache, v_cache, out, q_st, q_sh, o_st, o_sh, c_sb, block_tables,
                      query_start_loc, seq_lens, bt_stride, hq, hkv, D, block_size, window, scale};
     int threads = nthreads < 1 ? 1 : nthreads;
-    if (threads > n) threads = n > 0 ? n : 1;
+    item_t *items = (item_t *)malloc((size_t)(max_items > 0 ? max_items : 1) * sizeof(item_t));
+    int nparts = 0;
+    const int m = items ? plan_items(&j, seqs, n, threads, items, &nparts) : 0;
+    parts_t pt = {NULL, NULL, NULL};
+    if (nparts) {
+        pt.acc = (float *)malloc((size_t)nparts * hq * D * sizeof(float));
+        pt.mx = (float *)malloc((size_t)nparts * hq * sizeof(float));
+        pt.den = (float *)malloc((size_t)nparts * hq * sizeof(float));
+    }
+    if (!items || (nparts && (!pt.acc || !pt.mx || !pt.den))) {
+        free(seqs), free(items), free(pt.acc), free(pt.mx), free(pt.den);
+        return 3;
+    }
+    if (threads > m) threads = m > 0 ? m : 1;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -276,9 +367,18 @@ int chatserve_decode_attention(int dtype, const void *q, int64_t q_st, int64_t q
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < n; i++)
-            if (w) decode_row(&j, w, seqs[i]);
+        for (int i = 0; i < m; i++)
+            if (w) decode_item(&j, w, &items[i], &pt);
+        if (nparts) {            /* the implicit barrier above: every split is done; merge per sequence */
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < m; i++)
+                if (items[i].part >= 0 && (i == 0 || items[i - 1].b != items[i].b)) {
+                    int k = 1;
+                    while (i + k < m && items[i + k].b == items[i].b) k++;
+                    merge_parts(&j, &pt, items[i].b, items[i].part, k);
+                }
+        }
     }
-    free(seqs);
+    free(seqs), free(items), free(pt.acc), free(pt.mx), free(pt.den);
     return failed ? 3 : 0;
 }

@@ -95,6 +95,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, par
 
 
 @jit
+def merge_splits(part_o_ptr, part_lse_ptr, row, s_ok, D_PAD: tl.constexpr):
+    # one (token, head)'s split partials at rows `row` [S_PAD] (o: [.., D_PAD], lse in log2), valid
+    # where s_ok → Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M), M = max_s lse_s: [D_PAD]
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))        # [S_PAD]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    d = tl.arange(0, D_PAD)
+    o = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    den = tl.sum(w, axis=0)
+    return tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+
+
+@jit
 def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride_ot, stride_oh,
                   NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   S_PAD: tl.constexpr):
@@ -106,14 +120,7 @@ def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     s_ok = s < num_splits
-    row = (b * NUM_Q_HEADS + h) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))        # [S_PAD]
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
-    den = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)    # [D_PAD]
+    res = merge_splits(part_o_ptr, part_lse_ptr, (b * NUM_Q_HEADS + h) * num_splits + s, s_ok, D_PAD)
     ok = (d < HEAD_DIM) & ((d * 0 + q_len) == 1)
     tl.store(out_ptr + q_start * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -223,6 +230,11 @@ def gather_dequant(cache: torch.Tensor, scale: torch.Tensor | None, table: torch
     return vals.flatten(-4, -3)
 
 
+def softcap(s: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Attention logit soft-capping (Gemma 2): s → cap·tanh(s / cap) in float32; s itself when unset."""
+    return s if not cap else torch.tanh(s.float() / cap).mul_(cap)
+
+
 def decode_prep(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, block_size: int,
                 sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What every layer's decode attention needs, built once per step: (table [B, nblk] int64,
@@ -242,7 +254,8 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
                            sliding_window: int | None = None,
-                           prep: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           prep: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           logit_softcap: float | None = None) -> torch.Tensor:
     # q: [B, q_heads, D] (one token per sequence) → [B, q_heads, D]
     # Every sequence's blocks are gathered, padded to the longest, and the tail masked: one SDPA call.
     # prep: decode_prep(...) of this step, shared by the layers (built here when None).
@@ -255,6 +268,11 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cd = k_cache.dtype if k_cache.dtype in (torch.bfloat16, torch.float16) else q.dtype
     k = gather_dequant(k_cache, k_scale, table, cd).transpose(1, 2)           # [B, hkv, nblk*bs, d]
     v = gather_dequant(v_cache, v_scale, table, cd).transpose(1, 2)
+    if logit_softcap:                      # SDPA has no soft-capping: the scores spelled out, in fp32
+        qg = (q.float() * scale).view(B, hkv, hq // hkv, d)
+        s = softcap(torch.matmul(qg, k.float().transpose(2, 3)), logit_softcap)  # [B, hkv, g, S]
+        p = torch.softmax(s.masked_fill_(~mask, float("-inf")), -1)
+        return torch.matmul(p, v.float()).view(B, hq, d).to(q.dtype)
     out = F.scaled_dot_product_attention(q[:, :, None, :].to(cd), k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=hq != hkv)   # [B, hq, 1, d]
     return out[:, :, 0, :].to(q.dtype)

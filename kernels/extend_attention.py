@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.decode_attention import LOG2E, gather_dequant, take_blocks
+from chatserve_kernels.decode_attention import LOG2E, gather_dequant, merge_splits, softcap, take_blocks
 from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl,
                                         use_triton)
 from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
@@ -16,22 +16,27 @@ from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
 
 # --------------------------------------------------------------------------- Triton kernel
 @jit
-def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-                   sm_scale_log2, window,
+def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                   block_tables_ptr, seq_lens_ptr, qsl_ptr,
+                   sm_scale_log2, window, tokens_per_split, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh, stride_bt,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SCALE_MODE: tl.constexpr, COMPUTE: tl.constexpr,
-                   PRECISION: tl.constexpr, WINDOW: tl.constexpr, SKIP_DECODE: tl.constexpr):
-    # grid: (batch, kv_heads, query tiles). One program: BLOCK_M new tokens × the GROUP query heads of
-    # one kv head, as ROWS = BLOCK_M * GROUP_PAD rows (row r = token r // GROUP_PAD, head r % GROUP_PAD).
+                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_MODE: tl.constexpr,
+                   COMPUTE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+                   SKIP_DECODE: tl.constexpr, SPLIT: tl.constexpr):
+    # grid: (batch, kv_heads, query tiles × splits). One program: BLOCK_M new tokens × the GROUP query
+    # heads of one kv head, as ROWS = BLOCK_M * GROUP_PAD rows (row r = token r // GROUP_PAD, head
+    # r % GROUP_PAD), over the keys of its split (SPLIT: keys [s·tokens_per_split, (s+1)·...), written
+    # as partials that _extend_merge_kernel combines; short chunks over long prefixes get programs).
     #
     #   keys:  0 ............ ctx-1 | ctx ........ seq_len-1      (ctx = cached prefix length)
     #   query i of the chunk sits at position ctx + i and sees keys 0 .. ctx + i
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    mt = tl.program_id(2)
+    mt = tl.program_id(2) // num_splits
+    sp = tl.program_id(2) % num_splits
     q_start = tl.load(qsl_ptr + b).to(tl.int64)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
@@ -56,6 +61,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, block_tables_pt
     lo = 0
     if WINDOW:
         lo = tl.maximum(ctx + first - window + 1, 0)
+    if SPLIT:
+        lo = tl.maximum(lo, sp * tokens_per_split)
+        hi = tl.minimum(hi, (sp + 1) * tokens_per_split)
     qk_scale = sm_scale_log2
     if SCALE_MODE == 2:
         qk_scale = qk_scale * tl.load(ks_ptr)
@@ -66,7 +74,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, block_tables_pt
     table = block_tables_ptr + b * stride_bt
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        n_ok = offs < hi
+        n_ok = (offs < hi) & (offs >= lo)
         blk = tl.load(table + offs // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         tok = offs % BLOCK_SIZE
         kv_off = blk * stride_cb + tok * stride_ct + kvh * stride_ch          # [BLOCK_N]
@@ -92,9 +100,38 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, block_tables_pt
         m_i = m_new
     if SCALE_MODE == 2:
         acc = acc * tl.load(vs_ptr)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        # partials: o [T, NUM_Q_HEADS, num_splits, D_PAD], lse (log2 domain) [T, NUM_Q_HEADS, num_splits]
+        prow = ((q_start + m) * NUM_Q_HEADS + heads) * num_splits + sp                    # [ROWS]
+        tl.store(part_o_ptr + prow[:, None] * D_PAD + d[None, :], o, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + prow, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+    else:
+        tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@jit
+def _extend_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride_ot, stride_oh,
+                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         S_PAD: tl.constexpr, SKIP_DECODE: tl.constexpr):
+    # grid: (batch, q_heads, max query len): the partials of one token and head of a split launch
+    # out = Σ_s 2^(lse_s - M) o_s / Σ_s 2^(lse_s - M)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if SKIP_DECODE:
+        q_len = tl.where(q_len == 1, 0, q_len)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = (s < num_splits) & ((s * 0 + i) < q_len)
+    res = merge_splits(part_o_ptr, part_lse_ptr, ((q_start + i) * NUM_Q_HEADS + h) * num_splits + s, s_ok,
+                       D_PAD)                                                               # [D_PAD]
+    ok = (d < HEAD_DIM) & ((d * 0 + i) < q_len)
+    tl.store(out_ptr + (q_start + i) * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -127,9 +164,12 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             out: torch.Tensor, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
                             skip_decode: bool = False, block_m: int | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, num_splits: int | None = None,
+                            max_seq_len: int | None = None) -> torch.Tensor:
     # q, out: [T, q_heads, D]; k_cache, v_cache: [NB, BS, kv_heads, D]; block_tables: [B, max_blocks];
     # seq_lens: [B]; query_start_loc: [B+1]. skip_decode leaves rows of 1-token sequences untouched.
+    # num_splits: cut every sequence's keys into this many splits (default: choose_extend_splits from
+    # max_seq_len, the host copy of max(seq_lens); without it, no split).
     T, hq, D = q.shape
     nb, bs, hkv, dc = k_cache.shape
     B = seq_lens.shape[0]
@@ -154,22 +194,52 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             block_m //= 2
     block_n = block_n or cfg["block_n"]
     assert block_m * group_pad >= 16, "tl.dot needs at least 16 rows"
+    tiles = cdiv(max_query_len, block_m)
+    if num_splits is None:
+        num_splits = choose_extend_splits(B * hkv * tiles, max_seq_len or 0, max_query_len, q.device)
+    tps = cdiv(cdiv(max_seq_len or 1, num_splits), block_n) * block_n if num_splits > 1 else 1
+    if num_splits > 1 and max_seq_len is None:
+        raise ValueError("num_splits > 1 needs max_seq_len")
+    split = num_splits > 1
+    d_pad = next_pow2(D)
+    if split:
+        part_o = torch.empty((T, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((T, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out                                               # unused
     dummy = k_cache
-    grid = (B, hkv, cdiv(max_query_len, block_m))
+    grid = (B, hkv, tiles * num_splits)
     _extend_kernel[grid](
         q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy, out, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, int(sliding_window or 0),
+        v_scale if v_scale is not None else dummy, out, part_o, part_lse, block_tables, seq_lens,
+        query_start_loc, scale * LOG2E, int(sliding_window or 0), tps, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=D, D_PAD=next_pow2(D),
+        NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute,
         PRECISION=dot_precision(compute), WINDOW=bool(sliding_window), SKIP_DECODE=skip_decode,
-        num_warps=extend_num_warps(block_m * group_pad, D, compute == tl.float32),
+        SPLIT=split, num_warps=extend_num_warps(block_m * group_pad, D, compute == tl.float32),
         num_stages=cfg["num_stages"],
     )
+    if split:
+        _extend_merge_kernel[(B, hq, max_query_len)](
+            out, part_o, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=next_pow2(num_splits), SKIP_DECODE=skip_decode,
+            num_warps=4,
+        )
     return out
+
+
+def choose_extend_splits(programs: int, max_seq_len: int, max_query_len: int, device: torch.device,
+                         min_tokens: int = 512, max_query: int = 256, max_splits: int = 32) -> int:
+    """Split the keys of short chunks (<= max_query tokens) over long prefixes when the query tiles
+    alone give fewer than 2 programs per SM (a follow-up turn after 16k tokens of history: kv_heads
+    programs); no split shorter than min_tokens keys."""
+    if max_query_len > max_query or max_seq_len < 2 * min_tokens:
+        return 1
+    want = cdiv(2 * device_sms(device), max(programs, 1))
+    return max(1, min(want, max_seq_len // min_tokens, max_splits))
 
 
 # --------------------------------------------------------------------------- torch twin
@@ -195,9 +265,10 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_table: torch.Tensor, seq_len: int, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            sliding_window: int | None = None,
-                           prep: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           prep: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           logit_softcap: float | None = None) -> torch.Tensor:
     # One sequence: q [ql, q_heads, D] for positions seq_len-ql .. seq_len-1 → [ql, q_heads, D]
-    # prep: extend_prep(...) of this step (built here when None).
+    # prep: extend_prep(...) of this step (built here when None); logit_softcap: s → c·tanh(s / c).
     # Two batched GEMMs per KV head group (the query heads of a group stacked as rows) around an fp32
     # softmax: on CPU, SDPA with a mask takes its math path, ~4× slower in bf16 on a 512-token chunk.
     ql, hq, d = q.shape
@@ -213,7 +284,7 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for a in range(0, ql, step):
         z = min(ql, a + step)
         qg = (q[a:z] * scale).view(z - a, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * (z - a), d)
-        s = torch.matmul(qg, kt).view(hkv, g, z - a, seq_len)                      # [hkv, g, m, sl]
+        s = softcap(torch.matmul(qg, kt).view(hkv, g, z - a, seq_len), logit_softcap)  # [hkv, g, m, sl]
         s = s.add_(bias[a:z]) if s.dtype == torch.float32 else torch.add(bias[a:z], s)   # fp32 scores
         p = torch.softmax(s, -1).to(q.dtype).view(hkv, g * (z - a), seq_len)
         o = torch.matmul(p, v)                                                      # [hkv, g*m, d]
@@ -257,7 +328,7 @@ def extend_batch_prep(block_tables: torch.Tensor, starts: list[int], query_lens:
 
 
 def extend_batch_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                       prep: tuple) -> torch.Tensor:
+                       prep: tuple, logit_softcap: float | None = None) -> torch.Tensor:
     """The chunks of extend_batch_prep, attended together: the same two GEMMs as
     extend_attention_torch with a batch dim, so a step's short chunks (prefix-cache hits, chat turns)
     cost one set of ops per layer instead of one per sequence. Unquantized caches only.
@@ -272,7 +343,7 @@ def extend_batch_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     qg = (q[qidx.reshape(-1)] * scale).view(B, m, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * m, d)
     k = take_blocks(k_cache, table).view(B, S, hkv, d).permute(0, 2, 3, 1)    # [B, hkv, d, S]
     v = take_blocks(v_cache, table).view(B, S, hkv, d).transpose(1, 2)        # [B, hkv, S, d]
-    s = torch.add(bias, torch.matmul(qg, k).view(B, hkv, g, m, S))           # fp32 [B, hkv, g, m, S]
+    s = torch.add(bias, softcap(torch.matmul(qg, k).view(B, hkv, g, m, S), logit_softcap))  # fp32 [B,hkv,g,m,S]
     p = torch.softmax(s, -1).to(q.dtype).view(B, hkv, g * m, S)
     o = torch.matmul(p, v).view(B, hkv, g, m, d).permute(0, 3, 1, 2, 4).reshape(B * m, hq, d)
     return o[picks]
@@ -291,7 +362,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if use_triton(q):
         return extend_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                        max(query_lens, default=0), scale, torch.empty_like(q),
-                                       k_scale, v_scale, sliding_window)
+                                       k_scale, v_scale, sliding_window,
+                                       max_seq_len=max(seq_lens_list, default=0))
     out = torch.empty_like(q)
     start = 0
     for b, (ql, sl) in enumerate(zip(query_lens, seq_lens_list)):

@@ -1,12 +1,18 @@
 """Per-step attention metadata: where each sequence's queries are and which blocks hold its keys.
 
-Built once per step by the model runner and shared by every layer.
+Built once per step by the model runner and shared by every layer, which also share the CPU path's
+typed per-step plans (step_plan.StepPlan) kept on it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from chatserve_kernels.step_plan import PlanKey, StepPlan
 
 
 @dataclass
@@ -22,9 +28,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
-    # derived tensors memoized by the CPU attention path (gather tables, masks): built by the first
-    # layer of a step, reused by the others
-    scratch: dict = field(default_factory=dict, repr=False, compare=False)
+    # the CPU attention path's plans (row split, gather tables, masks) per block size / window /
+    # cache kind: built by the first layer of a step, reused by the others (step_plan.step_plan)
+    plans: dict[PlanKey, StepPlan] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -33,6 +39,11 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def all_slots_valid(self) -> bool:
+        """No -1 in slot_mapping (store_kv then skips its mask); checked once per step, not per layer."""
+        return bool((self.slot_mapping >= 0).all())
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

@@ -64,14 +64,16 @@ def internal_waste(work: list[tuple[int, int]], block_size: int, seed: int = 0) 
 
 # ── concurrency ───────────────────────────────────────────────────────────────────────────────
 def paged_concurrency(work: list[tuple[int, int]], budget_slots: int, block_size: int,
-                      max_len: int, seed: int = 0) -> tuple[float, int]:
+                      max_len: int, seed: int = 0, sliding_window: int | None = None) -> tuple[float, int]:
     """Continuous batching in `budget_slots` slots: FCFS admission (prompt must fit above the
     watermark), one decode token per running request per step, preempt-newest on a full cache.
     Returns (mean running requests over the steps while requests were still waiting, preemptions).
     Lengths are capped at max_len (the contiguous allocator's reservation) so both serve the
-    same requests."""
+    same requests. sliding_window: a model whose every layer sees at most that many positions (the
+    manager releases blocks that slid out)."""
     rng = random.Random(seed)
-    m = KVCacheManager(budget_slots // block_size, block_size, watermark=0.01, hash_seed=seed)
+    m = KVCacheManager(budget_slots // block_size, block_size, watermark=0.01, hash_seed=seed,
+                       sliding_window=sliding_window)
     reqs = [(min(p, max_len - 1), min(p + o, max_len) - min(p, max_len - 1)) for p, o in work]
     toks = {i: _tokens(rng, p) for i, (p, _) in enumerate(reqs)}
     waiting = list(range(len(reqs)))
@@ -292,6 +294,10 @@ def run(num_requests: int = 1000, *, prompt_range: tuple[int, int] = (16, 2048),
     worst = prompt_range[1] + output_range[1]
     paged_full, _ = paged_concurrency(work, budget_slots, 16, worst, seed)
     res["paged_vs_contiguous_worst_case_concurrency"] = paged_full / (budget_slots // worst)
+    # a model whose every layer slides over 1024 positions: blocks behind the window are released
+    windowed, _ = paged_concurrency(work, budget_slots, 16, worst, seed, sliding_window=1024)
+    res["sliding_window_1024_concurrency"] = windowed
+    res["sliding_window_1024_vs_full_concurrency"] = windowed / paged_full
     mean_len = sum(p + o / 2 for p, o in work) / len(work)
     res["mean_resident_tokens"] = mean_len
     res.update(parallel_sampling(samples, sample_prompt, sample_output, 16, seed))
@@ -319,6 +325,8 @@ def _table(res: dict) -> str:
         ("contiguous_concurrency", "contiguous (2048/request): running", "{:d}"),
         ("paged_vs_contiguous_concurrency", "paged / contiguous concurrency", "{:.2f}"),
         ("paged_vs_contiguous_worst_case_concurrency", "  same, uncapped vs 3072/request", "{:.2f}"),
+        ("sliding_window_1024_concurrency", "sliding window 1024: mean running", "{:.1f}"),
+        ("sliding_window_1024_vs_full_concurrency", "  window 1024 / full attention", "{:.2f}"),
         ("parallel_sampling_saving", "parallel sampling saving (fork)", "{:.3f}"),
         ("parallel_sampling_saving_prefix_cache", "parallel sampling saving (prefix cache)", "{:.3f}"),
         ("fork_tree_slots_saved", "fork tree: slots saved", "{:d}"),

@@ -27,10 +27,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence before decoding")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
-    p.add_argument("--prefill-tokens", type=int, default=512, help="tokens in the timed prefill step")
+    p.add_argument("--prefill-tokens", default="512",
+                   help="comma list: prompt lengths of the timed prefills, each measured in this run "
+                        "(e.g. 512,4000,8000: tokens/s nearly flat in the length is the goal)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prefill in steps of this many tokens over the growing cached prefix, as the "
+                        "server's chunked prefill does (0: the whole prompt in one step)")
     p.add_argument("--repeats", type=int, default=3, help="prefill repeats (median reported)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--interference", default="",
+                   help="comma list of per-step token budgets: for each, 4 streams decode (over --context "
+                        "tokens) while a --interference-prompt-token prompt is chunk-prefilled beside them "
+                        "in steps of budget - 4 tokens; reports their step time (inter-token latency) "
+                        "during it against decode alone, and the prompt's prefill time")
+    p.add_argument("--interference-prompt", type=int, default=4000)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--agreement", action="store_true",
@@ -105,23 +116,84 @@ def _decode(runner, batch: int, context: int, steps: int) -> dict:
             "tokens_per_s_best": batch / min(times)}
 
 
-def _prefill(runner, tokens: int, repeats: int) -> dict:
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # Linux: KiB
+
+
+def _prefill(runner, tokens: int, repeats: int, chunk: int = 0) -> dict:
+    """One prompt of `tokens` tokens, in one step or in steps of `chunk`; median of `repeats` after a
+    warm-up. peak_rss_mib: the process's peak resident memory after it (run lengths in rising order:
+    the growth from one length to the next is what a longer prefill costs)."""
     from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
     from chatserve.core.request import SamplingParams
 
     bs = runner.block_size
     table = list(range(-(-tokens // bs)))
     prompt = [(31 * i + 7) % runner.vocab_size for i in range(tokens)]
+    step = chunk if chunk > 0 else tokens
+    params = SamplingParams(temperature=0.0)
     times = []
+    n = 0
     for r in range(repeats + 1):
-        out = SchedulerOutput(r, [ScheduledSeq("p", prompt, 0, table, True, SamplingParams(temperature=0.0))])
         t0 = time.perf_counter()
-        runner.execute(out)
+        for s in range(0, tokens, step):
+            n += 1
+            piece = prompt[s:s + step]
+            runner.execute(SchedulerOutput(n, [ScheduledSeq("p", piece, s, table, s + len(piece) == tokens,
+                                                            params)]))
         if r:                            # first run warms up
             times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    return {"tokens": tokens, "ms_median": med * 1e3, "tokens_per_s": tokens / med,
-            "tokens_per_s_best": tokens / min(times)}
+    return {"tokens": tokens, "chunk": step, "ms_median": med * 1e3, "tokens_per_s": tokens / med,
+            "tokens_per_s_best": tokens / min(times), "peak_rss_mib": _peak_rss_mib()}
+
+
+def _interference(runner, budget: int, context: int, prompt_len: int, streams: int = 4) -> dict:
+    """Step times of `streams` decoding sequences alone, then with a prompt_len-token prompt
+    chunk-prefilled beside them (budget - streams tokens per step, as the scheduler fills a step)."""
+    from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
+    from chatserve.core.request import SamplingParams
+
+    bs = runner.block_size
+    params = SamplingParams(temperature=0.0)
+    per = -(-(context + 4 * prompt_len // max(1, budget - streams) + 64) // bs)
+    tables = [list(range(b * per, (b + 1) * per)) for b in range(streams)]
+    long_table = list(range(streams * per, streams * per + -(-prompt_len // bs)))
+    ctx_prompt = [(17 * i + 5) % runner.vocab_size for i in range(context)]
+    prompt = [(31 * i + 7) % runner.vocab_size for i in range(prompt_len)]
+    step = 0
+    for b in range(streams):                                    # the streams' prompts, untimed
+        step += 1
+        runner.execute(SchedulerOutput(step, [ScheduledSeq(f"s{b}", ctx_prompt, 0, tables[b], True, params)]))
+    pos, last = context, [ctx_prompt[-1]] * streams
+
+    def decode_step(extra: list) -> float:
+        nonlocal step, pos, last
+        step += 1
+        seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params) for b in range(streams)]
+        t0 = time.perf_counter()
+        res = runner.execute(SchedulerOutput(step, seqs + extra))
+        dt = time.perf_counter() - t0
+        pos += 1
+        last = [res.sampled[f"s{b}"] for b in range(streams)]
+        return dt
+
+    for _ in range(2):
+        decode_step([])                                         # warm-up
+    alone = [decode_step([]) for _ in range(16)]
+    chunk = max(1, budget - streams)
+    mixed = []
+    for s in range(0, prompt_len, chunk):
+        piece = prompt[s:s + chunk]
+        mixed.append(decode_step([ScheduledSeq("long", piece, s, long_table, s + len(piece) == prompt_len,
+                                               params)]))
+    base = statistics.median(alone)
+    return {"budget": budget, "streams": streams, "context": context, "prompt": prompt_len,
+            "decode_step_ms_median": base * 1e3, "decode_step_ms_max": max(alone) * 1e3,
+            "mixed_step_ms_median": statistics.median(mixed) * 1e3, "mixed_step_ms_max": max(mixed) * 1e3,
+            "itl_ratio_max": max(mixed) / max(alone), "prompt_prefill_s": sum(mixed)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -138,8 +210,13 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     weights = load_weights(path, "float32", progress=not args.json)
     load_s = time.perf_counter() - t0
+    prefill_lengths = sorted(_parse_list(args.prefill_tokens, int))
     need = max(max(batches) * -(-(args.context + args.steps + 2) // args.block_size),
-               -(-args.prefill_tokens // args.block_size))
+               -(-max(prefill_lengths) // args.block_size))
+    budgets = _parse_list(args.interference, int)
+    for bud in budgets:
+        per = -(-(args.context + 4 * args.interference_prompt // max(1, bud - 4) + 64) // args.block_size)
+        need = max(need, 4 * per - (-args.interference_prompt // args.block_size))
     report: dict = {"model": os.path.basename(path), "threads": threads, "torch": torch.__version__,
                     "cpu": platform.processor() or platform.machine(), "load_s": load_s, "results": []}
     for dtype in _parse_list(args.dtypes):
@@ -147,7 +224,7 @@ def run(args: argparse.Namespace) -> dict:
         runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
                              num_blocks=need, num_threads=threads, weights=weights, progress=False,
                              weight_quant=quant or None)
-        entry: dict = {"dtype": dtype, "decode": [], "prefill": None}
+        entry: dict = {"dtype": dtype, "decode": [], "prefill": []}
         for b in batches:
             entry["decode"].append(_decode(runner, b, args.context, args.steps))
             if not args.json:
@@ -155,11 +232,26 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"{dtype:12s} decode batch {b:3d}: {d['tokens_per_s']:8.1f} tok/s "
                       f"(step {d['step_ms_median']:.1f} ms median, best {d['tokens_per_s_best']:.1f} tok/s)",
                       file=sys.stderr, flush=True)
-        entry["prefill"] = _prefill(runner, args.prefill_tokens, args.repeats)
-        if not args.json:
-            p = entry["prefill"]
-            print(f"{dtype:12s} prefill {p['tokens']} tokens: {p['tokens_per_s']:8.1f} tok/s "
-                  f"({p['ms_median']:.0f} ms)", file=sys.stderr, flush=True)
+        rss0 = _peak_rss_mib()
+        for n in prefill_lengths:
+            p = _prefill(runner, n, args.repeats, args.prefill_chunk)
+            p["vs_shortest"] = p["tokens_per_s"] / (entry["prefill"][0] if entry["prefill"] else p)["tokens_per_s"]
+            p["peak_rss_growth_mib"] = p["peak_rss_mib"] - rss0
+            entry["prefill"].append(p)
+            if not args.json:
+                print(f"{dtype:12s} prefill {n} tokens (steps of {p['chunk']}): {p['tokens_per_s']:8.1f} tok/s "
+                      f"({p['ms_median']:.0f} ms, {p['vs_shortest']:.2f}x the shortest's tok/s, peak RSS "
+                      f"+{p['peak_rss_growth_mib']:.0f} MiB)", file=sys.stderr, flush=True)
+        entry["interference"] = []
+        for bud in budgets:
+            it = _interference(runner, bud, args.context, args.interference_prompt)
+            entry["interference"].append(it)
+            if not args.json:
+                print(f"{dtype:12s} budget {bud}: 4 streams' step {it['decode_step_ms_median']:.1f} ms alone "
+                      f"(max {it['decode_step_ms_max']:.1f}), {it['mixed_step_ms_median']:.1f} ms median / "
+                      f"{it['mixed_step_ms_max']:.1f} max beside a {it['prompt']}-token prefill "
+                      f"({it['itl_ratio_max']:.2f}x); the prompt's prefill {it['prompt_prefill_s']:.2f} s",
+                      file=sys.stderr, flush=True)
         report["results"].append(entry)
         del runner
     return report
@@ -188,6 +280,7 @@ def main(argv: list[str]) -> int:
         for e in report["results"]:
             for d in e["decode"]:
                 print(f"{e['dtype']:14s}{d['batch']:6d}{d['tokens_per_s']:10.1f}{d['step_ms_median']:10.1f}")
-            p = e["prefill"]
-            print(f"{e['dtype']:14s}{'pf' + str(p['tokens']):>6s}{p['tokens_per_s']:10.1f}{p['ms_median']:10.1f}")
+            for p in e["prefill"]:
+                print(f"{e['dtype']:14s}{'pf' + str(p['tokens']):>6s}{p['tokens_per_s']:10.1f}{p['ms_median']:10.1f}"
+                      f"  ({p['vs_shortest']:.2f}x, peak RSS +{p['peak_rss_growth_mib']:.0f} MiB)")
     return 0

@@ -1,20 +1,19 @@
 """Reads a server's Prometheus `/metrics` for the benchmarks: prefix-cache counters, queue and KV gauges.
 
-Not a Prometheus client: a tiny text-format reader that sums each metric over its label sets. Names
-are looked up under `chatserve:` first, then `vllm:`, so the same run can measure either server.
+Parses the exposition text with prometheus_client's own parser and sums each sample name over its
+label sets. Names are looked up under `chatserve:` first, then `vllm:`, so the same run can measure
+either server. Not a scraper for dashboards (Prometheus does that).
 """
 from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 PREFIXES = ("chatserve:", "vllm:")
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 # Gauges that give the count of KV blocks in use / in total. Issue 5 names only
 # kv_cache_usage_perc; these are the block-count gauges the load tool reads when present.
@@ -23,27 +22,22 @@ TOTAL_BLOCKS = ("kv_cache_total_blocks", "num_kv_blocks", "kv_cache_num_blocks",
 
 
 def parse(text: str) -> dict[str, float]:
-    """name -> value summed over label sets; `*_info`-style labels holding numbers are kept as
-    `name{label}` entries too (vLLM reports num_gpu_blocks as a label of cache_config_info)."""
+    """sample name -> value summed over label sets; `*_info` labels holding numbers are kept as
+    `name{label}` entries too (vLLM reports num_gpu_blocks as a label of cache_config_info).
+    Text that is not the exposition format gives {}."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, labels, raw = m.groups()
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        out[name] = out.get(name, 0.0) + value
-        if labels and name.endswith("_info"):
-            for k, v in _LABEL.findall(labels):
-                try:
-                    out[f"{name}{{{k}}}"] = float(v)
-                except ValueError:
-                    pass
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+                if sample.name.endswith("_info"):
+                    for k, v in sample.labels.items():
+                        try:
+                            out[f"{sample.name}{{{k}}}"] = float(v)
+                        except ValueError:
+                            pass
+    except ValueError:
+        return {}
     return out
 
 

@@ -28,6 +28,14 @@ from chatserve.core.prefix_hash import ROOT_HASH, BlockHash, PrefixHasher
 # write again before its next allocate_slots, which performs the CoW. check_integrity() verifies
 # that every block covering [computed, granted) of every live sequence has ref 1 — so no two live
 # sequences can ever write the same block.
+#
+# Sliding window (every layer attends to at most the last W positions): once the next position to
+# compute is c, keys at positions <= c - W are never read again, so a block whose last position is
+# <= c - W leaves the table (its entry becomes DROPPED, the block is released like a freed one and
+# stays findable by hash). Block size 4, W = 6, computed = 11:
+#
+#   positions   0 1 2 3 | 4 5 6 7 | 8 9 10 .     positions <= 5 are out of every window
+#   table       [DROPPED, 2       , 9       ]    block 2 holds 6, 7: still visible
 
 
 @dataclass
@@ -53,6 +61,9 @@ class KVCacheStats:
         return self.allocated_slots - self.filled_slots
 
 
+DROPPED = -1         # a table entry whose block slid out of the window (never read again)
+
+
 class _Seq:
     __slots__ = ("table", "computed", "granted", "hashes", "extra", "shared_extra", "shared_blocks")
 
@@ -72,14 +83,19 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True,
                  watermark: float = 0.01, hash_seed: int | None = None, model_key: str = "",
-                 max_warm_fraction: float | None = 0.5) -> None:
+                 max_warm_fraction: float | None = 0.5, sliding_window: int | None = None) -> None:
+        """sliding_window: the model reads at most this many past positions in every layer
+        (ArchConfig.kv_window); blocks that slide out are released. None keeps every block."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if max_warm_fraction is not None and not 0.0 <= max_warm_fraction <= 1.0:
             raise ValueError(f"max_warm_fraction must be in [0, 1], got {max_warm_fraction}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
@@ -94,6 +110,7 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.cow_copies = 0
+        self.window_drops = 0          # blocks released because they slid out of the window
 
     # ── counts ────────────────────────────────────────────────────────────────────────────────
     @property
@@ -113,8 +130,14 @@ class KVCacheManager:
         return seq_id in self._seqs
 
     def get_block_table(self, seq_id: str) -> list[int]:
-        """A copy of the seq's block table (safe to hand to the runner)."""
-        return list(self._seqs[seq_id].table)
+        """A copy of the seq's block table (safe to hand to the runner). Entries that slid out of the
+        window hold the first live block instead: attention never reads them, and every entry stays a
+        valid block id."""
+        t = self._seqs[seq_id].table
+        if not t or t[0] != DROPPED:
+            return list(t)
+        live = next((b for b in t if b != DROPPED), 0)
+        return [live if b == DROPPED else b for b in t]
 
     def num_computed_tokens(self, seq_id: str) -> int:
         return self._seqs[seq_id].computed
@@ -161,7 +184,7 @@ class KVCacheManager:
                 table.append(b)
                 hashes.append(h)
             refs, take = self.pool.ref_counts, self.pool.take
-            for b in table:
+            for b in table:                     # (all live: the window drops come at commit)
                 if refs[b]:
                     refs[b] += 1                # live block: just one more owner
                 else:
@@ -170,6 +193,8 @@ class KVCacheManager:
         seq.computed = seq.granted = hits
         self.prefix_queries += n
         self.prefix_hits += hits
+        if self.sliding_window is not None:
+            self._drop_out_of_window(seq, self.sliding_window)
         return hits
 
     def _plan(self, seq: _Seq, num_tokens: int) -> tuple[int, list[int]]:
@@ -265,8 +290,12 @@ class KVCacheManager:
         if len(token_ids) < num_computed:
             raise ValueError(f"commit({seq_id!r}): {len(token_ids)} token ids < {num_computed}")
         seq.computed = num_computed
-        if not self.enable_prefix_caching:
-            return
+        if self.enable_prefix_caching:
+            self._hash_full_blocks(seq, token_ids, num_computed)
+        if self.sliding_window is not None:
+            self._drop_out_of_window(seq, self.sliding_window)
+
+    def _hash_full_blocks(self, seq: _Seq, token_ids: Sequence[int], num_computed: int) -> None:
         bs = self.block_size
         full = num_computed // bs
         hashes = seq.hashes
@@ -287,6 +316,17 @@ class KVCacheManager:
                 block_hash[b] = parent
                 hash_to_block[parent] = b
 
+    def _drop_out_of_window(self, seq: _Seq, w: int) -> None:
+        """Release the blocks whose every position is out of the w-token window of the next token."""
+        table = seq.table
+        n = min(len(table), max(0, seq.computed - w + 1) // self.block_size)
+        dropped = [b for b in table[:n] if b != DROPPED]
+        if dropped:
+            for j in range(n):
+                table[j] = DROPPED
+            self.window_drops += len(dropped)
+            self.pool.release(reversed(dropped), False)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every parent block (ref +1) and its computed count. Both lose their write
         grant: each must call allocate_slots (which copies on write) before writing again."""
@@ -296,7 +336,8 @@ class KVCacheManager:
         c = _Seq(p.extra, p.shared_extra, p.shared_blocks)
         take = self.pool.take
         for b in p.table:
-            take(b)
+            if b != DROPPED:
+                take(b)
         c.table = list(p.table)
         c.hashes = list(p.hashes)
         c.computed = c.granted = p.granted = p.computed
@@ -312,7 +353,7 @@ class KVCacheManager:
         max_warm_fraction of the blocks; past it, its oldest blocks are demoted to the LRU tail."""
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
-            self.pool.release(reversed(seq.table), keep_warm)
+            self.pool.release(reversed([b for b in seq.table if b != DROPPED]), keep_warm)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the hashes of all ref-0 blocks. True if the cache is now empty; False if live
@@ -325,7 +366,7 @@ class KVCacheManager:
         used = pool.num_used
         alloc = filled = 0
         for s in self._seqs.values():
-            alloc += len(s.table)
+            alloc += sum(1 for b in s.table if b != DROPPED) if self.sliding_window else len(s.table)
             filled += s.computed
         return KVCacheStats(
             num_blocks=self.num_blocks, free_blocks=pool.num_clean, used_blocks=used,
@@ -348,8 +389,15 @@ class KVCacheManager:
         counts = [0] * self.num_blocks
         for sid, s in self._seqs.items():
             t = s.table
-            assert len(set(t)) == len(t), f"seq {sid!r} holds a block twice: {t}"
-            for b in t:
+            if self.sliding_window is None:
+                live = t
+                assert DROPPED not in t, f"seq {sid!r} has dropped blocks without a window"
+            else:
+                live = [b for b in t if b != DROPPED]
+                edge = max(0, s.computed - self.sliding_window + 1) // bs
+                assert DROPPED not in t[edge:], f"seq {sid!r} dropped a block still in its window"
+            assert len(set(live)) == len(live), f"seq {sid!r} holds a block twice: {t}"
+            for b in live:
                 counts[b] += 1
             assert 0 <= s.computed <= s.granted <= len(t) * bs, \
                 f"seq {sid!r}: computed {s.computed}, granted {s.granted}, capacity {len(t) * bs}"
@@ -361,6 +409,8 @@ class KVCacheManager:
                 assert len(s.hashes) == s.computed // bs, \
                     f"seq {sid!r}: {len(s.hashes)} hashes for {s.computed // bs} full blocks"
                 for j, h in enumerate(s.hashes):
+                    if t[j] == DROPPED:
+                        continue
                     bh = pool.block_hash[t[j]]
                     assert bh is None or bh == h, f"seq {sid!r}: block {t[j]} registered under another hash"
         for b in range(self.num_blocks):

@@ -15,7 +15,7 @@ import chatserve_kernels
 from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
 from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_threads
 from chatserve.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
-from chatserve.runtime.models.llama import LlamaModel
+from chatserve.runtime.models import build_model
 from chatserve.runtime.weights import ArchConfig, LoadedWeights, load_weights, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,8 @@ class ModelRunner:
         if weight_quant == "auto":
             weight_quant = auto_weight_quant(weights, self.device)
         self.weight_quant = weight_quant
-        self.model = LlamaModel(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
-                                weight_quant=weight_quant)
+        self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
+                                 weight_quant=weight_quant)
         del weights
         self.block_size = int(block_size)
         self.kv_cache_dtype = kv_cache_dtype

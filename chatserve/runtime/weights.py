@@ -6,8 +6,6 @@ Not a model: fusing and placing the tensors is the model's job (models/llama.py)
 from __future__ import annotations
 
 import json
-import logging
-import math
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -17,7 +15,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -26,7 +23,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 # GGUF architectures we run, and whether llama.cpp's converter permuted their Q/K rows.
-_GGUF_ARCHS: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": False}
+_GGUF_ARCHS: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
+                                "gemma2": False, "gemma3": False, "phi3": False}
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -38,11 +36,17 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype!r}: use float32, bfloat16 or float16") from None
 
 
+class UnsupportedModelError(ValueError):
+    """A checkpoint chatserve cannot run exactly: an unknown architecture or setting, or tensors the
+    model would leave unused or miss. Its message is one line meant for the operator."""
+
+
 @dataclass(frozen=True)
 class ArchConfig:
-    """Architecture hyperparameters of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, SmolLM2)."""
+    """Architecture hyperparameters of a decoder family (models/: llama, mistral, qwen2, qwen3, gemma2,
+    gemma3, phi3). Family-specific switches default to the plain Llama behaviour."""
 
-    arch: str                       # llama | mistral | qwen2
+    arch: str                       # a key of models.FAMILIES
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -53,11 +57,22 @@ class ArchConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None        # HF form: {"rope_type": "llama3"|"linear", "factor": ..., ...}
+    rope_scaling: dict | None = None        # normalized: {"rope_type": linear|dynamic|yarn|llama3|longrope, ...}
     rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs` (llama3 scaling baked in)
+    partial_rotary_factor: float = 1.0      # Phi-4-mini: only the first 3/4 of each head is rotated
+    local_rope_theta: float | None = None   # Gemma 3: sliding layers' own base (and no scaling)
     tie_word_embeddings: bool = False
-    attention_bias: bool = False            # Q/K/V projections have biases (Qwen2)
-    sliding_window: int | None = None       # Mistral: a token sees the last N positions (itself included)
+    attention_bias: bool = False            # Q/K/V projections have biases (Qwen2; Llama attention_bias)
+    o_bias: bool = False                    # o_proj has a bias (Llama attention_bias)
+    mlp_bias: bool = False                  # gate/up/down have biases (Llama mlp_bias)
+    qk_norm: bool = False                   # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"                # silu | gelu_pytorch_tanh (Gemma's GeGLU)
+    query_pre_attn_scalar: float | None = None   # Gemma: scores scaled by this ** -0.5, not head_dim
+    attn_logit_softcap: float | None = None      # Gemma 2: scores = c·tanh(scores / c)
+    final_logit_softcap: float | None = None     # Gemma 2: logits = c·tanh(logits / c)
+    sliding_window: int | None = None       # a token sees the last N positions (itself included)
+    layer_types: tuple[str, ...] | None = None   # per layer "sliding_attention" | "full_attention";
+                                                 # None: every layer slides when sliding_window is set
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
@@ -69,6 +84,21 @@ class ArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i, None for a full-attention layer."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer keeps (KV older than it is never read again), None if any layer
+        attends globally: the KV cache manager frees blocks only past this."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return None if not windows or None in windows else max(windows)
 
 
 @dataclass
@@ -119,10 +149,39 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gguf_rope(a, arch: str, mpe: int, tensor_shapes: dict) -> dict | None:
+    """RoPE scaling from llama.cpp's keys: linear, yarn, longrope (Phi-3: factor tensors, read later)."""
+    stype = a("rope.scaling.type")
+    orig = a("rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in tensor_shapes:
+        att = a("rope.scaling.attn_factor")
+        return {"rope_type": "longrope", "original_max_position_embeddings": int(orig or mpe),
+                **({} if att is None else {"attention_factor": float(att)})}
+    if stype in (None, "none"):
+        return None
+    factor = a("rope.scaling.factor")
+    if stype == "linear":
+        return normalize_rope_scaling({"rope_type": "linear", "factor": float(factor or 1.0)},
+                                      max_position_embeddings=mpe)
+    if stype == "yarn":
+        if a("rope.scaling.yarn_log_multiplier"):
+            raise UnsupportedModelError("GGUF rope.scaling.yarn_log_multiplier is not supported")
+        d = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(orig or mpe)}
+        for k in ("beta_fast", "beta_slow"):
+            if a(f"rope.scaling.yarn_{k}") is not None:
+                d[k] = float(a(f"rope.scaling.yarn_{k}"))
+        if a("rope.scaling.yarn_attn_factor") not in (None, 1.0):
+            d["attention_factor"] = float(a("rope.scaling.yarn_attn_factor"))
+        return normalize_rope_scaling(d, max_position_embeddings=mpe)
+    raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type {stype!r} is not supported "
+                                f"(linear, yarn, longrope)")
+
+
 def _gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
     arch = str(_field(reader, "general.architecture", "llama"))
     if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported "
+                                    f"(supported: {', '.join(sorted(_GGUF_ARCHS))})")
 
     def a(key: str, default=None):
         return _field(reader, f"{arch}.{key}", default)
@@ -131,32 +190,56 @@ def _gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfi
     heads = int(a("attention.head_count"))
     kv_heads = a("attention.head_count_kv", heads)
     head_dim = int(a("attention.key_length", hidden // heads))
+    layers = int(a("block_count"))
     vocab = a("vocab_size")
     if vocab is None:
         vocab = tensor_shapes["token_embd.weight"][0]
-    scaling = None
-    stype = a("rope.scaling.type")
-    if stype in ("linear",) and a("rope.scaling.factor"):
-        scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
-    elif stype not in (None, "none"):
-        log.warning("GGUF rope scaling %r is not supported; using plain RoPE", stype)
+    mpe = int(a("context_length", 4096))
+    gemma = arch in ("gemma2", "gemma3")
+    window = a("attention.sliding_window")
+    layer_types = None
+    if window and arch == "gemma2":
+        layer_types = tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
+    elif window and arch == "gemma3":
+        pattern = a("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):          # newer llama.cpp: one bool per layer
+            layer_types = tuple("sliding_attention" if p else "full_attention" for p in pattern)
+        else:
+            layer_types = tuple("sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                                for i in range(layers))
+    rot = a("rope.dimension_count")
+    # llama.cpp scales Gemma's queries by 1/sqrt(hidden/heads) for the 27B models (46 and 62 layers)
+    qpas = None
+    if gemma:
+        qpas = float(hidden // heads if layers in (46, 62) else head_dim)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     return ArchConfig(
         arch=arch,
         hidden_size=hidden,
         intermediate_size=int(a("feed_forward_length")),
-        num_layers=int(a("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(kv_heads if not isinstance(kv_heads, list) else kv_heads[0]),
         head_dim=head_dim,
         vocab_size=int(vocab),
-        max_position_embeddings=int(a("context_length", 4096)),
-        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(a("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
+        max_position_embeddings=mpe,
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5)),
+        rope_theta=float(a("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0)),
+        rope_scaling=_gguf_rope(a, arch, mpe, tensor_shapes),
+        partial_rotary_factor=(int(rot) / head_dim) if rot else 1.0,
+        local_rope_theta=10_000.0 if arch == "gemma3" else None,   # llama.cpp's fixed sliding-layer base
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+        o_bias="blk.0.attn_output.bias" in tensor_shapes,
+        mlp_bias="blk.0.ffn_down.bias" in tensor_shapes,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        query_pre_attn_scalar=qpas,
+        attn_logit_softcap=a("attn_logit_softcapping") if gemma else None,
+        final_logit_softcap=a("final_logit_softcapping") if gemma else None,
+        sliding_window=int(window) if window else None,
+        layer_types=layer_types,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
     )
@@ -165,17 +248,21 @@ def _gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfi
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    **{f"attn_{g}.{kind}": f"self_attn.{h}_proj.{kind}" for g, h in
+       (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")) for kind in ("weight", "bias")},
+    **{f"ffn_{n}.{kind}": f"mlp.{n}_proj.{kind}" for n in ("gate", "up", "down") for kind in ("weight", "bias")},
 }
+# names that differ per architecture (Gemma's four norms; Phi-3's fused gate_up stored as ffn_up)
+_GGUF_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+_GGUF_ARCH_LAYER_NAMES["gemma3"] = _GGUF_ARCH_LAYER_NAMES["gemma2"]
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -183,13 +270,15 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor (llama.cpp's names), None for one we do not know."""
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        hf = _GGUF_ARCH_LAYER_NAMES.get(arch, {}).get(rest) or _GGUF_LAYER_NAMES.get(rest)
+        if hf:
+            return f"model.layers.{idx}.{hf}"
     return None
 
 
@@ -222,6 +311,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     permuted = _GGUF_ARCHS[cfg.arch]
     tensors: dict[str, torch.Tensor] = {}
     freq_factors = None
+    long_short: dict[str, list[float]] = {}
+    gemma = cfg.arch in ("gemma2", "gemma3")
     n4 = sum(1 for t in reader.tensors if t.tensor_type.name in ("Q4_0", "Q4_1", "Q4_K"))
     n_matrices = sum(1 for t in reader.tensors if len(t.shape) == 2)
     bar = tqdm(reader.tensors, desc=f"loading {Path(path).name}", unit="tensor",
@@ -234,10 +325,12 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         if t.name == "rope_freqs.weight":
             freq_factors = tuple(float(x) for x in arr.reshape(-1))
             continue
-        hf = gguf_to_hf_name(t.name)
-        if hf is None:
-            log.warning("ignoring GGUF tensor %s", t.name)
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            long_short[t.name.split("_")[2].split(".")[0]] = [float(x) for x in arr.reshape(-1)]
             continue
+        hf = gguf_to_hf_name(t.name, cfg.arch) or t.name     # unknown names fail the exact load later
+        if gemma and t.name.endswith("norm.weight"):
+            arr = arr - 1.0               # llama.cpp stores Gemma's (1 + w); the model adds the 1 back
         if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
             n = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
             arr = unpermute_qk(arr, n)
@@ -245,57 +338,169 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     bar.close()
     if freq_factors is not None:
         cfg = replace(cfg, rope_freq_factors=freq_factors)
+    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "longrope":
+        if set(long_short) != {"long", "short"}:
+            raise UnsupportedModelError("GGUF LongRoPE needs rope_factors_long and rope_factors_short")
+        cfg = replace(cfg, rope_scaling={**cfg.rope_scaling, "long_factor": long_short["long"],
+                                         "short_factor": long_short["short"]})
     return LoadedWeights(cfg, tensors, "gguf", four_bit=n4 * 2 > n_matrices)
 
 
 # ---------------------------------------------------------------------------------------------
 # safetensors + config.json
 
+# HF model_type → our family name (models.FAMILIES)
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+# the keys each RoPE type reads (besides rope_type/type/rope_theta/partial_rotary_factor); any other key
+# is a setting we would silently ignore, so it refuses to load
+ROPE_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "yarn": frozenset({"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                       "truncate", "original_max_position_embeddings"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "longrope": frozenset({"factor", "attention_factor", "short_factor", "long_factor",
+                           "original_max_position_embeddings"}),
+}
+_ROPE_COMMON = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+
+
+def normalize_rope_scaling(d: dict | None, *, max_position_embeddings: int,
+                           original_max_position_embeddings: int | None = None,
+                           phi3: bool = False) -> dict | None:
+    """One RoPE block (legacy `rope_scaling` or transformers-5 `rope_parameters`) → None for plain RoPE
+    or {"rope_type": ..., params}; an unknown type or key raises UnsupportedModelError naming it."""
+    if not d:
+        return None
+    d = dict(d)
+    kind = d.get("rope_type", d.get("type", "default"))
+    if kind == "su" or (phi3 and kind == "yarn"):      # Phi-3's old names (transformers maps them too)
+        kind = "longrope"
+    if kind not in ROPE_KEYS:
+        raise UnsupportedModelError(f"RoPE scaling type {kind!r} is not supported "
+                                    f"(supported: {', '.join(sorted(ROPE_KEYS))})")
+    unknown = sorted(set(d) - _ROPE_COMMON - ROPE_KEYS[kind])
+    if unknown:
+        raise UnsupportedModelError(f"RoPE {kind} setting(s) {', '.join(unknown)} are not supported")
+    if kind == "default":
+        return None
+    out = {k: v for k, v in d.items() if k in ROPE_KEYS[kind]}
+    out["rope_type"] = kind
+    if kind in ("yarn", "llama3", "longrope"):
+        orig = original_max_position_embeddings if phi3 and original_max_position_embeddings else None
+        out["original_max_position_embeddings"] = int(
+            orig or out.get("original_max_position_embeddings") or original_max_position_embeddings
+            or max_position_embeddings)
+    if kind in ("linear", "dynamic", "llama3") and "factor" not in out:
+        raise UnsupportedModelError(f"RoPE {kind} scaling without a factor")
+    if kind == "longrope" and not ("short_factor" in out and "long_factor" in out):
+        raise UnsupportedModelError("RoPE longrope scaling needs short_factor and long_factor")
+    return out
+
+
+def _hf_rope(hf: dict, arch: str) -> tuple[float, dict | None, float, float | None]:
+    """(rope_theta, scaling, partial_rotary_factor, local_rope_theta) from either config form."""
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or None
+    mpe = int(hf.get("max_position_embeddings", 4096))
+    orig = hf.get("original_max_position_embeddings")
+    local_theta = None
+    if arch == "gemma3":
+        full = params.get("full_attention") if "full_attention" in params else None
+        slide = params.get("sliding_attention") if "sliding_attention" in params else None
+        if params and full is None and slide is None:
+            full = params                      # one block for every layer
+        full = dict(full or {})
+        full.update(legacy or {})
+        theta = float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0)))
+        slide = dict(slide or {})
+        local_theta = float(slide.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+        if normalize_rope_scaling(slide, max_position_embeddings=mpe) is not None:
+            raise UnsupportedModelError("RoPE scaling on Gemma 3 sliding layers is not supported")
+        block = full
+    else:
+        block = dict(params)
+        block.update(legacy or {})
+        theta = float(block.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = float(block.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    scaling = normalize_rope_scaling(block, max_position_embeddings=mpe,
+                                     original_max_position_embeddings=orig, phi3=arch == "phi3")
+    return theta, scaling, partial, local_theta
+
+
 def config_from_hf(hf: dict) -> ArchConfig:
-    """ArchConfig from an HF config.json dict (LlamaConfig / MistralConfig / Qwen2Config)."""
+    """ArchConfig from an HF config.json dict of a supported family (HF_MODEL_TYPES)."""
     model_type = hf.get("model_type", "llama")
-    arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
+    arch = HF_MODEL_TYPES.get(model_type)
     if arch is None:
-        raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, qwen2)")
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported "
+                                    f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = hf.get("head_dim") or hidden // heads
-    scaling = hf.get("rope_scaling")
-    if scaling:
-        scaling = dict(scaling)
-        scaling.setdefault("rope_type", scaling.get("type", "default"))
-        if scaling["rope_type"] not in ("default", "linear", "llama3"):
-            log.warning("rope scaling %r is not supported; using plain RoPE", scaling["rope_type"])
-            scaling = None
-        elif scaling["rope_type"] == "default":
-            scaling = None
-    # transformers >= 5 may keep rope_theta inside rope_parameters
-    rope_params = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    if scaling is None and rope_params.get("rope_type") in ("linear", "llama3"):
-        scaling = dict(rope_params)
+    theta, scaling, partial, local_theta = _hf_rope(hf, arch)
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    bias = bool(hf.get("attention_bias", False)) or arch == "qwen2"
-    window = hf.get("sliding_window") if arch == "mistral" else None
-    if arch == "qwen2" and hf.get("use_sliding_window"):
-        log.warning("Qwen2 per-layer sliding windows are not supported; using full attention")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if arch in ("gemma2", "gemma3"):
+        act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise UnsupportedModelError(f"activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    layers = int(hf["num_hidden_layers"])
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if arch in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window"):
+            window, layer_types = None, None
+        elif layer_types is None:
+            mwl = int(hf.get("max_window_layers", layers))
+            layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+    elif arch == "gemma2" and layer_types is None:
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    elif arch == "gemma3" and layer_types is None:
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    elif arch in ("llama",):
+        window, layer_types = None, None
+    if layer_types is not None:
+        bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if bad:
+            raise UnsupportedModelError(f"layer type(s) {', '.join(bad)} are not supported")
+        if len(layer_types) != layers:
+            raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+        layer_types = tuple(layer_types)
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention is not supported (a decoder only)")
+    bias = bool(hf.get("attention_bias", False))
     return ArchConfig(
         arch=arch,
         hidden_size=hidden,
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
         vocab_size=int(hf["vocab_size"]),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(theta),
+        rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bias,
+        partial_rotary_factor=partial,
+        local_rope_theta=local_theta,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma2", "gemma3"))),
+        attention_bias=(bias and arch in ("llama", "qwen3", "gemma2", "gemma3")) or arch == "qwen2",
+        o_bias=bias and arch in ("llama", "qwen3", "gemma2", "gemma3"),
+        mlp_bias=bool(hf.get("mlp_bias", False)) and arch == "llama",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        hidden_act=act,
+        query_pre_attn_scalar=(float(hf.get("query_pre_attn_scalar", 256))
+                               if arch in ("gemma2", "gemma3") else None),
+        attn_logit_softcap=hf.get("attn_logit_softcapping") if arch in ("gemma2", "gemma3") else None,
+        final_logit_softcap=hf.get("final_logit_softcapping") if arch in ("gemma2", "gemma3") else None,
         sliding_window=int(window) if window else None,
+        layer_types=layer_types if window else None,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
@@ -329,30 +534,3 @@ def load_safetensors_dir(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:
         cfg = replace(cfg, tie_word_embeddings=True)
     return LoadedWeights(cfg, tensors, "safetensors")
-
-
-def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim/2] in float64→float32, with linear / llama3 scaling applied."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
-    if cfg.rope_freq_factors is not None:
-        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
-    s = cfg.rope_scaling
-    if not s:
-        return inv
-    kind = s.get("rope_type", s.get("type"))
-    factor = float(s.get("factor", 1.0))
-    if kind == "linear":
-        return inv / factor
-    if kind == "llama3":
-        low = float(s.get("low_freq_factor", 1.0))
-        high = float(s.get("high_freq_factor", 4.0))
-        old_len = float(s.get("original_max_position_embeddings", 8192))
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    return inv

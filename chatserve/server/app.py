@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,7 +24,9 @@ from chatserve.server.auth import APIKeyMiddleware
 from chatserve.server.errors import APIError, error_response
 from chatserve.server.metrics import Metrics
 from chatserve.server.openapi import openapi_schema
-from chatserve.server.ratelimit import RateLimiter
+from chatserve.server.prompt_guard import PromptGuard
+from chatserve.server.ratelimit import RateLimiter, redis_storage
+from chatserve.server.redis_check import RedisCheck
 from chatserve.server.shared_prompts import SharedPrompts
 from chatserve.server.state import ServerState
 
@@ -47,6 +50,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         limit = self.state.config.server.max_body_bytes
+        t0 = time.perf_counter()
         started = False
         status_box = [0]
 
@@ -66,7 +70,7 @@ class GuardMiddleware:
                 if too_big:
                     await error_response(APIError(413, f"request body is over the {limit} byte limit",
                                                   code="request_too_large"))(scope, receive, _send)
-                    self._count(status_box[0])
+                    self._count(scope, status_box[0], t0)
                     return
         seen = 0
 
@@ -91,11 +95,14 @@ class GuardMiddleware:
                 await error_response(APIError(500, "internal server error", type="server_error",
                                               code="internal_error"))(scope, receive, _send)
         finally:
-            self._count(status_box[0])
+            self._count(scope, status_box[0], t0)
 
-    def _count(self, status: int) -> None:
+    def _count(self, scope: Scope, status: int, t0: float) -> None:
         if status and self.state.metrics is not None:
-            self.state.metrics.count_response(status)
+            route = scope.get("route")            # set by starlette's router on a match
+            handler = getattr(route, "path", None) or "other"      # templates only: bounded labels
+            self.state.metrics.count_response(status, handler, scope.get("method", "GET"),
+                                              time.perf_counter() - t0)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -135,7 +142,10 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
     if state.metrics is None:
         state.metrics = Metrics(state.engine, state.model_name)
     if state.rate_limiter is None and (cfg.rate_limit_rpm or cfg.rate_limit_tpm):
-        state.rate_limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
+        state.rate_limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm,
+                                         redis_storage(cfg.redis_url) if cfg.redis_url else None)
+    if state.redis_check is None and cfg.redis_url:
+        state.redis_check = RedisCheck(cfg.redis_url)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -146,6 +156,11 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
             state.vocab_size = _vocab_size(state)
         if state.shared_prompts is None and cfg.shared_system_prompts:
             state.shared_prompts = SharedPrompts(cfg.shared_system_prompts, state.tokenizer)
+        if state.prompt_guard is None:
+            state.prompt_guard = PromptGuard(state.tokenizer, state.max_model_len)
+            state.tokenizer = state.prompt_guard.tokenizer     # big encodes run in its helper process
+        if state.redis_check is not None:
+            await state.redis_check.start()
         for hook in state.startup_hooks:
             await hook()
         try:
@@ -157,6 +172,12 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
                 except Exception:
                     log.exception("shutdown hook failed")
             await state.engine.shutdown(cfg.drain_timeout if state.engine.accepting else 0.0)
+            if state.redis_check is not None:
+                await state.redis_check.stop()
+            if state.rate_limiter is not None:
+                await state.rate_limiter.aclose()
+            if state.prompt_guard is not None:
+                state.prompt_guard.close()
 
     routes: list[Any] = [*openai_routes.routes, *ws.routes,
                          Route("/openapi.json", _openapi, methods=["GET"]), *(extra_routes or [])]

@@ -43,9 +43,8 @@ def precheck(state) -> None:
 
 def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, request_id: str,
            rate_key: str | None = None):
-    """Admission: rate limit, then the engine queue. Raises APIError (400/429/503)."""
-    if state.rate_limiter is not None:
-        state.rate_limiter.charge(rate_key or owner, len(req.prompt_ids) + req.params.max_tokens * req.params.n)
+    """Admission to the engine queue (rate limits were charged by prompt_guard.admit). Raises
+    APIError (400/503)."""
     kwargs = {}
     shared = _shared_prefix_tokens(state, req)
     if shared:

@@ -1,7 +1,17 @@
 """Who is asking: an owner string per request, and the per-owner prefix-cache salt.
 
-"key:<sha256(key)[:16]>" when authenticated by API key, else "browser:<cookie>", else "anonymous".
-Not authentication itself (see auth.py) and not the cookie's issuance (the sessions module).
+"key:<sha256(key)[:16]>" when authenticated by API key, else "browser:<cookie>", else "anonymous"
+(sessions), or for the prefix cache "client:<peer address>". Not authentication itself (see auth.py)
+and not the cookie's issuance (the sessions module).
+
+Why the peer address for keyless callers' caches: a cached prefix shows in `cached_tokens` and in the
+time to first token, so whoever shares another caller's cache can read that caller's prompt 16 tokens
+at a time. The isolation key must be something an attacker cannot choose: an `user` field, a header or
+a fresh cookie are all chosen by the client (anyone can claim the victim's value, or one value for
+every client), while the TCP peer address cannot be forged by a remote caller. X-Forwarded-For counts
+only from proxies named by --forwarded-allow-ips (serve.py). Callers behind one NAT or one untrusted
+proxy still share: give them API keys. Operator-marked system prompts stay shared
+(shared_prompts.py); --share-prefix-cache shares everything.
 """
 from __future__ import annotations
 
@@ -31,12 +41,24 @@ def owner_of(conn: HTTPConnection) -> str:
     return "anonymous"
 
 
+def client_of(conn: HTTPConnection) -> str:
+    """"client:<peer address>": the keyless caller as the connection shows it (see the module doc)."""
+    client = conn.client
+    return f"client:{client.host if client else 'unknown'}"
+
+
 def api_owner_of(conn: HTTPConnection) -> str:
-    """The owner for the plain OpenAI HTTP routes: the API key, else "anonymous" (browser cookies
-    are ignored there: SDKs and curl keep none or mint a new one per request, which would make every
-    request its own owner). The web UI's session routes and the WebSocket use owner_of."""
+    """The prefix-cache owner for the plain OpenAI HTTP routes: the API key, else the client address
+    (browser cookies are ignored there: SDKs and curl keep none or mint a new one per request)."""
     kid = (conn.scope.get("state") or {}).get(SCOPE_KEY_ID)
-    return f"key:{kid}" if kid else "anonymous"
+    return f"key:{kid}" if kid else client_of(conn)
+
+
+def cache_owner_of(conn: HTTPConnection) -> str:
+    """The prefix-cache owner for the WebSocket and the session turns: owner_of, except that a caller
+    with neither key nor cookie is its client address instead of the shared "anonymous"."""
+    owner = owner_of(conn)
+    return client_of(conn) if owner == "anonymous" else owner
 
 
 def rate_key_of(conn: HTTPConnection) -> str:
@@ -48,7 +70,11 @@ def rate_key_of(conn: HTTPConnection) -> str:
     return f"ip:{client.host if client else 'unknown'}"
 
 
-def cache_salt(state, owner: str) -> str:
-    """HMAC-SHA256(session_secret, owner), hex: one owner's cached prefixes never serve another."""
+def cache_salt(state, owner: str) -> str | None:
+    """HMAC-SHA256(session_secret, owner), hex: one owner's cached prefixes never serve another.
+    None (one cache for everyone) when the operator chose --share-prefix-cache."""
+    config = getattr(state, "config", None)
+    if config is not None and config.server.share_prefix_cache:
+        return None
     return hmac.new(state.session_secret, owner.encode("utf-8"), hashlib.sha256).hexdigest()
 

@@ -1,18 +1,38 @@
 """Prometheus metrics under the `chatserve:` prefix, in a per-app CollectorRegistry.
 
-Gauges and counters are read from the engine at scrape time; latency histograms are fed by the
-engine's observer hook. Not the periodic stats line (serve.py).
+Gauges and counters are read from the engine at scrape time; histograms are fed by the engine's
+observer hook (per request, per step) and by the HTTP guard (per response). The names follow vLLM's, so
+a vLLM dashboard works with the prefix swapped. Not the periodic stats line (serve.py).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST      # what generate_latest writes, as prometheus_client names it
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
+                  200000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 120.0, 300.0)
+# engine observation name → (metric name, help, buckets)
+_ENGINE_HISTOGRAMS = {
+    "ttft": ("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+    "itl": ("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS),
+    "e2e": ("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS),
+    "queue": ("request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS),
+    "prefill": ("request_prefill_time_seconds", "First scheduling to first token.", _LATENCY_BUCKETS),
+    "decode": ("request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS),
+    "inference": ("request_inference_time_seconds", "First scheduling to last token.", _LATENCY_BUCKETS),
+    "prompt_tokens": ("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS),
+    "generation_tokens": ("request_generation_tokens", "Generated tokens per sequence.", _TOKEN_BUCKETS),
+    "params_n": ("request_params_n", "The n parameter of each request.", _N_BUCKETS),
+    "iteration_tokens": ("iteration_tokens_total", "Tokens run per engine step.", _TOKEN_BUCKETS),
+}
 
 
 class _EngineCollector:
@@ -58,6 +78,21 @@ class _EngineCollector:
         for reason, count in sorted(s.requests_finished.items()):
             fin.add_metric([self.model, reason], count)
         yield fin
+        info = self._cache_info()
+        g = GaugeMetricFamily("chatserve:cache_config_info", "The KV cache's configuration (value 1).",
+                              labels=list(info))
+        g.add_metric(list(info.values()), 1)
+        yield g
+
+    def _cache_info(self) -> dict[str, str]:
+        e = self.engine
+        cache = getattr(getattr(e, "config", None), "cache", None)
+        return {"block_size": str(getattr(e, "block_size", "")),
+                "num_gpu_blocks": str(getattr(e, "num_blocks", "")),
+                "cache_dtype": str(getattr(getattr(e, "runner", None), "kv_cache_dtype", None)
+                                   or getattr(cache, "kv_cache_dtype", "auto")),
+                "enable_prefix_caching": str(bool(getattr(cache, "enable_prefix_caching", True))),
+                "max_model_len": str(getattr(e, "max_model_len", ""))}
 
 
 class Metrics:
@@ -68,18 +103,13 @@ class Metrics:
         self.registry.register(_EngineCollector(engine, model_name))
         r, lab = self.registry, ["model_name"]
         self._model = model_name
-        self.hist = {
-            "ttft": Histogram("chatserve:time_to_first_token_seconds", "Time to first token.", lab,
-                              buckets=_LATENCY_BUCKETS, registry=r),
-            "itl": Histogram("chatserve:inter_token_latency_seconds", "Time between output tokens.", lab,
-                             buckets=_ITL_BUCKETS, registry=r),
-            "e2e": Histogram("chatserve:e2e_request_latency_seconds", "Arrival to last token.", lab,
-                             buckets=_LATENCY_BUCKETS, registry=r),
-            "queue": Histogram("chatserve:request_queue_time_seconds", "Arrival to first scheduling.", lab,
-                               buckets=_LATENCY_BUCKETS, registry=r),
-        }
-        self.http = Counter("chatserve:http_responses", "HTTP responses by status code.", ["code"],
-                            registry=r)
+        self.hist = {key: Histogram(f"chatserve:{name}", doc, lab, buckets=buckets, registry=r)
+                     for key, (name, doc, buckets) in _ENGINE_HISTOGRAMS.items()}
+        self.http = Counter("chatserve:http_responses", "HTTP responses by status code and route.",
+                            ["code", "handler"], registry=r)
+        self.http_duration = Histogram("chatserve:http_request_duration_seconds",
+                                       "Request start to the end of the response (whole stream).",
+                                       ["handler", "method"], buckets=_HTTP_BUCKETS, registry=r)
         engine.observers.append(self.observe)
 
     def observe(self, name: str, value: float) -> None:
@@ -87,8 +117,12 @@ class Metrics:
         if h is not None:
             h.labels(self._model).observe(max(0.0, value))
 
-    def count_response(self, status: int) -> None:
-        self.http.labels(str(status)).inc()
+    def count_response(self, status: int, handler: str = "other", method: str = "GET",
+                       seconds: float | None = None) -> None:
+        """One finished HTTP response. `handler`: the matched route's path template (bounded)."""
+        self.http.labels(str(status), handler).inc()
+        if seconds is not None:
+            self.http_duration.labels(handler, method).observe(max(0.0, seconds))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,11 +19,10 @@ from chatserve.server.chat_service import (collect_chat, collect_completion, pre
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.identity import api_owner_of, rate_key_of
 from chatserve.server.metrics import CONTENT_TYPE
+from chatserve.server.prompt_guard import admit, check_text_size
 from chatserve.server.protocol import (get_bool, normalize_messages, parse_chat_body,
                                        parse_completion_body, parse_token_ids)
 from chatserve.server.state import ServerState
-
-BIG_PROMPT_CHARS = 32_768        # above this, tokenize in a worker thread (keeps the loop responsive)
 
 
 def state_of(request: Request) -> ServerState:
@@ -39,13 +38,6 @@ async def _generation_body(request: Request) -> dict:
     body = await _body(request)
     precheck(state_of(request))          # overloaded: refuse before tokenizing
     return body
-
-
-async def _parse(fn, body: dict, st: ServerState):
-    if (len(str(body.get("messages") or body.get("prompt") or "")) > BIG_PROMPT_CHARS
-            or body.get("response_format") or body.get("tools")):   # grammar compiles off the event loop
-        return await asyncio.to_thread(fn, body, st)
-    return fn(body, st)
 
 
 async def _drop_usage(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -85,7 +77,7 @@ async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], co
 async def _generation(request: Request, parse, stream, collect) -> Response:
     """Parse the body, then stream SSE chunks or answer once with the folded chunks."""
     st = state_of(request)
-    req = await _parse(parse, await _generation_body(request), st)
+    req = await admit(st, await _generation_body(request), parse, rate_key=rate_key_of(request))
     chunks = stream(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
@@ -115,6 +107,10 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     st = state_of(request)
     if getattr(st.engine, "ready", False):
+        # Redis down or refusing our password: still serving (sessions kept in process, rate limits
+        # per process), so 200, but the body says what is degraded and why (no host or password).
+        if st.redis_check is not None and not st.redis_check.ok:
+            return JSONResponse({"status": "degraded", "model": st.model_name, **st.redis_check.ready_info()})
         return JSONResponse({"status": "ready", "model": st.model_name})
     why = "draining" if not getattr(st.engine, "accepting", True) else "loading"
     return JSONResponse({"status": why}, status_code=503, headers={"Retry-After": "5"})
@@ -123,6 +119,7 @@ async def ready(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     st = state_of(request)
     body = await _body(request)
+    check_text_size(st, body)
     if "messages" in body:
         msgs = normalize_messages(body["messages"])
         try:

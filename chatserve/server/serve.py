@@ -76,6 +76,12 @@ def build_parser(env: EngineConfig) -> argparse.ArgumentParser:
       help="tokens (prompt + max_tokens × n) per minute per key; 0 = off")
     a("--shared-system-prompt", action="append", default=None, metavar="TEXT",
       help="a system prompt whose prefix cache is shared across owners (repeatable)")
+    a("--share-prefix-cache", action="store_true", default=v.share_prefix_cache,
+      help="one prefix cache for every caller (off: each API key, browser and keyless client address "
+           "gets its own; cached_tokens and TTFT would otherwise reveal other callers' prompts)")
+    a("--forwarded-allow-ips", default=None, metavar="IPS",
+      help="trust X-Forwarded-For from these proxy addresses (comma-separated, or '*'); "
+           "default: trust none, the peer address is the client")
     a("--redis-url", default=v.redis_url, help="persist chat sessions in Redis (default: in-process)")
     a("--drain-timeout", type=float, default=v.drain_timeout)
     a("--stream-timeout", type=float, default=v.stream_timeout)
@@ -111,7 +117,8 @@ def config_from_args(args: argparse.Namespace, env: EngineConfig) -> EngineConfi
                        redis_url=args.redis_url, drain_timeout=args.drain_timeout,
                        stream_timeout=args.stream_timeout, max_body_bytes=args.max_body_bytes,
                        stats_interval=args.stats_interval, rate_limit_rpm=args.rate_limit_rpm,
-                       rate_limit_tpm=args.rate_limit_tpm, tool_call_parser=args.tool_call_parser),
+                       rate_limit_tpm=args.rate_limit_tpm, share_prefix_cache=args.share_prefix_cache,
+                       tool_call_parser=args.tool_call_parser),
     )
 
 
@@ -127,7 +134,7 @@ def served_name(cfg: EngineConfig) -> str:
     return base
 
 
-def banner(cfg: EngineConfig, engine, name: str, load_s: float) -> str:
+def banner(cfg: EngineConfig, engine, name: str, load_s: float, redis_line: str | None = None) -> str:
     r = engine.runner
     kv_dtype = getattr(r, "kv_cache_dtype", "auto")
     if kv_dtype == "auto":                        # the cache takes the model's dtype
@@ -158,6 +165,7 @@ def banner(cfg: EngineConfig, engine, name: str, load_s: float) -> str:
         f"  metrics    {base}/metrics",
         f"  auth       {len(cfg.server.api_keys)} API key(s)" if cfg.server.api_keys else "  auth       none (open)",
         f"  sessions   {sessions}",
+        *([redis_line] if redis_line else []),
         "",
     ]
     return "\n".join(lines)
@@ -195,12 +203,45 @@ class StatsLine:
             prev, t_prev = s, now
 
 
+async def warm_tokenizer_process(state) -> None:
+    """Spawn the prompt guard's tokenizer process in the background, not at the first big prompt."""
+    proc = getattr(state.prompt_guard, "process", None)
+    if proc is not None:
+        asyncio.get_running_loop().run_in_executor(None, proc.start)
+
+
 def exit_reserve(drain_timeout: float) -> float:
     """Seconds of the drain timeout kept for closing sockets and exiting (at most 1 s, a quarter)."""
     return min(1.0, 0.25 * max(0.0, drain_timeout))
 
 
-def make_server(app, cfg: EngineConfig, engine):
+def set_nodelay(transport) -> None:
+    """TCP_NODELAY on an accepted connection: without it Nagle's algorithm holds a small write (the
+    body after the headers, an SSE event) until the client's delayed ACK, ~40 ms on a kept-alive one."""
+    import socket
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+def nodelay_http_protocol():
+    """uvicorn's HTTP protocol with TCP_NODELAY set when a connection is accepted (a WebSocket
+    upgrade keeps the connection, so it has it too). asyncio sets it itself only for sockets created
+    with proto=IPPROTO_TCP, and uvicorn's bind_socket creates them with proto 0."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            set_nodelay(transport)
+            super().connection_made(transport)
+
+    return NoDelayHTTPProtocol
+
+
+def make_server(app, cfg: EngineConfig, engine, forwarded_allow_ips: str | None = None):
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -237,9 +278,14 @@ def make_server(app, cfg: EngineConfig, engine):
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
 
+    # X-Forwarded-For is believed only from the proxies named by --forwarded-allow-ips: the client
+    # address is a cache-isolation identity for keyless callers (identity.py), so it must not be
+    # something any local process can claim (uvicorn would trust 127.0.0.1 by default).
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level="warning",
                             ws_max_size=cfg.server.max_body_bytes + 4096, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=15, access_log=False)
+                            timeout_keep_alive=15, access_log=False, http=nodelay_http_protocol(),
+                            proxy_headers=bool(forwarded_allow_ips),
+                            forwarded_allow_ips=forwarded_allow_ips or None)
     return DrainingServer(config)
 
 
@@ -294,9 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     stats = StatsLine(engine, cfg.server.stats_interval)
     state.startup_hooks.append(stats.start)
     state.shutdown_hooks.append(stats.stop)
+    state.startup_hooks.append(lambda: warm_tokenizer_process(state))
+    if cfg.server.redis_url:
+        from chatserve.server.redis_check import RedisCheck
+        state.redis_check = RedisCheck(cfg.server.redis_url)
+        state.redis_check.check_sync()      # a wrong password shows here, not at the first chat
     app = build_app(state)
-    print(banner(cfg, engine, name, time.perf_counter() - t0), flush=True)
-    server = make_server(app, cfg, engine)
+    print(banner(cfg, engine, name, time.perf_counter() - t0,
+                 state.redis_check.banner_line() if state.redis_check else None), flush=True)
+    server = make_server(app, cfg, engine, args.forwarded_allow_ips)
     server.run(sockets=[listener(server.config, args.socket_send_buffer)])
     print("[chatserve] stopped", flush=True)
     if server.draining:

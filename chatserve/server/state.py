@@ -24,6 +24,8 @@ class ServerState:
     vocab_size: int | None = None
     rate_limiter: Any = None              # chatserve.server.ratelimit.RateLimiter (None = off)
     shared_prompts: Any = None            # chatserve.server.shared_prompts.SharedPrompts (None = off)
+    prompt_guard: Any = None              # chatserve.server.prompt_guard.PromptGuard (set at startup)
+    redis_check: Any = None               # chatserve.server.redis_check.RedisCheck (with --redis-url)
     started_at: float = field(default_factory=time.time)
     # extra WebSocket message types: type → async fn(state, msg, owner, request_id) -> AsyncIterator[dict]
     ws_handlers: dict[str, Callable[..., Any]] = field(default_factory=dict)

@@ -19,7 +19,8 @@ from chatserve.server.auth import WS_PROTOCOL
 from chatserve.server.body import parse_json_bytes
 from chatserve.server.chat_service import stream_chat, stream_completion
 from chatserve.server.errors import APIError
-from chatserve.server.identity import owner_of, rate_key_of
+from chatserve.server.identity import cache_owner_of, owner_of, rate_key_of
+from chatserve.server.prompt_guard import admit
 from chatserve.server.protocol import new_id, parse_chat_body, parse_completion_body
 
 log = logging.getLogger("chatserve.ws")
@@ -30,7 +31,8 @@ MAX_CLIENT_ID = 128
 class _Socket:
     def __init__(self, ws: WebSocket, state) -> None:
         self.ws, self.state = ws, state
-        self.owner = owner_of(ws)          # browsers: per-cookie cache isolation
+        self.owner = owner_of(ws)          # sessions (extension handlers)
+        self.cache_owner = cache_owner_of(ws)   # prefix cache: per key, per browser, else per client
         self.rate_key = rate_key_of(ws)
         self.tasks: dict[str, asyncio.Task] = {}
         self.lock = asyncio.Lock()
@@ -50,15 +52,16 @@ class _Socket:
     async def error(self, cid: Any, err: APIError) -> None:
         await self.send({"id": cid, "type": "error", "status": err.status, **err.to_dict()})
 
-    def chunks_for(self, cid: str, kind: str, msg: dict) -> AsyncIterator[dict]:
+    async def chunks_for(self, cid: str, kind: str, msg: dict) -> AsyncIterator[dict]:
         body = {k: v for k, v in msg.items() if k not in ("id", "type")}
         rid = new_id("chatcmpl" if kind == "chat.completions" else "cmpl")
         if kind == "chat.completions":
-            req = parse_chat_body(body, self.state)
-            return stream_chat(self.state, req, owner=self.owner, request_id=rid, rate_key=self.rate_key)
+            req = await admit(self.state, body, parse_chat_body, rate_key=self.rate_key)
+            return stream_chat(self.state, req, owner=self.cache_owner, request_id=rid,
+                               rate_key=self.rate_key)
         if kind == "completions":
-            req = parse_completion_body(body, self.state)
-            return stream_completion(self.state, req, owner=self.owner, request_id=rid,
+            creq = await admit(self.state, body, parse_completion_body, rate_key=self.rate_key)
+            return stream_completion(self.state, creq, owner=self.cache_owner, request_id=rid,
                                      rate_key=self.rate_key)
         handler = self.state.ws_handlers.get(kind)
         if handler is None:
@@ -68,7 +71,7 @@ class _Socket:
     async def run(self, cid: str, kind: str, msg: dict) -> None:
         chunks = None
         try:
-            chunks = self.chunks_for(cid, kind, msg)
+            chunks = await self.chunks_for(cid, kind, msg)
             async for c in chunks:
                 if "error" in c:
                     status = 503 if c["error"].get("code") == "shutting_down" else 500
@@ -138,8 +141,30 @@ def _cid_of(raw: Any) -> Any:
         return None
 
 
+def origin_allowed(ws: WebSocket, allowed: tuple[str, ...]) -> bool:
+    """Browsers always send Origin on a WebSocket handshake and cannot forge it; without a check any web
+    page could drive the model (and, keyless, a visitor's chats) through its visitors' browsers.
+    Allowed: no Origin (not a browser), the server's own origin (Origin's host:port = Host), or one
+    of the operator's trusted origins (--cors-origin)."""
+    origin = ws.headers.get("origin")
+    if origin is None:
+        return True
+    origin = origin.strip().rstrip("/").lower()
+    if origin in {o.rstrip("/").lower() for o in allowed} or "*" in allowed:
+        return True
+    host = (ws.headers.get("host") or "").strip().lower()
+    scheme, sep, netloc = origin.partition("://")
+    if not sep or scheme not in ("http", "https") or not host:
+        return False
+    default = {"http": ":80", "https": ":443"}[scheme]
+    return netloc == host or netloc + default == host or netloc == host + default
+
+
 async def ws_endpoint(ws: WebSocket) -> None:
     state = ws.app.state.chatserve
+    if not origin_allowed(ws, tuple(state.config.server.cors_origins)):
+        await ws.close(code=1008, reason="origin not allowed")
+        return
     offered = ws.scope.get("subprotocols") or []
     await ws.accept(subprotocol=WS_PROTOCOL if WS_PROTOCOL in offered else None)
     sock = _Socket(ws, state)

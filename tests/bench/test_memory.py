@@ -28,6 +28,8 @@ def test_run_reports_every_key_with_plausible_values():
     assert r["parallel_sampling_saving_prefix_cache"] == pytest.approx(1 - (63 + 8 * 9) * 16 / 9216)
     assert r["fork_tree_slots_saved"] > 0 and 0 < r["fork_tree_saving"] < 1
     assert r["paged_concurrency"] > r["contiguous_concurrency"] == 4
+    # releasing blocks behind a 1024-token window lets more long requests run at once
+    assert r["sliding_window_1024_vs_full_concurrency"] > 1.0
     assert r["append_us"] > 0 and r["match_us"] > 0 and r["free_us"] > 0
     assert set(r["goals_met"]) == set(memory.GOALS)
 
@@ -46,3 +48,4 @@ def test_main_json_and_table(capsys, monkeypatch):
     assert memory.main(["--requests", "20"]) == 0
     table = capsys.readouterr().out
     assert "internal waste, block 16" in table and "µs per append" in table
+    assert "sliding window 1024" in table

@@ -355,3 +355,35 @@ def test_check_integrity_catches_two_writers_and_bad_refs():
         m.check_integrity()
     m.pool.ref_counts[0] -= 1
 
+
+
+def test_sliding_window_releases_blocks_that_left_every_window():
+    # block size 4, window 6: after computing c tokens, positions <= c - 6 are never read again
+    m = mgr(num_blocks=8, sliding_window=6)
+    toks = list(range(10))
+    prefill(m, "a", toks)                              # c = 10: positions 0..4 out → block 0 (0..3) goes
+    t = m.get_block_table("a")
+    assert m.window_drops == 1 and m.num_free_blocks == 8 - 2
+    assert t[0] == t[1] and len(t) == 3                # the dropped entry points at a live block
+    for tok in range(10, 14):                          # c = 14: positions 0..8 out → block 1 goes too
+        decode(m, "a", toks, tok)
+    assert m.window_drops == 2 and m.num_free_blocks == 8 - 2
+    assert m.stats().allocated_slots == 2 * 4
+    m.free("a")
+    assert m.num_free_blocks == 8
+
+
+def test_sliding_window_dropped_blocks_still_serve_prefix_hits():
+    m = mgr(num_blocks=8, sliding_window=6)
+    toks = list(range(13))
+    prefill(m, "a", toks)                              # drops block 0 (hashed, stays cached)
+    m.free("a")
+    assert prefill(m, "b", list(range(13))) == 12      # the whole chain matches again
+    assert m.window_drops == 4                         # a and b each dropped blocks 0 and 1
+
+
+def test_without_a_window_nothing_is_dropped():
+    m = mgr(num_blocks=8)
+    toks = list(range(30))
+    prefill(m, "a", toks)
+    assert m.window_drops == 0 and len(set(m.get_block_table("a"))) == 8

@@ -178,3 +178,14 @@ def test_interpolation_only_known_forms():
         body = body.replace("$$", "")
         for m in re.finditer(r"\$(\{[^}]*\}|\w+)?", body):
             assert re.fullmatch(r"\$\{\w+(:[-?][^}]*)?\}", m.group(0)), (name, m.group(0))
+
+
+def test_keyless_api_stays_on_loopback_and_grafana_password_from_env(svc):
+    """Issue 14 items 3 and 8: the published API binds 127.0.0.1 unless the operator says otherwise,
+    keys come from .env, and Grafana's admin password must be set there (no admin/admin)."""
+    ports = [str(p) for p in svc["proxy"]["ports"]]
+    assert ports and all(p.startswith("${CHATSERVE_BIND:-127.0.0.1}:") for p in ports), ports
+    for name in REPLICAS:
+        assert _env(svc[name])["CHATSERVE_API_KEYS"].startswith("${CHATSERVE_API_KEYS")
+    pw = _env(svc["grafana"])["GF_SECURITY_ADMIN_PASSWORD"]
+    assert pw.startswith("${GRAFANA_ADMIN_PASSWORD:?"), pw

@@ -129,6 +129,39 @@ async def _messages(url: str, sid: str, cookies) -> list[dict]:
         return r.json()["messages"]
 
 
+# Spellings of /metrics a client might send past the proxy; the replica decodes %XX before routing,
+# so /%6detrics is /metrics there (issue 14 item 7).
+METRICS_SPELLINGS = ["/metrics", "/%6detrics", "/%6D%65trics", "/%6d%65%74%72%69%63%73", "//metrics",
+                     "///metrics", "/./metrics", "/x/../metrics", "/%2e/metrics", "/%2Fmetrics",
+                     "/METRICS", "/Metrics", "/%4Detrics", "/metrics/", "/metrics?x=1", "/metrics;x"]
+
+
+def _raw_get(port: int, path: str) -> tuple[int, str]:
+    """GET with the path sent exactly as written (no client-side normalisation)."""
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read().decode("utf-8", "replace")
+    finally:
+        c.close()
+
+
+def test_proxy_refuses_every_spelling_of_metrics(topology):
+    proxy, reps = topology["proxy"], topology["replicas"]
+    # the encoded form is a real bypass without the proxy: a replica serves its metrics for it
+    status, text = _raw_get(reps["replica1"]["port"], "/%6detrics")
+    assert status == 200 and "chatserve:" in text
+    for path in METRICS_SPELLINGS:
+        status, text = _raw_get(proxy.port, path)
+        assert status == 404, (path, status)
+        assert "chatserve:" not in text, path
+    # everything else still passes
+    assert _raw_get(proxy.port, "/health")[0] == 200
+    assert _raw_get(proxy.port, "/v1/models")[0] == 200
+
+
 async def test_session_affinity_prefix_hits_and_failover(topology):
     proxy, reps = topology["proxy"], topology["replicas"]
     system = "You are a careful assistant. " * 12

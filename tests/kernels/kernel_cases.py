@@ -81,8 +81,10 @@ def make_case(query_lens: list[int], seq_lens: list[int], *, q_heads: int, kv_he
     return PagedCase(q, k, v, ks, vs, meta, tables, head_dim ** -0.5)
 
 
-def dense_reference(case: PagedCase, sliding_window: int | None = None) -> torch.Tensor:
-    """softmax(q kᵀ · scale) v in float64 on each sequence's gathered, contiguous (dequantized) K/V."""
+def dense_reference(case: PagedCase, sliding_window: int | None = None,
+                    logit_softcap: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v in float64 on each sequence's gathered, contiguous (dequantized) K/V
+    (scores soft-capped to c·tanh(s / c) with logit_softcap c)."""
     q, meta = case.q, case.meta
     bs = case.k_cache.shape[1]
     hq, hkv = q.shape[1], case.k_cache.shape[2]
@@ -97,6 +99,8 @@ def dense_reference(case: PagedCase, sliding_window: int | None = None) -> torch
         v = v.repeat_interleave(hq // hkv, dim=1)
         qb = q[start:start + ql].cpu().double()                               # [ql, hq, D]
         s = torch.einsum("qhd,khd->hqk", qb, k) * case.scale                  # [hq, ql, sl]
+        if logit_softcap:
+            s = torch.tanh(s / logit_softcap) * logit_softcap
         qpos = torch.arange(sl - ql, sl)[:, None]
         mask = pos[None, :] <= qpos
         if sliding_window:

@@ -1,7 +1,8 @@
 """The C decode kernel (kernels/cpu_attention.c) against the torch twin and the dense oracle.
 
 Grid: fp32/bf16, block sizes 8/16/32, GQA ratios 1-8, head dims 32-128, ragged lengths, sliding
-windows, decode rows mixed with prefill chunks (which it must leave alone), 1 and 2 threads.
+windows, long contexts split across threads, decode rows mixed with prefill chunks (which it must
+leave alone), 1 and 2 threads.
 """
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ GRID = [
     ([5, 1, 20], [37, 9, 20], 9, 3, 64, 16, BF16, None),
     ([1, 33, 1], [40, 33, 16], 8, 2, 128, 32, F32, None),
     ([12, 1], [40, 17], 6, 2, 64, 16, BF16, 9),
+    # long contexts: at 2 threads split across threads (split-K, blocks never shared) and merged
+    ([1], [1500], 9, 3, 64, 16, F32, None),
+    ([1, 1], [1100, 40], 8, 2, 64, 16, BF16, None),
+    ([1], [900], 9, 3, 64, 16, F32, 300),
+    ([1, 1, 1], [700, 1, 2001], 6, 1, 32, 8, F32, None),
+    ([1, 30, 1], [1037, 30, 530], 9, 3, 64, 16, BF16, 257),
 ]
 
 
@@ -63,7 +70,7 @@ def test_kernel_matches_twin_and_dense(c, threads):
                                     sliding_window=window, cpu_decode=True)
     finally:
         torch.set_num_threads(before)
-    case.meta.scratch.clear()
+    case.meta.plans.clear()
     twin = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
                                  sliding_window=window)
     assert got.dtype == dt and got.shape == case.q.shape

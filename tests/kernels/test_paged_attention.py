@@ -130,3 +130,35 @@ def test_twin_batches_short_chunks_in_one_set_of_ops(dt, window, monkeypatch):
                                 sliding_window=window)
     assert calls == {"batch": 1, "single": 1}          # 16, 3 and 9 together; the 70-token chunk alone
     assert_close(got, dense_reference(case, window), dt, TOL_DENSE)
+
+
+# (query_lens, seq_lens, q_heads, kv_heads, head_dim, block_size, kv_cache_dtype, window, num_splits)
+EXTEND_SPLITS = [
+    ([5, 1, 20], [137, 90, 20], 9, 3, 64, 16, "auto", None, 3),   # split boundaries mid-block, a decode row
+    ([4], [300], 8, 2, 64, 8, "int8", None, 4),
+    ([6, 3], [200, 71], 6, 2, 64, 16, "auto", 40, 5),              # a window: some splits see nothing
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("c", EXTEND_SPLITS, ids=[f"q{c[0]}-s{c[1]}-{c[6]}-w{c[7]}-x{c[8]}" for c in EXTEND_SPLITS])
+def test_extend_split_k_triton_matches_twin(c):
+    # short chunks over long prefixes: the keys cut into splits, merged by log-sum-exp
+    qls, sls, hq, hkv, d, bs, kvd, window, splits = c
+    ea = importlib.import_module("chatserve_kernels.extend_attention")
+    case = make_case(qls, sls, q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs, dtype=F32,
+                     kv_cache_dtype=kvd)
+    m = case.meta
+    out = torch.full_like(case.q, 7.0)
+    ea.extend_attention_triton(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
+                               m.query_start_loc, m.max_query_len, case.scale, out, **case.kwargs(),
+                               sliding_window=window, skip_decode=True, num_splits=splits,
+                               max_seq_len=m.max_seq_len)
+    want = paged_attention_torch(case.q, case.k_cache, case.v_cache, m, case.scale, sliding_window=window,
+                                 **case.kwargs())
+    rows = torch.cat([torch.arange(s, s + ql) for s, ql in zip(m.query_start_loc.tolist(), qls) if ql > 1])
+    assert_close(out[rows], want[rows], F32)
+    decode_rows = [s for s, ql in zip(m.query_start_loc.tolist(), qls) if ql == 1]
+    assert bool((out[decode_rows] == 7.0).all())                   # decode rows left alone
+    assert ea.choose_extend_splits(3, 16384, 16, torch.device("cpu")) > 1
+    assert ea.choose_extend_splits(3, 16384, 4000, torch.device("cpu")) == 1

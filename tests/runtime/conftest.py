@@ -1,5 +1,5 @@
-"""Shared runtime fixtures: the default model loaded once per session (ours and transformers' twin
-on the same dequantized weights), tiny random checkpoints, and a contiguous-cache forward helper."""
+"""Shared runtime fixtures: the default model loaded once per session (ours, and transformers' own
+load of the same GGUF), tiny random checkpoints, and a contiguous-cache forward helper."""
 from __future__ import annotations
 
 import time
@@ -20,47 +20,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def hf_config(cfg, **extra):
-    """transformers config built from an ArchConfig (the oracle model's shape)."""
-    transformers = pytest.importorskip("transformers")
-    kw = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-              num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
-              rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-              tie_word_embeddings=cfg.tie_word_embeddings,
-              max_position_embeddings=cfg.max_position_embeddings, **extra)
-    if cfg.rope_scaling:
-        kw["rope_scaling"] = dict(cfg.rope_scaling)
-    if cfg.arch == "qwen2":
-        kw.pop("head_dim")
-        return transformers.Qwen2Config(**kw)
-    if cfg.arch == "mistral":
-        return transformers.MistralConfig(sliding_window=cfg.sliding_window, **kw)
-    return transformers.LlamaConfig(attention_bias=cfg.attention_bias, **kw)
-
-
-def hf_model(cfg, tensors: dict[str, torch.Tensor]):
-    transformers = pytest.importorskip("transformers")
-    c = hf_config(cfg)
-    cls = {"qwen2": transformers.Qwen2ForCausalLM, "mistral": transformers.MistralForCausalLM}.get(
-        cfg.arch, transformers.LlamaForCausalLM)
-    torch.manual_seed(0)
-    m = cls(c).eval().float()
-    state = {k: v.float() for k, v in tensors.items()}
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing, unexpected = m.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all("rotary" in k for k in missing), missing
-    return m
-
-
-@pytest.fixture(scope="session")
-def hf_oracle() -> Callable:
-    """hf_oracle(arch_config, tensors) → transformers model on the same weights (fp32, eval)."""
-    return hf_model
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +48,21 @@ def default_model(default_weights):
 
 
 @pytest.fixture(scope="session")
-def default_hf(default_weights):
-    return hf_model(default_weights.config, default_weights.tensors)
+def default_hf(default_path):
+    """transformers' own GGUF parsing (config and dequantized, un-permuted tensors) of the default
+    model in its Llama class (fp32, eager): the reference shares nothing with chatserve's loading."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    cfg = load_gguf_checkpoint(default_path, return_tensors=False)["config"]
+    config = transformers.AutoConfig.for_model(**cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          dtype=torch.float32)
+    tensors = load_gguf_checkpoint(default_path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()},
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
 
 
 @pytest.fixture(scope="session")
@@ -111,17 +83,12 @@ def contiguous_forward() -> Callable:
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, str]:
-    """Tiny random Llama and Qwen2 (QKV bias, tied embeddings) checkpoints, without tokenizer files."""
+    """Tiny random Llama and Qwen2 (QKV bias, tied embeddings) checkpoints, without tokenizer files
+    (runner and scheduler tests; every family against transformers: test_families_vs_hf.py)."""
     from chatserve.runtime.tiny import make_tiny_model
     root = tmp_path_factory.mktemp("tiny")
     return {
         "llama": make_tiny_model(root / "llama", "llama", seed=1, tokenizer=False),
         "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=2, tokenizer=False,
                                  tie_word_embeddings=True),
-        "llama3": make_tiny_model(root / "llama3", "llama", seed=3, tokenizer=False,
-                                  rope_theta=500000.0, max_position_embeddings=4096,
-                                  rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                "original_max_position_embeddings": 64}),
-        "mistral": make_tiny_model(root / "mistral", "mistral", seed=4, tokenizer=False, sliding_window=24),
     }

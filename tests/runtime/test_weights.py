@@ -3,14 +3,12 @@ config parsing (RoPE scaling, bias, tied embeddings), dtypes, and the default mo
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from chatserve.runtime.weights import (ArchConfig, config_from_hf, load_weights, rope_inv_freq,
-                                       unpermute_qk)
+from chatserve.runtime.weights import UnsupportedModelError, config_from_hf, load_weights, unpermute_qk
 from chatserve.runtime.tiny import make_tiny_model, random_weights, tiny_config
 
 gguf = pytest.importorskip("gguf")
@@ -139,21 +137,6 @@ def test_gguf_every_quant_type_and_qk_permutation(tmp_path):
         assert corr > 0.99
 
 
-def test_gguf_f32_model_matches_transformers(tmp_path, hf_oracle, contiguous_forward):
-    from chatserve.runtime.models.llama import LlamaModel
-    cfg = tiny_config("llama", **GGUF_CFG)
-    w = random_weights(cfg, seed=6)
-    write_tiny_gguf(tmp_path / "m.gguf", cfg, w, {})
-    got = load_weights(tmp_path / "m.gguf", progress=False)
-    model = LlamaModel(got.config, got.tensors)
-    ref = hf_oracle(config_from_hf(cfg), w)
-    ids = list(range(3, 40))
-    with torch.inference_mode():
-        expect = ref(torch.tensor([ids])).logits[0]
-    ours = contiguous_forward(model, ids)
-    assert float((ours - expect).abs().max() / expect.abs().max()) < 1e-4
-
-
 def test_default_model_config_and_load_time(default_weights):
     c = default_weights.config
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size, c.hidden_size) == \
@@ -222,23 +205,30 @@ def test_hf_config_parsing():
     assert m.arch == "mistral" and m.head_dim == 64 // 4
 
 
-def test_llama3_rope_frequencies_match_transformers():
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    hf = transformers.LlamaConfig(hidden_size=2048, num_attention_heads=32, rope_theta=500000.0,
-                                  rope_scaling=scaling, max_position_embeddings=131072)
-    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
-    ours = rope_inv_freq(ArchConfig(arch="llama", hidden_size=2048, intermediate_size=1, num_layers=1,
-                                    num_heads=32, num_kv_heads=8, head_dim=64, vocab_size=1,
-                                    max_position_embeddings=131072, rope_theta=500000.0,
-                                    rope_scaling=scaling))
-    assert torch.allclose(ours, ref.float(), rtol=1e-6)
-
-
 def test_unsupported_paths_fail_clearly(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_weights(tmp_path / "missing", progress=False)
-    with pytest.raises(ValueError, match="model_type"):
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not supported"):
         config_from_hf({**tiny_config("llama"), "model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("rope,message", [
+    ({"rope_type": "ntk-by-parts", "factor": 2.0}, "RoPE scaling type 'ntk-by-parts' is not supported"),
+    ({"type": "yarn", "factor": 4.0, "wiggle": 1}, "RoPE yarn setting\\(s\\) wiggle are not supported"),
+    ({"rope_type": "linear"}, "linear scaling without a factor"),
+])
+def test_unknown_rope_settings_refuse_to_load_in_both_config_forms(rope, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        config_from_hf(tiny_config("llama", rope_scaling=rope))
+    with pytest.raises(UnsupportedModelError, match=message):
+        config_from_hf(tiny_config("llama", rope_parameters={"rope_theta": 10000.0, **rope}))
+
+
+def test_yarn_is_kept_in_both_config_forms():
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    old = config_from_hf(tiny_config("qwen2", rope_scaling=yarn, max_position_embeddings=32768))
+    new = config_from_hf(tiny_config("qwen2", max_position_embeddings=32768,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 32768}))
+    assert old.rope_scaling == new.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32768}

@@ -311,7 +311,7 @@ def test_prefix_cache_isolated_between_owners():
         srv.stop()
 
 
-def test_http_api_without_keys_is_one_anonymous_owner(shared_fake_server):
+def test_http_api_without_keys_is_one_owner_per_client_address(shared_fake_server):
     def cached(cookies=None):
         r = httpx.post(shared_fake_server.url + "/v1/chat/completions", cookies=cookies,
                        json={"messages": [{"role": "user", "content": "pooled prompt"}], "max_tokens": 1},
@@ -329,7 +329,7 @@ def test_identity_and_cache_salt():
     def conn(headers=(), state=None):
         return Request({"type": "http", "headers": list(headers), "state": state or {}})
     browser = conn([(b"cookie", b"chatserve_uid=" + b"A" * 32)])
-    assert owner_of(browser) == "browser:" + "A" * 32 and api_owner_of(browser) == "anonymous"
+    assert owner_of(browser) == "browser:" + "A" * 32 and api_owner_of(browser) == "client:unknown"
     keyed = conn(state={"chatserve_key_id": "0123456789abcdef"})
     assert owner_of(keyed) == api_owner_of(keyed) == "key:0123456789abcdef"
     assert owner_of(conn()) == "anonymous"

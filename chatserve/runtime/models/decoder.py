@@ -1,0 +1,232 @@
+"""The decoder every family shares: exact weight reading (WeightReader), one layer loop written once,
+final norm and LM head. A family subclasses DecoderModel to name its tensors and switch on its quirks
+(see llama.py, qwen3.py, gemma.py, phi3.py); models/__init__.py maps config.arch to the class.
+
+One flattened varlen batch per forward (prefill chunks and decodes mixed, no padding) on the paged KV
+cache; plain tensors and torch functions (no nn.Module: no hook dispatch on the hot path).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, StepInfo,
+                                             pick_ops)
+from chatserve.runtime.models.rope import rope_tables
+from chatserve.runtime.weights import ArchConfig, UnsupportedModelError
+from chatserve_kernels import AttentionMetadata
+
+# checkpoint tensors that carry nothing the model needs (buffers some exporters save)
+HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightReader:
+    """Hands out checkpoint tensors by name and remembers which were taken: a tensor the model needs
+    but the checkpoint lacks, or one the checkpoint has and nothing took, is a load error."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.tensors, self.dtype, self.device = tensors, dtype, device
+        self.taken: set[str] = set()
+        self.missing: list[str] = []
+
+    def __call__(self, name: str, when: bool = True) -> torch.Tensor | None:
+        """The tensor (in the model dtype, on the model device), None when `when` is False."""
+        if not when:
+            return None
+        t = self.tensors.get(name)
+        if t is None:
+            self.missing.append(name)
+            return None
+        self.taken.add(name)
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def skip(self, name: str) -> None:
+        """Mark a tensor as knowingly unused (e.g. a tied LM head saved beside the embeddings)."""
+        if name in self.tensors:
+            self.taken.add(name)
+
+    def check_missing(self) -> None:
+        if self.missing:
+            raise UnsupportedModelError(_names("the checkpoint lacks tensor(s) the model needs", self.missing))
+
+    def check_all_taken(self) -> None:
+        unused = sorted(n for n in self.tensors
+                        if n not in self.taken and not n.endswith(HARMLESS_SUFFIXES))
+        if unused:
+            raise UnsupportedModelError(_names("the checkpoint has tensor(s) this model would not use",
+                                               unused))
+
+
+def _names(what: str, names: list[str], shown: int = 6) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{what}: {', '.join(names[:shown])}{more}"
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor                 # [H]
+    qkv: Linear                              # [q_size + 2 * kv_size, H]  (q, k, v rows fused)
+    q_norm: torch.Tensor | None              # [d]  (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None              # [d]
+    o: Linear                                # [H, q_size]
+    post_attn_norm: torch.Tensor | None      # [H]  (Gemma: normed before the residual add)
+    pre_ffn_norm: torch.Tensor               # [H]
+    mlp: GatedMLP
+    post_ffn_norm: torch.Tensor | None       # [H]  (Gemma)
+    rotary: Rotary
+    attention: Attention
+
+
+class DecoderModel:
+    """Llama-shaped decoder: pre-norm attention and gated MLP with the residual riding on the norms
+    (x, residual = add_rms_norm(x, residual)). Subclasses set the switches below and name tensors."""
+
+    norm_offset = 0.0          # Gemma stores RMSNorm weights as w with scale (1 + w): folded in at load
+    embed_scale = False        # Gemma multiplies embeddings by sqrt(hidden_size)
+    sandwich_norms = False     # Gemma 2/3: norms after attention and after the MLP, before each add
+
+    def __init__(self, config: ArchConfig, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 max_model_len: int | None = None, weight_quant: str | None = None,
+                 fused: bool = True) -> None:
+        """fused: use the CPU C ops where they run (False: the plain torch oracle)."""
+        self.config = config
+        self.weight_quant = weight_quant
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        self.ops = pick_ops(config.rms_norm_eps, dtype, self.device, fused)
+        fused_ops = self.ops.name == "cpu_fused"
+        r = WeightReader(tensors, dtype, self.device)
+
+        self.embed = r("model.embed_tokens.weight")                       # [V, H]
+        self.norm = self._norm_weight(r("model.norm.weight"))            # [H]
+        if config.tie_word_embeddings:
+            r.skip("lm_head.weight")
+            lm_head = self.embed
+        else:
+            lm_head = r("lm_head.weight")                                 # [V, H]
+        r.check_missing()
+        # [V, H]: int8 wins to M = 16. The head stays int8 under int4: its error is what the logits show
+        head_quant = "int8" if weight_quant == "int4" else weight_quant
+        self.lm_head = Linear(lm_head, None, head_quant, small_m=16)
+        self.normalizer = (torch.tensor(math.sqrt(config.hidden_size), dtype=dtype)
+                           if self.embed_scale else None)
+
+        qpas = config.query_pre_attn_scalar
+        scale = (qpas if qpas else config.head_dim) ** -0.5
+        rotaries: dict[bool, Rotary] = {}
+
+        def rotary(local: bool) -> Rotary:
+            if local not in rotaries:
+                cos, sin = rope_tables(config, self.max_model_len, local=local)
+                rotaries[local] = Rotary(cos.to(self.device, dtype), sin.to(self.device, dtype), fused_ops)
+            return rotaries[local]
+
+        self.layers: list[DecoderLayer] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            window = config.layer_window(i)
+            qkv_w, qkv_b, o_w, o_b = self.read_attention(r, p + "self_attn.")
+            gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
+            norms = self.read_norms(r, p)
+            q_norm = r(p + "self_attn.q_norm.weight", config.qk_norm)
+            k_norm = r(p + "self_attn.k_norm.weight", config.qk_norm)
+            r.check_missing()
+            nw = self._norm_weight
+            self.layers.append(DecoderLayer(
+                input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
+                q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b),
+                post_attn_norm=nw(norms[1]), pre_ffn_norm=nw(norms[2]),
+                mlp=GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), config.hidden_act),
+                post_ffn_norm=nw(norms[3]),
+                rotary=rotary(local=window is not None and config.local_rope_theta is not None),
+                attention=Attention(scale, window, config.attn_logit_softcap)))
+        r.check_all_taken()
+        self._rotaries = list(rotaries.values())
+
+    # ── what a family names differently ──────────────────────────────────────────────────────
+    def read_attention(self, r: WeightReader, a: str) -> tuple:
+        """(qkv weight [q+2kv, H], qkv bias or None, o weight [H, q], o bias or None)."""
+        c = self.config
+        ws = [r(a + f"{n}_proj.weight") for n in "qkv"]
+        bs = [r(a + f"{n}_proj.bias", c.attention_bias) for n in "qkv"]
+        o_w, o_b = r(a + "o_proj.weight"), r(a + "o_proj.bias", c.o_bias)
+        if None in ws or (c.attention_bias and None in bs):
+            return None, None, o_w, o_b                   # reported by check_missing
+        return torch.cat(ws), (torch.cat(bs) if c.attention_bias else None), o_w, o_b
+
+    def read_mlp(self, r: WeightReader, m: str) -> tuple:
+        """(gate_up weight [2I, H] (gate rows, then up rows), its bias, down weight [H, I], its bias)."""
+        b = self.config.mlp_bias
+        g, u, d = r(m + "gate_proj.weight"), r(m + "up_proj.weight"), r(m + "down_proj.weight")
+        gb, ub, db = r(m + "gate_proj.bias", b), r(m + "up_proj.bias", b), r(m + "down_proj.bias", b)
+        gu = None if g is None or u is None else torch.cat([g, u])
+        gub = None if gb is None or ub is None else torch.cat([gb, ub])
+        return gu, gub, d, db
+
+    def read_norms(self, r: WeightReader, p: str) -> tuple:
+        """(input, post-attention, pre-MLP, post-MLP) norm weights; None where the family has none."""
+        if self.sandwich_norms:
+            return (r(p + "input_layernorm.weight"), r(p + "post_attention_layernorm.weight"),
+                    r(p + "pre_feedforward_layernorm.weight"), r(p + "post_feedforward_layernorm.weight"))
+        return r(p + "input_layernorm.weight"), None, r(p + "post_attention_layernorm.weight"), None
+
+    # ── build helpers ────────────────────────────────────────────────────────────────────────
+    def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
+        if w is None or not self.norm_offset:
+            return w
+        return (w.float() + self.norm_offset).to(self.dtype)         # (1 + w) in float32, as Gemma does
+
+    def _lin(self, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+        return Linear(w, b, self.weight_quant)
+
+    # ── forward ──────────────────────────────────────────────────────────────────────────────
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64 → final-normed hidden states [T, H]."""
+        c = self.config
+        T = input_ids.shape[0]
+        if T and int(positions.max()) >= self.max_model_len:          # C reads the tables unchecked
+            raise IndexError(f"position {int(positions.max())} beyond the RoPE tables ({self.max_model_len})")
+        x = F.embedding(input_ids, self.embed)                            # [T, H]
+        if self.normalizer is not None:
+            x = x * self.normalizer
+        step = StepInfo(meta, positions, bool((meta.slot_mapping >= 0).all()) if T else True)
+        for rot in self._rotaries:
+            rot.begin_step(positions)
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        ops = self.ops
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = ops.add_rms_norm(x, residual, layer.input_norm)
+            qkv = layer.qkv(x).view(T, hq + 2 * hkv, d)                   # [T, hq+2hkv, d]
+            v = qkv[:, hq + hkv:]
+            if layer.q_norm is not None:
+                q = layer.rotary(ops.rms_norm(qkv[:, :hq].reshape(T * hq, d), layer.q_norm).view(T, hq, d),
+                                 positions)
+                k = layer.rotary(ops.rms_norm(qkv[:, hq:hq + hkv].reshape(T * hkv, d),
+                                              layer.k_norm).view(T, hkv, d), positions)
+            else:
+                qk = layer.rotary(qkv[:, :hq + hkv], positions)           # [T, hq+hkv, d]
+                q, k = qk[:, :hq], qk[:, hq:]
+            attn = layer.attention(q, k, v, cache, step)                  # [T, hq, d]
+            x = layer.o(attn.reshape(T, hq * d))                          # [T, H]
+            if layer.post_attn_norm is not None:
+                x = ops.rms_norm(x, layer.post_attn_norm)
+            x, residual = ops.add_rms_norm(x, residual, layer.pre_ffn_norm)
+            x = layer.mlp(x)
+            if layer.post_ffn_norm is not None:
+                x = ops.rms_norm(x, layer.post_ffn_norm)
+        return ops.add_rms_norm(x, residual, self.norm)[0]
+
+    __call__ = forward
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, H] (already normed by forward) → logits [B, V] in float32."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap

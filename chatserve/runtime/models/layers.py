@@ -1,0 +1,262 @@
+"""Shared decoder layers: the weight-only quantized Linear, the norm/RoPE ops with their backend chosen
+once (fused C on CPU, plain torch elsewhere: the oracle), Rotary tables, the paged attention call and
+the gated MLP. A family module (llama.py, qwen3.py, gemma.py, phi3.py) wires them; none holds weights
+of its own or reads a checkpoint.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import chatserve_kernels
+from chatserve_kernels import AttentionMetadata, cpu_ops
+
+KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
+WEIGHT_QUANTS = (None, "int8", "int4")
+INT4_GROUP = 32
+PACKED_SMALL_M = 4   # beside packed bf16 GEMMs the int4/int8 kernels win only up to 4 rows (see Linear)
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_bf16() -> bool:
+    """oneDNN's packed bf16 linear runs on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+class Linear:
+    """y = x Wᵀ + b. With a weight_quant, steps of at most `small_m` tokens (decode) use a weight-only
+    quantized copy of W; larger steps (prefill) keep the dense weight, where GEMMs are compute-bound.
+      int8: per-output-channel scales, torch._weight_int8pack_mm (a quarter of fp32's bytes);
+      int4: groups of 32 along K with a scale and a zero (min/max, asymmetric; GGUF Q4_1 blocks map onto
+            it), torch._weight_int4pack_mm_for_cpu (CPU only; an eighth of fp32's bytes plus scales).
+    Activations go in as bf16 (with fp32 the kernels fall back to a path 3-6× slower). Both kernels
+    cost about one GEMV per row: on this model's layer shapes int8 beats fp32 up to M ≈ 8 (M=1: 243 vs
+    495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595), and on the 49k-row LM head up to M = 16
+    (17.7 vs 20.2 ms), hence the two defaults.
+    Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise):
+    aten's bf16 matmul reorders W on every call (2-core AMD EPYC, 2 threads, the 4 layer matrices: M=16
+    255 → 182 µs, M=256 1.95 → 1.84 ms, both ≈ 4.5× fp32's MKL sgemm on that CPU). Beside them the
+    quantized kernels win only up to M = 4 (layers M=8: int4 189 vs 134 µs; LM head M=8: int8 1.79 vs
+    1.22 ms, M=4: 0.83 vs 1.06), so small_m drops to PACKED_SMALL_M."""
+
+    __slots__ = ("w", "b", "wq", "scales", "small_m", "kind", "act", "packed")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
+                 small_m: int = 8) -> None:
+        # w: [N, K]; b: [N]
+        if weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
+        self.w, self.b, self.small_m, self.kind = w, b, small_m, weight_quant
+        self.act = torch.bfloat16      # both kernels take fp32 too, but 3-6× slower (a generic path)
+        self.wq = self.scales = self.packed = None
+        N, K = w.shape
+        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and _onednn_bf16():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
+            self.small_m = min(small_m, PACKED_SMALL_M)
+        if weight_quant == "int4" and (K % INT4_GROUP or w.device.type != "cpu"):
+            self.kind = weight_quant = "int8"          # the int4 kernel needs K % 32 == 0 and a CPU
+        if weight_quant == "int8":
+            wf = w.float()
+            scales = wf.abs().amax(1).clamp_min(1e-8) / 127.0                     # [N]
+            self.wq = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self.scales = scales.to(self.act)
+        elif weight_quant == "int4":
+            g = w.float().reshape(N, K // INT4_GROUP, INT4_GROUP)                 # [N, G, 32]
+            lo, hi = g.amin(-1), g.amax(-1)                                       # [N, G]
+            sc = ((hi - lo) / 15.0).clamp_min(1e-8)
+            q = torch.round((g - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32)
+            self.wq = torch._convert_weight_to_int4pack_for_cpu(q.reshape(N, K), 1)
+            # dequant: (q - 8) * scale + zero, zero = lo + 8 * scale;  [G, N, 2]
+            self.scales = torch.stack([sc, lo + 8.0 * sc], -1).transpose(0, 1).contiguous().to(self.act)
+        if self.packed is not None:
+            self.w = None        # the packed copy replaces it (no second copy of the weights)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] → [T, N]
+        if self.wq is not None and x.shape[0] <= self.small_m:
+            xa = x if x.dtype == self.act else x.to(self.act)
+            if self.kind == "int8":
+                y = torch._weight_int8pack_mm(xa, self.wq, self.scales)
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(xa, self.wq, INT4_GROUP, self.scales)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
+            return y if self.b is None else y + self.b
+        if self.packed is not None:
+            xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+            y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], "")
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        return F.linear(x, self.w, self.b)
+
+
+# ---------------------------------------------------------------------------------------------
+# norms and RoPE: one backend per model, picked at build
+
+class TorchOps:
+    """The readable oracle: float32 statistics, weight applied in the model dtype (as transformers)."""
+
+    name = "torch"
+
+    def __init__(self, eps: float) -> None:
+        self.eps = eps
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] → [T, H]. Spelled out: F.rms_norm on CPU dispatches ~10 small ops.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += x (x starts the stream when residual is None) → (rms_norm(residual), residual)."""
+        residual = x if residual is None else residual + x
+        return self.rms_norm(residual, w), residual
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, n, rot]; cos, sin: [T, 1, rot] (this step's rows) → rotated copy
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+
+
+class FusedCpuOps(TorchOps):
+    """cpu_ops' C kernels: the residual add rides on the norm in place, RoPE rotates in place."""
+
+    name = "cpu_fused"
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.add_rms_norm(x.contiguous(), None, w, self.eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return cpu_ops.add_rms_norm(x, None, w, self.eps), x
+        return cpu_ops.add_rms_norm(residual, x.contiguous(), w, self.eps), residual   # residual += x
+
+
+def pick_ops(eps: float, dtype: torch.dtype, device: torch.device, fused: bool = True) -> TorchOps:
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return FusedCpuOps(eps) if fused and cpu_ops.usable(probe) else TorchOps(eps)
+
+
+class Rotary:
+    """RoPE over the first `rot` dims of each head, from tables cos/sin [L, rot] (models.rope)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> None:
+        self.cos, self.sin = cos, sin                                   # [L, rot], sign folded in sin
+        self.rot = cos.shape[-1]
+        self.fused = fused
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.cos.shape[0]
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """Gather this step's rows once (the torch path); every layer sharing the tables reuses them."""
+        if not self.fused:
+            self._rows = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, n, d] → rotated [T, n, d] (in place on the fused path)."""
+        full = self.rot == x.shape[-1]
+        if self.fused and full and x.stride(1) == x.shape[-1]:
+            cpu_ops.rope_(x, self.cos, self.sin, positions)
+            return x
+        cos, sin = self._rows if self._rows is not None else (
+            self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        if full:
+            return torch.addcmul(x * cos, x.roll(self.rot // 2, -1), sin)
+        r = x[..., :self.rot]
+        return torch.cat([torch.addcmul(r * cos, r.roll(self.rot // 2, -1), sin), x[..., self.rot:]], -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+@dataclass
+class StepInfo:
+    """Per-step facts every layer's attention call shares (built once per forward by the model)."""
+    meta: AttentionMetadata
+    positions: torch.Tensor        # [T] int64
+    all_slots_valid: bool          # no -1 in slot_mapping: store_kv skips its mask
+
+
+class Attention:
+    """Store this step's K/V in the layer's paged cache and attend over it. Layers with logit soft-capping
+    (Gemma 2) run softcap_attention (torch, here); the others run chatserve_kernels.paged_attention."""
+
+    def __init__(self, scale: float, sliding_window: int | None, softcap: float | None) -> None:
+        self.scale, self.window, self.softcap = scale, sliding_window, softcap
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cache: tuple[torch.Tensor, ...], step: StepInfo) -> torch.Tensor:
+        # q: [T, hq, d]; k, v: [T, hkv, d]; cache: (k, v[, k_scale, v_scale]) of
+        # [num_blocks, block_size, hkv, d] → [T, hq, d]
+        kw = {}
+        if len(cache) == 4:
+            kw = {"k_scale": cache[2], "v_scale": cache[3]}
+        chatserve_kernels.store_kv(k, v, cache[0], cache[1], step.meta.slot_mapping,
+                                   all_valid=step.all_slots_valid, **kw)
+        if self.softcap:
+            if kw:
+                raise ValueError("attention logit soft-capping needs an unquantized KV cache")
+            return softcap_attention(q, cache[0], cache[1], step.meta, self.scale, self.softcap, self.window)
+        if self.window:
+            kw["sliding_window"] = self.window
+        return chatserve_kernels.paged_attention(q, cache[0], cache[1], step.meta, self.scale, **kw)
+
+
+def softcap_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, softcap: float,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """softmax(c·tanh(q kᵀ·scale / c)) v per sequence over its gathered blocks, causal (and windowed),
+    scores in float32. q: [T, hq, d]; caches: [num_blocks, block_size, hkv, d] → [T, hq, d]."""
+    out = torch.empty_like(q)
+    bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // hkv
+    start = 0
+    for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
+        nb = -(-sl // bs)
+        blocks = meta.block_tables[b, :nb].long()
+        k = k_cache[blocks].reshape(nb * bs, hkv, d)[:sl].float().repeat_interleave(group, 1)  # [S, hq, d]
+        v = v_cache[blocks].reshape(nb * bs, hkv, d)[:sl].float().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q[start:start + ql].float(), k) * scale           # [hq, ql, S]
+        s = torch.tanh(s / softcap) * softcap
+        qpos = torch.arange(sl - ql, sl, device=q.device)[:, None]
+        kpos = torch.arange(sl, device=q.device)[None, :]
+        visible = kpos <= qpos
+        if sliding_window:
+            visible &= (qpos - kpos) < sliding_window
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+        out[start:start + ql] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+        start += ql
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP
+
+class GatedMLP:
+    """down(act(gate(x)) · up(x)) with gate and up fused in one matmul: SwiGLU (silu) or GeGLU
+    (gelu_pytorch_tanh, Gemma)."""
+
+    def __init__(self, gate_up: Linear, down: Linear, act: str) -> None:
+        self.gate_up, self.down = gate_up, down
+        if act == "silu":
+            self.act = F.silu
+        elif act == "gelu_pytorch_tanh":
+            self.act = lambda x: F.gelu(x, approximate="tanh")
+        else:
+            raise ValueError(f"activation {act!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] → [T, H]
+        g, u = self.gate_up(x).chunk(2, -1)                              # [T, I] each
+        return self.down(self.act(g) * u)

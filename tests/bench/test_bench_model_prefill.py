@@ -1,0 +1,24 @@
+"""`chatserve bench model`'s prefill and interference measurements on a tiny model: every requested
+length measured in one run, the chunked prefill and the decode-beside-prefill steps reported (their
+shape, never their speed)."""
+from __future__ import annotations
+
+from chatserve.bench import model as bench_model
+from chatserve.runtime.model_runner import ModelRunner
+
+
+def test_prefill_lengths_chunks_and_interference(tiny_model):
+    runner = ModelRunner(tiny_model, num_blocks=256, block_size=16, progress=False, num_threads=1)
+    one = bench_model._prefill(runner, 70, repeats=1)
+    chunked = bench_model._prefill(runner, 70, repeats=1, chunk=32)
+    assert one["chunk"] == 70 and chunked["chunk"] == 32
+    assert one["tokens_per_s"] > 0 and chunked["peak_rss_mib"] > 0
+    it = bench_model._interference(runner, budget=20, context=10, prompt_len=50, streams=4)
+    assert it["budget"] == 20 and it["prompt"] == 50
+    assert it["mixed_step_ms_max"] > 0 and it["decode_step_ms_max"] > 0 and it["prompt_prefill_s"] > 0
+
+
+def test_parser_takes_a_list_of_prefill_lengths():
+    args = bench_model.build_parser().parse_args(["--prefill-tokens", "512,4000,8000", "--interference", "64,512"])
+    assert bench_model._parse_list(args.prefill_tokens, int) == [512, 4000, 8000]
+    assert bench_model._parse_list(args.interference, int) == [64, 512]
