@@ -309,8 +309,9 @@ def _parse_chat(body: dict, state) -> ChatRequest:
     params = sampling_params(body, state, n=n, logprobs=(top or 0) if want_lp else None)  # top alone: ignored
     add_gen = get_bool(body, "add_generation_prompt", True)
     try:
+        tools = {"tools": constraints.template_tools} if constraints.template_tools else {}
         prompt_ids = list(state.tokenizer.apply_chat_template(constraints.messages, add_generation_prompt=add_gen,
-                                                              tools=constraints.template_tools))
+                                                              **tools))
     except ValueError as e:
         raise invalid(f"invalid messages: {e}"[:500], "messages") from None
     if not prompt_ids:

@@ -87,7 +87,8 @@ def tool_plan(body: dict, parser_name: str) -> ToolPlan | None:
         try:
             tools.append(Tool.model_validate(t))
         except ValidationError as e:
-            raise _error(e, f"tools[{i}]") from None
+            err = _error(e, f"tools[{i}]")
+            raise RequestFieldError(str(err), "tools") from None
     schemas: dict[str, dict] = {}
     for i, t in enumerate(tools):
         if t.function.name in schemas:
