@@ -221,7 +221,8 @@ class Sampler:
         out = []
         for r, s in enumerate(seqs):
             n = min(k, s.params.logprobs or 0)
-            top = list(zip(top_i[r][:n], top_v[r][:n])) if n else []
+            # -inf alternatives (tokens a grammar mask forbids) are not alternatives
+            top = [(i, v) for i, v in zip(top_i[r][:n], top_v[r][:n]) if v != float("-inf")] if n else []
             out.append(TokenLogprob(token_id=chosen[r], logprob=chosen_lp[r], top=top))
         return out
 
