@@ -312,6 +312,11 @@ class AsyncEngine:
         finally:
             stream.close()
 
+    def progress(self, request_id: str) -> dict | None:
+        """The scheduler's view of a queued or prefilling request (Scheduler.progress), for the
+        session layer's progress events; None once it decodes. Read on the event loop."""
+        return self.scheduler.progress(request_id) if self.scheduler is not None else None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix no live request holds (benchmarks start cold with it).
         True if the cache is now empty; False if running requests still hold hashed blocks.

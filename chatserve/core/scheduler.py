@@ -141,6 +141,22 @@ class Scheduler:
         e = self._entries.get(request_id)
         return None if e is None else e.req
 
+    def progress(self, request_id: str) -> dict | None:
+        """Where a request's prompt stands: {"phase": "queued", "queue_position": 1-based} while it
+        waits, {"phase": "prefill", "prefill_done", "prefill_total", "cached_tokens"} while its prompt
+        is being computed, None once it decodes (or is unknown). O(waiting) while queued."""
+        e = self._entries.get(request_id)
+        if e is None:
+            return None
+        if e in self._waiting:
+            return {"phase": "queued", "queue_position": self._waiting.index(e) + 1}
+        req = e.req
+        total = len(req.prompt_token_ids)
+        if req.num_computed_tokens >= total:
+            return None
+        return {"phase": "prefill", "prefill_done": req.num_computed_tokens, "prefill_total": total,
+                "cached_tokens": max(0, req.num_cached_tokens)}
+
     # ------------------------------------------------------------------ admission
     def add_request(self, req: Request) -> None:
         self.add_group([req])

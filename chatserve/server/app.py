@@ -183,8 +183,8 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
                          Route("/openapi.json", _openapi, methods=["GET"]), *(extra_routes or [])]
     install_sessions = None
     try:
-        from chatserve.server.session_routes import install as install_sessions
-        from chatserve.server.session_routes import routes as session_routes
+        from chatserve.server.sessions import install as install_sessions
+        from chatserve.server.sessions import routes as session_routes
         routes += list(session_routes)
     except Exception as e:                                      # sessions not available: API only
         log.warning("session routes unavailable: %s", e)

@@ -26,6 +26,7 @@ from chatserve.server.protocol import new_id, parse_chat_body, parse_completion_
 log = logging.getLogger("chatserve.ws")
 MAX_INFLIGHT_PER_SOCKET = 32
 MAX_CLIENT_ID = 128
+CLIENT_CANCEL = "cancelled by the client"   # the CancelledError's message for a {"type": "cancel"}
 
 
 class _Socket:
@@ -120,7 +121,7 @@ class _Socket:
         if kind == "cancel":
             t = self.tasks.get(cid)
             if t is not None:
-                t.cancel()
+                t.cancel(CLIENT_CANCEL)      # a socket that closes cancels without it
             return
         if cid in self.tasks:     # answered untagged: the running request keeps its one ending
             await self.error(None, APIError(400, f"request id {cid!r} is already in use on this socket",

@@ -1,5 +1,8 @@
 // Talking to the server: the session REST API and reply streaming (WebSocket first, SSE fallback).
-// Streams are async generators of chat.completion.chunk objects. No DOM here.
+// Streams are async generators of the server's items: chat.completion.chunk objects and chatserve.turn*
+// events (dispatch on `object`); an in-stream error ends the generator with an ApiError. No DOM here.
+
+import { sseEvents } from './sse.js';
 
 export class ApiError extends Error {
   constructor(status, message) { super(message); this.status = status; }
@@ -11,6 +14,10 @@ function noteStoreHeader(r) {
   const v = r.headers.get('x-chatserve-session-store');
   if (v) for (const fn of storeListeners) fn(v);
 }
+
+// The server could not be reached at all (fetch() rejected, or a stream was cut).
+export function isNetworkError(e) { return e?.network === true; }
+function lostError(message) { const e = new ApiError(0, message); e.network = true; return e; }
 
 async function errorOf(r) {
   let msg = `${r.status} ${r.statusText}`;
@@ -35,7 +42,8 @@ async function call(method, url, body) {
     init.headers['content-type'] = 'application/json';
     init.body = JSON.stringify(body);
   }
-  const r = await fetch(url, init);
+  let r;
+  try { r = await fetch(url, init); } catch (e) { throw lostError(`cannot reach the server (${e.message})`); }
   noteStoreHeader(r);
   if (!r.ok) throw await errorOf(r);
   return r.json();
@@ -51,6 +59,7 @@ export const api = {
   importDoc: (doc) => call('POST', `${S}/import`, doc),
   status: () => call('GET', `${S}/status`),
   cancel: (id) => call('POST', `${S}/${encodeURIComponent(id)}/cancel`, {}),
+  branch: (id, messageId) => call('POST', `${S}/${encodeURIComponent(id)}/branch`, { message_id: messageId }),
   exportUrl: (id) => `${S}/${encodeURIComponent(id)}/export`,
   models: () => call('GET', '/v1/models').then((j) => j.data || []).catch(() => []),
 };
@@ -73,10 +82,24 @@ function channel() {
   };
 }
 
-// One WebSocket (/v1/ws, message type "session") per page, multiplexing turns by id;
-// if it cannot open, the page uses SSE.
+// An item that carries {"error": {...}} ends the stream with that error (both transports).
+function streamError(err) {
+  const e = new ApiError(err?.status || (err?.code === 'shutting_down' ? 503 : 500), err?.message || 'generation failed');
+  e.code = err?.code;
+  return e;
+}
+
+// One WebSocket (/v1/ws) per page, multiplexing turns by id. When it cannot open, the page uses SSE
+// for a while and tries the WebSocket again later (backoff from 2 s to 60 s), never giving up for good.
 class SessionSocket {
-  constructor() { this.ws = null; this.opening = null; this.turns = new Map(); this.broken = false; }
+  constructor() { this.ws = null; this.opening = null; this.turns = new Map(); this.retryAt = 0; this.backoff = 0; }
+
+  get usable() { return Date.now() >= this.retryAt; }
+
+  failed() {
+    this.backoff = Math.min(60000, this.backoff ? this.backoff * 2 : 2000);
+    this.retryAt = Date.now() + this.backoff;
+  }
 
   open() {
     if (this.ws && this.ws.readyState === WebSocket.OPEN) return Promise.resolve(this.ws);
@@ -87,22 +110,23 @@ class SessionSocket {
       const protocols = apiKey ? ['chatserve', `chatserve.bearer.${apiKey}`] : undefined;
       try { ws = new WebSocket(url, protocols); } catch (e) { reject(e); return; }
       const timer = setTimeout(() => { ws.close(); reject(new Error('websocket open timed out')); }, 3000);
-      ws.onopen = () => { clearTimeout(timer); this.ws = ws; resolve(ws); };
+      ws.onopen = () => { clearTimeout(timer); this.ws = ws; this.backoff = 0; this.retryAt = 0; resolve(ws); };
       ws.onerror = () => { clearTimeout(timer); reject(new Error('websocket failed')); };
       ws.onclose = () => {
         clearTimeout(timer);
         reject(new Error('websocket closed'));
         if (this.ws === ws) this.ws = null;
-        for (const ch of this.turns.values()) ch.close(new Error('connection lost'));
+        for (const ch of this.turns.values()) ch.close(lostError('connection lost'));
         this.turns.clear();
       };
       ws.onmessage = (ev) => this.dispatch(ev.data);
-    }).finally(() => { this.opening = null; });
+    }).catch((e) => { this.failed(); throw e; }).finally(() => { this.opening = null; });
     return this.opening;
   }
 
   reset() {
-    this.broken = false;
+    this.retryAt = 0;
+    this.backoff = 0;
     if (this.ws) { const ws = this.ws; this.ws = null; ws.close(); }
   }
 
@@ -111,79 +135,103 @@ class SessionSocket {
     try { msg = JSON.parse(raw); } catch (e) { return; }
     const ch = this.turns.get(msg.id);
     if (!ch) return;
-    if (msg.type === 'chunk') ch.push(msg.chunk);
-    else if (msg.type === 'done' || msg.type === 'cancelled') { this.turns.delete(msg.id); ch.close(); }
+    if (msg.type === 'chunk') {
+      if (msg.chunk && msg.chunk.error) { this.turns.delete(msg.id); ch.close(streamError(msg.chunk.error)); }
+      else ch.push(msg.chunk);
+    } else if (msg.type === 'done' || msg.type === 'cancelled') { this.turns.delete(msg.id); ch.close(); }
     else if (msg.type === 'error') {
       this.turns.delete(msg.id);
-      ch.close(new ApiError(msg.status || 500, msg.error?.message || 'error'));
+      ch.close(streamError({ ...msg.error, status: msg.status || 500 }));
     }
   }
 
-  async *turn(sessionId, body, control) {
+  async *request(payload, control) {
     const ws = await this.open();
     const id = (crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2));
     const ch = channel();
     this.turns.set(id, ch);
-    control.stop = () => { if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: 'cancel', id })); };
-    ws.send(JSON.stringify({ ...body, id, type: 'session', session_id: sessionId }));
-    yield* ch;
+    control.detach = () => {
+      if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: 'cancel', id }));
+      this.turns.delete(id);
+      ch.close();
+    };
+    ws.send(JSON.stringify({ ...payload, id }));
+    let first = true;
+    for await (const item of ch) {
+      if (first) { first = false; if (control.accepted) control.accepted(); }
+      yield item;
+    }
   }
 }
 
 const socket = new SessionSocket();
 export const transport = { mode: 'websocket' };
 
-async function* sseTurn(sessionId, body, control) {
+async function* sseRequest(url, body, control) {
   const abort = new AbortController();
-  control.stop = () => {
-    api.cancel(sessionId).catch(() => {});
-    setTimeout(() => abort.abort(), 3000);    // the server ends the stream itself; this is a backstop
-  };
-  const r = await fetch(`${S}/${encodeURIComponent(sessionId)}/messages`, {
-    method: 'POST', credentials: 'same-origin', signal: abort.signal,
-    headers: authHeaders({ 'content-type': 'application/json', accept: 'text/event-stream' }),
-    body: JSON.stringify({ ...body, stream: true }),
-  });
+  control.detach = () => abort.abort();
+  let r;
+  try {
+    r = await fetch(url, {
+      method: 'POST', credentials: 'same-origin', signal: abort.signal,
+      headers: authHeaders({ 'content-type': 'application/json', accept: 'text/event-stream' }),
+      body: JSON.stringify(body),
+    });
+  } catch (e) {
+    if (e.name === 'AbortError') return;
+    throw lostError(`cannot reach the server (${e.message})`);
+  }
   noteStoreHeader(r);
   if (!r.ok) throw await errorOf(r);
-  const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
-  let buf = '';
+  if (control.accepted) control.accepted();
   try {
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) return;
-      buf += value;
-      let i;
-      while ((i = buf.indexOf('\n\n')) >= 0) {
-        const event = buf.slice(0, i);
-        buf = buf.slice(i + 2);
-        for (const line of event.split('\n')) {
-          if (!line.startsWith('data: ')) continue;
-          const data = line.slice(6);
-          if (data === '[DONE]') return;
-          yield JSON.parse(data);
-        }
-      }
+    for await (const ev of sseEvents(r.body)) {
+      if (ev.data === '[DONE]') return;
+      let item;
+      try { item = JSON.parse(ev.data); } catch (e) { continue; }
+      if (ev.event === 'error' || (item && item.error)) throw streamError(item.error || item);
+      yield item;
     }
+    throw lostError('the stream ended before [DONE]');
   } catch (e) {
-    if (e.name !== 'AbortError') throw e;
-  } finally {
-    reader.releaseLock();
+    if (e.name === 'AbortError') return;
+    if (e instanceof ApiError) throw e;
+    throw lostError(`connection lost (${e.message})`);
   }
 }
 
-// Stream one turn. `control.stop()` becomes available once it starts and cancels it on the server.
-export async function* streamTurn(sessionId, body, control) {
-  if (!socket.broken && new URLSearchParams(location.search).get('transport') !== 'sse') {
+function wantWebSocket() {
+  return new URLSearchParams(location.search).get('transport') !== 'sse' && socket.usable;
+}
+
+async function* stream(wsPayload, sseUrl, sseBody, control) {
+  if (wantWebSocket()) {
     let opened = false;
-    try {
-      await socket.open();
-      opened = true;
-    } catch (e) {
-      socket.broken = true;
-    }
-    if (opened) { transport.mode = 'websocket'; yield* socket.turn(sessionId, body, control); return; }
+    try { await socket.open(); opened = true; } catch (e) { /* SSE this time; the socket is retried later */ }
+    if (opened) { transport.mode = 'websocket'; yield* socket.request(wsPayload, control); return; }
   }
   transport.mode = 'sse';
-  yield* sseTurn(sessionId, body, control);
+  yield* sseRequest(sseUrl, sseBody, control);
+}
+
+// Stream one turn. control.accepted() is called once the server took it; control.detach() stops
+// following it (the reply may go on on the server); Stop is api.cancel(sessionId).
+export function streamTurn(sessionId, body, control) {
+  const sid = encodeURIComponent(sessionId);
+  return stream({ ...body, type: 'session', session_id: sessionId }, `${S}/${sid}/messages`,
+    { ...body, stream: true }, control);
+}
+
+// Follow a turn that is already generating (after a reload or a dropped connection).
+export function attachTurn(sessionId, control) {
+  const sid = encodeURIComponent(sessionId);
+  return stream({ type: 'session.attach', session_id: sessionId }, `${S}/${sid}/attach`, {}, control);
+}
+
+// Is the server there? (used by the reconnect loop)
+export async function ping() {
+  try {
+    const r = await fetch(`${S}/status`, { credentials: 'same-origin', headers: authHeaders(), cache: 'no-store' });
+    return r.status < 500 || r.status === 503;
+  } catch (e) { return false; }
 }

@@ -6,55 +6,108 @@ export class ChatState extends EventTarget {
     super();
     this.sessions = [];        // summaries, newest first
     this.current = null;       // the open session: {id, title, system_prompt, params, messages, ...}
-    this.replying = false;     // a reply is streaming into the last message
+    this.live = new Map();     // session id → {session, control}: turns this tab is following (any chat)
     this.storeStatus = null;   // {backend, persistent, degraded, pending_writes}
     this.maxContext = null;    // the model's context length when the server says it
   }
 
-  emit(what) { this.dispatchEvent(new CustomEvent('change', { detail: what })); }
+  emit(what, sid = null) { this.dispatchEvent(new CustomEvent('change', { detail: { what, sid } })); }
 
   setSessions(list) { this.sessions = list; this.emit('sessions'); }
 
+  // A session whose turn this tab follows stays the same object, so its stream keeps filling it.
   setCurrent(session) {
-    this.current = session ? { ...session, messages: [...(session.messages || [])] } : null;
+    const live = session && this.live.get(session.id);
+    this.current = live ? live.session : (session ? { ...session, messages: [...(session.messages || [])] } : null);
     this.emit('current');
   }
 
   setStoreStatus(status) { this.storeStatus = status; this.emit('status'); }
 
+  busy(sid) { return !!sid && this.live.has(sid); }
+  get replying() { return this.busy(this.current?.id); }
+
   // Mirror of the server's turn semantics, applied locally while the reply streams in.
-  startReply({ content, replace_from, regenerate }) {
-    const msgs = this.current.messages;
+  startReply(session, { content, replace_from, regenerate }, control) {
+    const msgs = session.messages;
     if (replace_from !== undefined && replace_from !== null) msgs.splice(replace_from);
     else if (regenerate) while (msgs.length && msgs[msgs.length - 1].role === 'assistant') msgs.pop();
-    if (content !== undefined && content !== null) msgs.push({ role: 'user', content, created: Date.now() / 1000 });
-    msgs.push({ role: 'assistant', content: '', streaming: true, usage: null, finish_reason: null });
-    this.replying = true;
-    this.emit('reply-start');
+    if (content !== undefined && content !== null) msgs.push({ role: 'user', content, created: Date.now() / 1000, pending: true });
+    return this.follow(session, control, { role: 'assistant', content: '', streaming: true, usage: null, finish_reason: null });
   }
 
-  get reply() {
-    const m = this.current?.messages;
+  // Follow a turn that is already generating (re-attach): its last message is the partial reply.
+  attachReply(session, control) {
+    const msgs = session.messages;
+    const last = msgs[msgs.length - 1];
+    const reply = last && last.role === 'assistant' && (last.status === 'generating' || last.finish_reason == null)
+      ? msgs.pop() : { role: 'assistant', content: '' };
+    return this.follow(session, control, { ...reply, streaming: true, usage: null, finish_reason: null, replaceNext: true });
+  }
+
+  follow(session, control, reply) {
+    session.messages.push(reply);
+    this.live.set(session.id, { session, control });
+    this.emit('reply-start', session.id);
+    return reply;
+  }
+
+  replyOf(sid) {
+    const l = this.live.get(sid);
+    const m = l?.session.messages;
     return m && m.length && m[m.length - 1].streaming ? m[m.length - 1] : null;
   }
 
-  applyChunk(chunk) {
-    const r = this.reply;
-    if (!r) return;
-    if (chunk.error) { r.error = chunk.error.message || String(chunk.error); }
-    for (const ch of chunk.choices || []) {
-      if (ch.delta && ch.delta.content) r.content += ch.delta.content;
-      if (ch.finish_reason) r.finish_reason = ch.finish_reason;
-    }
-    if (chunk.usage) r.usage = usageFromChunk(chunk.usage);
-    this.emit('reply-delta');
+  // The server took the turn: the user's message is no longer only in the composer.
+  accepted(sid) {
+    const l = this.live.get(sid);
+    for (const m of l?.session.messages || []) delete m.pending;
+    this.emit('accepted', sid);
   }
 
-  endReply() {
-    const r = this.reply;
-    if (r) r.streaming = false;
-    this.replying = false;
-    this.emit('reply-end');
+  // One stream item: text chunks, or chatserve.turn / chatserve.turn.progress events.
+  applyItem(sid, item) {
+    const r = this.replyOf(sid);
+    if (!r || !item) return;
+    if (item.object === 'chatserve.turn') {
+      r.id = item.message_id || r.id;
+      r.turnId = item.id;
+      if (item.replay) r.replaceNext = true;
+      return;
+    }
+    if (item.object === 'chatserve.turn.progress') {
+      r.progress = item;
+      this.emit('reply-delta', sid);
+      return;
+    }
+    if (item.object && item.object !== 'chat.completion.chunk') return;
+    for (const ch of item.choices || []) {
+      const text = ch.delta && typeof ch.delta.content === 'string' ? ch.delta.content : null;
+      if (text !== null && r.replaceNext) { r.content = text; r.replaceNext = false; }
+      else if (text) r.content += text;
+      if (text) r.progress = null;
+      if (ch.finish_reason) r.finish_reason = ch.finish_reason;
+    }
+    if (item.usage) r.usage = usageFromChunk(item.usage);
+    this.emit('reply-delta', sid);
+  }
+
+  // The stream ended (normally, stopped, failed or lost): the bubble is never left "streaming".
+  endReply(sid, error = null) {
+    const r = this.replyOf(sid);
+    const l = this.live.get(sid);
+    if (r) {
+      r.streaming = false;
+      r.progress = null;
+      if (error) { r.error = error; if (!r.finish_reason) r.finish_reason = 'interrupted'; }
+    }
+    if (l) {
+      const msgs = l.session.messages;
+      if (error && r && !r.content && msgs.length >= 2 && msgs[msgs.length - 2].pending) msgs.splice(-2);
+      else if (error && r && !r.content && !r.id) msgs.pop();
+    }
+    this.live.delete(sid);
+    this.emit('reply-end', sid);
   }
 }
 
@@ -99,19 +152,32 @@ export function compactNumber(n) {
   return n >= 10000 ? `${Math.round(n / 1000)}k` : n >= 1000 ? `${(n / 1000).toFixed(1)}k` : String(n);
 }
 
-// Sampling fields the settings panel edits; empty inputs mean "server default".
+// Sampling fields the settings panel edits; empty inputs mean "server default". The ranges are the
+// server's own (chatserve/server/protocol.py); `lo_open` means the low end itself is refused.
 export const SAMPLING_FIELDS = {
-  temperature: Number, top_p: Number, top_k: v => parseInt(v, 10), min_p: Number,
-  max_tokens: v => parseInt(v, 10), repetition_penalty: Number, seed: v => parseInt(v, 10),
+  temperature: { conv: Number, min: 0, max: 2 },
+  top_p: { conv: Number, min: 0, max: 1, lo_open: true },
+  top_k: { conv: Number, min: -1, int: true },
+  min_p: { conv: Number, min: 0, max: 1 },
+  max_tokens: { conv: Number, min: 1, int: true },
+  repetition_penalty: { conv: Number, min: 0, max: 2, lo_open: true },
+  seed: { conv: Number, min: -(2 ** 63), max: 2 ** 64 - 1, int: true },
 };
 
-export function paramsFromInputs(values) {
-  const out = {};
-  for (const [k, conv] of Object.entries(SAMPLING_FIELDS)) {
+// {params, errors}: errors maps a field to a sentence; `limits` may tighten max_tokens to the context.
+export function paramsFromInputs(values, limits = {}) {
+  const params = {};
+  const errors = {};
+  for (const [k, f] of Object.entries(SAMPLING_FIELDS)) {
     const raw = values[k];
     if (raw === undefined || raw === null || String(raw).trim() === '') continue;
-    const v = conv(raw);
-    if (!Number.isNaN(v)) out[k] = v;
+    const v = f.conv(String(raw).trim());
+    const max = k === 'max_tokens' && limits.maxContext ? limits.maxContext : f.max;
+    if (!Number.isFinite(v)) errors[k] = 'must be a number';
+    else if (f.int && !Number.isInteger(v)) errors[k] = 'must be a whole number';
+    else if (f.lo_open ? v <= f.min : v < f.min) errors[k] = `must be ${f.lo_open ? 'above' : 'at least'} ${f.min}`;
+    else if (max !== undefined && v > max) errors[k] = `must be at most ${max}`;
+    else params[k] = v;
   }
-  return out;
+  return { params, errors };
 }

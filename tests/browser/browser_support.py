@@ -18,10 +18,10 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--
 class LiveServer:
     """Runs an ASGI app with uvicorn on a free port in a background thread (its own event loop)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, port: int | None = None) -> None:
         import uvicorn
         from session_fakes import free_port
-        self.port = free_port()
+        self.port = port or free_port()
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     ws="websockets-sansio" if _has_sansio() else "auto",
@@ -44,6 +44,12 @@ class LiveServer:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+    def kill(self) -> None:
+        """Stop at once, as a crash would: open streams and sockets are cut, not drained."""
+        self.server.should_exit = True
+        self.server.force_exit = True
+        self.thread.join(timeout=15)
 
 
 def _has_sansio() -> bool:

@@ -1,4 +1,5 @@
-"""Browser fixtures: Debian's Chromium driven by Playwright (see browser_support.py for the server).
+"""Browser fixtures: Debian's Chromium driven by Playwright, a live app with a scripted model per test
+module (`live`, `chat`), and a fresh page that records page errors and CSP violations (`page.errors`).
 
 Never runs `playwright install`: it launches /usr/bin/chromium (apt-get install -y chromium) and skips
 with that hint when it is missing.
@@ -15,7 +16,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from browser_support import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from browser_support import CHROMIUM, CHROMIUM_ARGS, LiveServer  # noqa: E402
+from session_fakes import ScriptedChat, make_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +35,30 @@ def browser() -> Iterator[Any]:
             yield b
         finally:
             b.close()
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[tuple[LiveServer, ScriptedChat]]:
+    chat = ScriptedChat()
+    with LiveServer(make_app(chat)) as srv:
+        yield srv, chat
+
+
+@pytest.fixture
+def chat(live) -> ScriptedChat:
+    srv, chat = live
+    chat.reply = lambda m: f"echo: {m[-1]['content']}"
+    chat.delay_s = 0.0
+    return chat
+
+
+@pytest.fixture
+def page(browser) -> Iterator[Any]:
+    ctx = browser.new_context(viewport={"width": 1200, "height": 800})
+    pg = ctx.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
+    pg.errors = errors
+    yield pg
+    ctx.close()

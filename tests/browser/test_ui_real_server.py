@@ -7,7 +7,7 @@ import re
 import pytest
 
 from browser_support import ServeProcess
-from test_ui_chat import kv_usage, open_ui, send, wait_js, wait_until
+from test_ui_chat import kv_usage, open_ui, send, visible_while_streaming, wait_js, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -42,6 +42,7 @@ def test_real_server_stream_stop_and_restart(browser, redis_server, paced_model,
             send(page, "Tell me a long story")
             page.wait_for_selector(".msg.assistant.streaming", timeout=20_000)
             wait_until(lambda: kv_usage(page, srv) > 0, 20)
+            visible_while_streaming(page, min_chars=1, timeout=60)   # tokens on screen while it streams
             page.click("#stop")
             page.wait_for_selector(".msg.assistant:not(.streaming) .stat.stopped", timeout=20_000)
             assert wait_until(lambda: kv_usage(page, srv) == 0, 10) is True

@@ -13,16 +13,25 @@ STATIC = Path(__file__).resolve().parents[2] / "static"
 
 
 def test_vendored_files_match_checksums():
-    lines = (STATIC / "vendor" / "CHECKSUMS.sha256").read_text().splitlines()
-    listed = {}
-    for line in lines:
-        digest, name = line.split()
-        listed[name] = digest
-        assert hashlib.sha256((STATIC / "vendor" / name).read_bytes()).hexdigest() == digest, name
-    present = {p.name for p in (STATIC / "vendor").iterdir()} - {"CHECKSUMS.sha256", "SOURCES.txt"}
-    assert present == set(listed), "every vendored file is pinned, and nothing pinned is missing"
-    for need in ("marked.esm.js", "purify.es.mjs", "highlight.min.js"):
-        assert need in listed
+    for vendor, need in ((STATIC / "vendor", ("marked.esm.js", "purify.es.mjs", "highlight.min.js", "katex.mjs",
+                                               "katex.min.css", "fonts/KaTeX_Main-Regular.woff2")),
+                         (Path(__file__).parent / "vendor", ("axe.min.js",))):
+        listed = {}
+        for line in (vendor / "CHECKSUMS.sha256").read_text().splitlines():
+            digest, name = line.split()
+            listed[name] = digest
+            assert hashlib.sha256((vendor / name).read_bytes()).hexdigest() == digest, name
+        present = {p.relative_to(vendor).as_posix() for p in vendor.rglob("*") if p.is_file()}
+        present -= {"CHECKSUMS.sha256", "SOURCES.txt"}
+        assert present == set(listed), "every vendored file is pinned, and nothing pinned is missing"
+        for name in need:
+            assert name in listed
+
+
+def test_katex_fonts_referenced_by_its_css_are_vendored():
+    css = (STATIC / "vendor" / "katex.min.css").read_text()
+    woff2 = set(re.findall(r"url\((fonts/[^)]+\.woff2)\)", css))
+    assert len(woff2) >= 15 and all((STATIC / "vendor" / f).is_file() for f in woff2)
 
 
 def test_no_inline_scripts_styles_or_remote_resources():

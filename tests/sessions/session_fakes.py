@@ -6,6 +6,7 @@ The backend stands in for chat_service (parse_chat_body + stream_chat) through t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 import socket
@@ -19,7 +20,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from chatserve.config import EngineConfig, ServerConfig
-from chatserve.server import session_routes, ws
+from chatserve.server import sessions, ws
 from chatserve.server.errors import APIError
 from chatserve.server.state import ServerState
 
@@ -36,7 +37,7 @@ class ScriptedChat:
         self.requests: list[dict] = []
         self._seen: dict[str, list[list[str]]] = {}
 
-    def parse(self, body: dict, state: Any) -> dict:
+    def parse(self, body: dict, state: Any, rate_key: str | None = None) -> dict:
         msgs = body.get("messages")
         assert isinstance(msgs, list) and msgs and msgs[-1]["role"] == "user", body
         if body.get("max_tokens", 1) < 1:
@@ -98,10 +99,10 @@ def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = N
         usage = 0.25 * backend.active
         return PlainTextResponse(f"chatserve:kv_cache_usage_perc {usage}\n")
 
-    app = Starlette(routes=[*session_routes.routes, *ws.routes, Route("/metrics", metrics)])
+    app = Starlette(routes=[*sessions.routes, *ws.routes, Route("/metrics", metrics)])
     app.state.chatserve = state
     app.state.session_chat_backend = backend
-    session_routes.install(app, state)
+    sessions.install(app, state)
     if api_keys:
         from chatserve.server.auth import APIKeyMiddleware
         app.add_middleware(APIKeyMiddleware, keys=api_keys)
@@ -151,3 +152,24 @@ class RedisServer:
 
 def redis_binary() -> str | None:
     return shutil.which("redis-server")
+
+
+@contextlib.asynccontextmanager
+async def served(app: Starlette) -> AsyncIterator[str]:
+    """The app on a real socket (uvicorn in this event loop; ASGITransport buffers whole responses,
+    so it cannot show a client leaving mid-stream). Yields the base URL."""
+    import uvicorn
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    task = asyncio.get_running_loop().create_task(server.serve())
+    for _ in range(500):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "test server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)

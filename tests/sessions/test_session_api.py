@@ -123,15 +123,22 @@ async def test_export_import_roundtrip():
         r = await c.get(f"/v1/sessions/{sid}/export")
         assert "attachment" in r.headers["content-disposition"]
         doc = r.json()
-        assert doc["format"] == "chatserve.session.v1" and len(doc["messages"]) == 2
+        assert doc["format"] == "chatserve.session.v2" and len(doc["messages"]) == 2
         r = await other.post("/v1/sessions/import", json=doc)
         assert r.status_code == 201
         new = r.json()
         assert new["id"] != sid and new["title"] == "trip" and new["system_prompt"] == "sp"
         assert [m["content"] for m in new["messages"]] == [m["content"] for m in doc["messages"]]
         assert new["messages"][1]["usage"] == doc["messages"][1]["usage"]
-        bad = dict(doc, messages=[{"role": "tool", "content": "x"}])
+        v1 = {k: v for k, v in doc.items() if k != "tree"} | {"format": "chatserve.session.v1"}
+        r = await other.post("/v1/sessions/import", json=v1)          # exports of the old format
+        assert r.status_code == 201 and [m["content"] for m in r.json()["messages"]] == ["one", "echo: one"]
+        bad = dict(v1, messages=[{"role": "tool", "content": "x"}])
         assert (await other.post("/v1/sessions/import", json=bad)).status_code == 400
+        nodes = doc["tree"]["nodes"]
+        for tree in ({"nodes": [{**nodes[0], "role": "tool"}]}, {"nodes": [nodes[1]]},
+                     {"nodes": nodes, "active": "m_nope"}, {"nodes": [nodes[0], nodes[0]]}):
+            assert (await other.post("/v1/sessions/import", json=dict(doc, tree=tree))).status_code == 400
 
 
 async def test_cancel_stops_generation_and_keeps_partial_reply():
@@ -220,40 +227,59 @@ async def test_memory_store_status_says_not_persisted():
         assert r.json()["persistent"] is False and r.headers["x-chatserve-session-store"] == "memory"
 
 
-def test_turn_over_the_websocket_and_cancel():
+def _text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                   if c.get("object") == "chat.completion.chunk" and c["choices"])
+
+
+def test_turn_over_the_websocket_and_both_ways_to_stop_it():
     from starlette.testclient import TestClient
     chat = ScriptedChat(reply=lambda m: "tok " * 500, delay_s=0.005)
     with TestClient(make_app(chat)) as c:
         sid = c.post("/v1/sessions", json={}).json()["id"]
+
+        def settled() -> dict:
+            import time
+            for _ in range(200):      # "cancelled" may go out just before the partial reply is saved
+                s = c.get(f"/v1/sessions/{sid}").json()
+                if not s["generating"]:
+                    return s
+                time.sleep(0.02)
+            raise AssertionError("the turn did not end")
+
         with c.websocket_connect("/v1/ws") as ws:
             ws.send_json({"id": "a", "type": "session", "session_id": sid, "content": "short", "max_tokens": 3})
             frames = []
             while not frames or frames[-1]["type"] == "chunk":
                 frames.append(ws.receive_json())
             assert frames[-1] == {"id": "a", "type": "done"}
-            text = "".join(f["chunk"]["choices"][0]["delta"].get("content", "") for f in frames
-                           if f["type"] == "chunk" and f["chunk"]["choices"])
-            assert text == "tok tok tok"
+            first = frames[0]["chunk"]
+            assert first["object"] == "chatserve.turn" and first["session_id"] == sid and not first["replay"]
+            assert _text([f["chunk"] for f in frames[:-1]]) == "tok tok tok"
             ws.send_json({"id": "b", "type": "session", "session_id": sid, "content": "long"})
             for _ in range(10):
                 assert ws.receive_json()["type"] == "chunk"
-            ws.send_json({"id": "b", "type": "cancel"})
+            ws.send_json({"id": "b", "type": "cancel"})             # Stop, as the page sends it
             while (f := ws.receive_json())["type"] == "chunk":
                 pass
             assert f == {"id": "b", "type": "cancelled"}
-            ws.send_json({"id": "c", "type": "session", "session_id": "nope" * 8, "content": "x"})
+            assert settled()["messages"][3]["finish_reason"] == "abort" and chat.aborted == 1
+            ws.send_json({"id": "c", "type": "session", "session_id": sid, "content": "again"})
+            for _ in range(10):
+                assert ws.receive_json()["type"] == "chunk"
+            ws.send_json({"id": "s", "type": "session.cancel", "session_id": sid})    # Stop by session
+            frames = [ws.receive_json() for _ in range(2)]
+            while frames[-1]["type"] == "chunk" or frames[-1]["id"] != "c":
+                frames.append(ws.receive_json())
+            assert {"id": "s", "type": "done"} in frames and frames[-1] == {"id": "c", "type": "done"}
+            ws.send_json({"id": "d", "type": "session", "session_id": "nope" * 8, "content": "x"})
             assert ws.receive_json()["status"] == 404
-        import time
-        for _ in range(100):          # "cancelled" may go out just before the partial reply is saved
-            s = c.get(f"/v1/sessions/{sid}").json()
-            if not s["generating"]:
-                break
-            time.sleep(0.02)
-        assert chat.active == 0 and chat.aborted == 1
+        s = settled()
+        assert chat.active == 0 and chat.aborted == 2
         msgs = s["messages"]
-        assert [m["role"] for m in msgs] == ["user", "assistant"] * 2
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * 3
         assert msgs[1]["finish_reason"] == "length" and msgs[3]["finish_reason"] == "abort"
-        assert 0 < len(msgs[3]["content"].split()) < 500
+        assert msgs[5]["finish_reason"] == "abort" and 0 < len(msgs[5]["content"].split()) < 500
 
 
 async def test_a_frozen_redis_does_not_hold_up_the_chat(redis_server):
@@ -320,7 +346,7 @@ async def test_store_cache_is_bounded_but_keeps_pending_writes(redis_server):
     store = RedisSessionStore(redis_server.url, cache_limit=3, op_timeout_s=0.2, retry_interval_s=5)
     made = [await store.create(Session(id=new_session_id(), owner="o")) for _ in range(3)]
     redis_server.stop()
-    await store.update("o", made[0].id, lambda s: s.messages.append({"role": "user", "content": "x"}))
+    await store.update("o", made[0].id, lambda s: s.add_message({"role": "user", "content": "x"}))
     for _ in range(4):
         await store.create(Session(id=new_session_id(), owner="o"))
     st = store.status()

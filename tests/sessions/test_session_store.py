@@ -29,7 +29,7 @@ async def _exercise(store) -> None:
     assert await store.get("browser:b", a.id) is None              # another owner: missing
     assert await store.update("browser:b", a.id, lambda s: setattr(s, "title", "x")) is None
     await asyncio.sleep(0.01)
-    s = await store.update("browser:a", a.id, lambda s: s.messages.append({"role": "user", "content": "hi"}))
+    s = await store.update("browser:a", a.id, lambda s: s.add_message({"role": "user", "content": "hi"}))
     assert s.messages[-1]["content"] == "hi" and s.rev == a.rev + 1
     assert [x.title for x in await store.list("browser:a")] == ["first", "second"]   # newest first
     assert not await store.delete("browser:b", b.id)
@@ -54,8 +54,10 @@ async def test_redis_store_semantics_keys_and_ttl(redis_server):
     for k in keys:
         assert 0 < await r.ttl(k) <= 3600
     sess_keys = [k for k in keys if ":owner:" not in k]
-    data = json.loads(await r.hget(sess_keys[0], "data"))
-    assert data["owner"].startswith("browser:")
+    tombstones = [k for k in sess_keys if await r.hget(k, "deleted") == "1"]
+    assert len(tombstones) == 1 and await r.hget(tombstones[0], "data") is None     # the deleted one
+    data = json.loads(await r.hget(next(k for k in sess_keys if k not in tombstones), "data"))
+    assert data["owner"].startswith("browser:") and data["schema"] == 2
     await r.aclose()
     await store.aclose()
 
@@ -65,7 +67,7 @@ async def test_concurrent_updates_from_two_processes_lose_nothing(redis_server):
     sess = await s1.create(Session(id=new_session_id(), owner="o"))
 
     async def add(store, i):
-        await store.update("o", sess.id, lambda s: s.messages.append({"role": "user", "content": str(i)}))
+        await store.update("o", sess.id, lambda s: s.add_message({"role": "user", "content": str(i)}))
 
     await asyncio.gather(*(add(s1 if i % 2 else s2, i) for i in range(20)))
     got = await s1.get("o", sess.id)
@@ -79,7 +81,7 @@ async def test_outage_buffers_writes_and_recovers_after_data_loss(redis_server):
     keep = await store.create(Session(id=new_session_id(), owner="o", title="before"))
     redis_server.stop()
     # reads come from the local cache, writes queue; nothing raises on the chat path
-    s = await store.update("o", keep.id, lambda s: s.messages.append({"role": "user", "content": "during"}))
+    s = await store.update("o", keep.id, lambda s: s.add_message({"role": "user", "content": "during"}))
     assert s.messages[-1]["content"] == "during"
     assert store.status()["degraded"] and store.status()["pending_writes"] == 1
     assert (await store.get("o", keep.id)).messages[-1]["content"] == "during"

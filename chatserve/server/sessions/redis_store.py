@@ -1,163 +1,35 @@
-"""Chat sessions and where they are kept: Redis (persisted) or process memory (not persisted).
+"""Sessions in Redis under `chatserve:session:*`, with a local cache and a write outbox.
 
-A session is one owner's conversation: messages, system prompt, sampling parameters, per-turn usage.
 Redis is never on the generation path: writes that cannot reach it wait in a bounded outbox and reads
-fall back to a local cache of the sessions this process touched. No HTTP here (see session_routes.py).
+fall back to the sessions this process touched. A delete leaves a tombstone, so no replica's resync
+or late write brings a deleted chat back. Not the interface (store.py).
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 import hashlib
 import json
 import logging
-import re
 import secrets
-import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any
+
+from chatserve.server.sessions.session import Session
+from chatserve.server.sessions.store import (Mutation, StoreUnavailable, redact_url,
+                                             touch)
 
 log = logging.getLogger("chatserve.sessions")
 
 NAMESPACE = "chatserve:session"
 DEFAULT_TTL_S = 30 * 24 * 3600
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{22,64}$")   # token_urlsafe(16) is 22 chars = 128 bits
-
-
-def new_session_id() -> str:
-    """An unguessable id: 144 random bits, URL-safe, never contains ':' (so it is safe inside keys)."""
-    return secrets.token_urlsafe(18)
-
-
-def valid_session_id(sid: str) -> bool:
-    return bool(SESSION_ID_RE.match(sid))
-
-
-class StoreUnavailable(Exception):
-    """The store cannot serve this now (Redis down and the session is not cached, or the outbox is full)."""
-
-
-@dataclass
-class Session:
-    id: str
-    owner: str
-    title: str = "New chat"
-    created: float = field(default_factory=time.time)
-    updated: float = field(default_factory=time.time)
-    model: str | None = None
-    system_prompt: str = ""
-    params: dict[str, Any] = field(default_factory=dict)
-    # each: {"role", "content", "created"} + for assistant turns "usage" {prompt_tokens, cached_tokens,
-    # completion_tokens, ttft_s, tokens_per_s, queue_s} and "finish_reason"
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    rev: int = 0                          # bumped by every write; Redis keeps the highest
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Session":
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        return cls(**known)
-
-    def summary(self) -> dict[str, Any]:
-        """The list view: everything but the messages."""
-        d = self.to_dict()
-        d.pop("messages")
-        d.pop("owner")
-        d["num_messages"] = len(self.messages)
-        return d
-
-    def public(self) -> dict[str, Any]:
-        d = self.to_dict()
-        d.pop("owner")
-        return d
-
-    def clone(self) -> "Session":
-        return copy.deepcopy(self)
-
-
-Mutation = Callable[[Session], None]
-
-
-class SessionStore(Protocol):
-    """What the routes need. All methods are owner-checked: another owner's session reads as missing."""
-
-    persistent: bool
-
-    async def create(self, session: Session) -> Session: ...
-    async def get(self, owner: str, sid: str) -> Session | None: ...
-    async def list(self, owner: str, limit: int = 100) -> list[Session]: ...
-    async def update(self, owner: str, sid: str, fn: Mutation) -> Session | None: ...
-    async def delete(self, owner: str, sid: str) -> bool: ...
-    def status(self) -> dict[str, Any]: ...
-    def describe(self) -> str: ...
-    async def aclose(self) -> None: ...
-
-
-def _touch(s: Session) -> None:
-    s.updated = max(time.time(), s.updated)
-    s.rev += 1
-
-
-class MemorySessionStore:
-    """In-process sessions: gone when the process exits. Used when no Redis URL is configured."""
-
-    persistent = False
-
-    def __init__(self, max_sessions: int = 10_000) -> None:
-        self._by_id: OrderedDict[str, Session] = OrderedDict()
-        self._max = max_sessions
-
-    async def create(self, session: Session) -> Session:
-        _touch(session)
-        self._by_id[session.id] = session.clone()
-        while len(self._by_id) > self._max:          # oldest-touched first
-            self._by_id.popitem(last=False)
-        return session
-
-    async def get(self, owner: str, sid: str) -> Session | None:
-        s = self._by_id.get(sid)
-        return s.clone() if s is not None and s.owner == owner else None
-
-    async def list(self, owner: str, limit: int = 100) -> list[Session]:
-        mine = [s for s in self._by_id.values() if s.owner == owner]
-        mine.sort(key=lambda s: s.updated, reverse=True)
-        return [s.clone() for s in mine[:limit]]
-
-    async def update(self, owner: str, sid: str, fn: Mutation) -> Session | None:
-        s = self._by_id.get(sid)
-        if s is None or s.owner != owner:
-            return None
-        work = s.clone()
-        fn(work)
-        _touch(work)
-        self._by_id[sid] = work
-        self._by_id.move_to_end(sid)
-        return work.clone()
-
-    async def delete(self, owner: str, sid: str) -> bool:
-        s = self._by_id.get(sid)
-        if s is None or s.owner != owner:
-            return False
-        del self._by_id[sid]
-        return True
-
-    def status(self) -> dict[str, Any]:
-        return {"backend": "memory", "persistent": False, "degraded": False, "pending_writes": 0}
-
-    def describe(self) -> str:
-        return "sessions: in-process memory, NOT persisted (lost on restart; set --redis-url to keep them)"
-
-    async def aclose(self) -> None:
-        return None
+DELETED = -2                      # what the put script answers for a deleted session
 
 
 # Put-if-newer: writes the session and its owner-index entry in one step, refreshing both TTLs.
 # Returns 0 when written, the stored rev when it is already >= ours (a lost race or a stale replay),
-# -1 when the id belongs to another owner.
+# -1 when the id belongs to another owner, -2 when the session was deleted (its tombstone).
 _PUT_LUA = """
+if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return -2 end
 local cur = redis.call('HGET', KEYS[1], 'rev')
 if cur and tonumber(cur) >= tonumber(ARGV[1]) then return tonumber(cur) end
 local own = redis.call('HGET', KEYS[1], 'owner')
@@ -169,11 +41,15 @@ redis.call('EXPIRE', KEYS[2], ARGV[5])
 return 0
 """
 
+# Delete: the hash becomes a tombstone (owner, deleted=1, no data) that lives for the TTL.
 _DELETE_LUA = """
 local own = redis.call('HGET', KEYS[1], 'owner')
 redis.call('ZREM', KEYS[2], ARGV[2])
-if not own or own ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
+if own and own ~= ARGV[1] then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return 0 end
+redis.call('HDEL', KEYS[1], 'data', 'updated')
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'deleted', '1')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
@@ -185,9 +61,10 @@ class _Down(Exception):
 class RedisSessionStore:
     """Sessions in Redis under `chatserve:session:*`, with a local cache and a write outbox.
 
-    Keys: `{ns}:{id}` a hash (rev, owner, updated, data=JSON), `{ns}:owner:{sha256(owner)}` a sorted set
-    of ids scored by updated time. Both carry the TTL, refreshed on every write. Healthy writes are
-    compare-and-set on `rev` (Lua); when Redis is down they apply to the cached copy and queue.
+    Keys: `{ns}:{id}` a hash (rev, owner, updated, data=JSON of Session.to_dict, any schema), or after
+    a delete a tombstone (owner, deleted=1); `{ns}:owner:{sha256(owner)}` a sorted set of ids scored by
+    updated time. All carry the TTL, refreshed on every write. Healthy writes are compare-and-set on
+    `rev` (Lua); when Redis is down they apply to the cached copy and queue.
     """
 
     persistent = True
@@ -282,7 +159,7 @@ class RedisSessionStore:
 
     async def _load(self, sid: str) -> Session | None:
         raw = await self._call(self._redis().hget(self._key(sid), "data"))
-        return Session.from_dict(json.loads(raw)) if raw else None
+        return _decode(sid, raw) if raw else None
 
     # ── recovery: flush the outbox, then make Redis hold at least what this process knows ───────
     async def _recover(self) -> None:
@@ -312,13 +189,16 @@ class RedisSessionStore:
             sid, (op, s) = next(iter(self._outbox.items()))
             if op == "put":
                 r = await self._write(s)
-                if r > 0:
+                if r == DELETED:
+                    log.info("session %s: deleted meanwhile; our buffered write dropped", sid)
+                    self._cache.pop(sid, None)
+                elif r > 0:
                     log.warning("session %s: a newer revision (%d) is in redis; ours (%d) dropped",
                                 sid, r, s.rev)
             else:
                 self._redis()
                 await self._call(self._del(keys=[self._key(sid), self._owner_key(s.owner)],
-                                           args=[s.owner, sid]))
+                                           args=[s.owner, sid, self.ttl_s]))
             # the entry may have been replaced while we awaited: only drop what we wrote
             if self._outbox.get(sid, (None, None))[1] is s:
                 del self._outbox[sid]
@@ -336,11 +216,12 @@ class RedisSessionStore:
         for sid, rev in zip(ids, revs):
             s = self._cache.get(sid)
             if s is not None and (rev is None or int(rev) < s.rev):
-                await self._write(s)
+                if await self._write(s) == DELETED:          # deleted elsewhere: stays deleted
+                    self._cache.pop(sid, None)
 
     # ── the store API ───────────────────────────────────────────────────────────────────────
     async def create(self, session: Session) -> Session:
-        _touch(session)
+        touch(session)
         self._remember(session)
         try:
             if self._outbox:
@@ -379,8 +260,8 @@ class RedisSessionStore:
                     if not raw:
                         stale.append(sid)
                         continue
-                    s = Session.from_dict(json.loads(raw))
-                    if s.owner == owner:
+                    s = _decode(sid, raw)
+                    if s is not None and s.owner == owner:
                         out.append(s)
                 if stale:                                   # expired sessions leave index entries
                     await self._call(r.zrem(self._owner_key(owner), *stale))
@@ -419,7 +300,7 @@ class RedisSessionStore:
                 return None
             work = cur.clone()
             fn(work)
-            _touch(work)
+            touch(work)
             work.rev = cur.rev + 1
             try:
                 r = await self._write(work)
@@ -442,7 +323,7 @@ class RedisSessionStore:
             return None
         work = cur.clone()
         fn(work)
-        _touch(work)
+        touch(work)
         self._enqueue("put", work)
         self._remember(work)
         return work.clone()
@@ -457,7 +338,7 @@ class RedisSessionStore:
                 raise _Down("pending writes")
             self._redis()
             return bool(await self._call(self._del(keys=[self._key(sid), self._owner_key(owner)],
-                                                   args=[owner, sid])))
+                                                   args=[owner, sid, self.ttl_s])))
         except _Down:
             self._enqueue("delete", s)
             return True
@@ -496,13 +377,10 @@ class RedisSessionStore:
             self._client = None
 
 
-def redact_url(url: str) -> str:
-    """The URL with any user:password part replaced, for banners and logs."""
-    return re.sub(r"//[^@/]*@", "//***@", url)
-
-
-def make_session_store(redis_url: str | None, **kw: Any) -> SessionStore:
-    """Redis when a URL is given, else the in-process store."""
-    if redis_url:
-        return RedisSessionStore(redis_url, **kw)
-    return MemorySessionStore()
+def _decode(sid: str, raw: str) -> Session | None:
+    """A stored record, or None (logged) when it cannot be read back: one bad record hides only itself."""
+    try:
+        return Session.from_dict(json.loads(raw))
+    except Exception as e:
+        log.warning("session %s: stored record unreadable, skipped: %s: %s", sid, type(e).__name__, e)
+        return None

@@ -1,0 +1,155 @@
+"""What users may set on a session, checked with the OpenAI routes' own rules (protocol.py):
+settings, sampling parameters, turn requests and imported documents. 400s in the OpenAI shape.
+
+Not body reading (body.py) and not storage.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from chatserve.server.errors import APIError, invalid
+from chatserve.server.protocol import get_bool, get_int, sampling_params
+from chatserve.server.sessions.session import MESSAGE_FIELDS, ROOT, Session
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "stop")
+USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tokens_per_s", "queue_s")
+MAX_CONTENT_CHARS = 200_000
+MAX_TITLE_CHARS = 200
+MAX_IMPORT_MESSAGES = 5_000
+MAX_ID_CHARS = 64
+ROLES = ("user", "assistant", "system")
+FINISH_REASONS = ("stop", "length", "abort", "error", "interrupted", "content_filter")
+
+
+def clean_params(raw: Any, state: Any, param: str = "params") -> dict[str, Any]:
+    """Sampling defaults: only the known keys, each valid by the OpenAI routes' rules (protocol.py)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise invalid(f"'{param}' must be an object", param, "invalid_type")
+    for k in raw:
+        if k not in SAMPLING_KEYS:
+            raise invalid(f"unknown sampling parameter {k[:40]!r}", param)
+    out = {k: v for k, v in raw.items() if v is not None}
+    sampling_params(out, state, n=1, logprobs=None)          # raises the routes' 400s
+    mt = get_int(out, "max_tokens", None, 1, None)
+    if mt is not None:
+        out["max_tokens"] = mt
+    if isinstance(out.get("stop"), str):
+        out["stop"] = [out["stop"]]
+    return out
+
+
+def clean_text(v: Any, name: str, limit: int) -> str:
+    if not isinstance(v, str):
+        raise invalid(f"'{name}' must be a string", name, "invalid_type")
+    if len(v) > limit:
+        raise invalid(f"'{name}' is longer than {limit} characters", name)
+    return v
+
+
+def clean_id(v: Any, name: str) -> str:
+    if not isinstance(v, str) or not v or len(v) > MAX_ID_CHARS:
+        raise invalid(f"'{name}' must be a message id", name, "invalid_type")
+    return v
+
+
+def apply_settings(s: Session, body: dict, state: Any) -> None:
+    """Set title, system_prompt, params, model from a create/PATCH/import body (all validated)."""
+    if "title" in body:
+        s.title = clean_text(body["title"], "title", MAX_TITLE_CHARS).strip() or "New chat"
+    if "system_prompt" in body:
+        s.system_prompt = clean_text(body["system_prompt"] or "", "system_prompt", MAX_CONTENT_CHARS)
+    if "params" in body:
+        s.params = clean_params(body["params"], state)
+    if "model" in body:
+        s.model = None if body["model"] is None else clean_text(body["model"], "model", 200)
+
+
+def clean_message(m: Any, param: str) -> dict[str, Any]:
+    """One imported message: role, content, created, and for replies usage and finish_reason."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise invalid("each message needs a role: user, assistant or system", param)
+    created = m.get("created")
+    msg: dict[str, Any] = {
+        "role": m["role"], "content": clean_text(m.get("content", ""), f"{param}.content", MAX_CONTENT_CHARS),
+        "created": float(created) if isinstance(created, (int, float)) and not isinstance(created, bool)
+        and 0 <= created < 1e11 else time.time()}
+    if m["role"] == "assistant" and isinstance(m.get("usage"), dict):
+        msg["usage"] = {k: v for k, v in m["usage"].items()
+                        if k in USAGE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if m.get("finish_reason") in FINISH_REASONS:
+        msg["finish_reason"] = m["finish_reason"]
+    if isinstance(m.get("error"), str):
+        msg["error"] = m["error"][:500]
+    return msg
+
+
+def import_messages(s: Session, body: dict) -> None:
+    """An export document's messages into `s`: v2's `tree` (every version) when present, else v1's
+    flat `messages` as one branch. Ids are new; the structure and the active branch are kept."""
+    tree = body.get("tree")
+    if tree is None:
+        raw = body.get("messages", [])
+        if not isinstance(raw, list) or len(raw) > MAX_IMPORT_MESSAGES:
+            raise invalid(f"'messages' must be a list of at most {MAX_IMPORT_MESSAGES}", "messages")
+        for i, m in enumerate(raw):
+            s.add_message(clean_message(m, f"messages[{i}]"))
+        return
+    if not isinstance(tree, dict) or not isinstance(tree.get("nodes"), list):
+        raise invalid("'tree' must be {\"nodes\": [...], \"active\": id}", "tree", "invalid_type")
+    nodes = tree["nodes"]
+    if len(nodes) > MAX_IMPORT_MESSAGES:
+        raise invalid(f"'tree.nodes' holds at most {MAX_IMPORT_MESSAGES} messages", "tree")
+    new_id: dict[str, str] = {}
+    for i, n in enumerate(nodes):
+        p = f"tree.nodes[{i}]"
+        if not isinstance(n, dict):
+            raise invalid(f"{p} must be an object", p, "invalid_type")
+        old = clean_id(n.get("id"), f"{p}.id")
+        parent = n.get("parent")
+        if parent in (None, ROOT):
+            parent_new = ROOT
+        elif isinstance(parent, str) and parent in new_id:
+            parent_new = new_id[parent]
+        else:
+            raise invalid(f"{p}.parent must be the id of an earlier message", f"{p}.parent")
+        if old in new_id:
+            raise invalid(f"{p}.id is not unique", f"{p}.id")
+        new_id[old] = s.add_message(clean_message(n, p), parent=parent_new)["id"]
+    active = tree.get("active")
+    if active is not None:
+        if not isinstance(active, str) or active not in new_id:
+            raise invalid("'tree.active' must be the id of one of the messages", "tree.active")
+        s.select(new_id[active])
+
+
+@dataclass
+class TurnRequest:
+    """A validated turn body: what to add, where, and the per-turn sampling overrides."""
+
+    content: str | None
+    replace_from: int | None
+    edit_id: str | None
+    regenerate: bool
+    overrides: dict[str, Any]
+    stream: bool
+
+
+def parse_turn(body: dict, state: Any) -> TurnRequest:
+    content = body.get("content")
+    if content is not None:
+        content = clean_text(content, "content", MAX_CONTENT_CHARS)
+    replace_from = get_int(body, "replace_from", None, 0, None)
+    edit_id = None if body.get("edit_id") is None else clean_id(body["edit_id"], "edit_id")
+    if replace_from is not None and edit_id is not None:
+        raise invalid("send 'replace_from' or 'edit_id', not both", "edit_id")
+    regenerate = get_bool(body, "regenerate")
+    overrides = clean_params({k: v for k, v in body.items() if k in SAMPLING_KEYS}, state, "params")
+    if content is None and not regenerate and replace_from is None and edit_id is None:
+        raise APIError(400, "'content' is required", param="content", code="missing_required_parameter")
+    stream = get_bool(body, "stream", True)
+    return TurnRequest(content, replace_from, edit_id, regenerate, overrides, stream)

@@ -1,0 +1,429 @@
+"""The turn service: runs one reply per session in the background, independent of any connection.
+
+A turn stores the user's message and a placeholder reply, generates from the stored history through
+chat_service.stream_chat (keep_warm=True), saves the partial reply about once a second, and stores the
+finished one with its usage. Any number of followers (the request that started it, and clients that
+re-attach after a reload) receive its chunks, progress events and end. Not HTTP (routes.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+from chatserve.server.errors import APIError, invalid
+from chatserve.server.sessions.inputs import TurnRequest
+from chatserve.server.sessions.session import ROOT, Session
+from chatserve.server.sessions.store import SessionStore, StoreUnavailable, valid_session_id
+
+log = logging.getLogger("chatserve.sessions")
+
+TICK_S = 0.2              # progress polling period
+SAVE_EVERY_S = 1.0        # partial reply / heartbeat save period
+HEARTBEAT_S = 5.0         # a turn with nothing new still refreshes its heartbeat this often
+_END = object()
+
+
+class ChatBackend(Protocol):
+    """chat_service by default; tests put a scripted one on `app.state.session_chat_backend`.
+    `parse` validates and tokenizes a chat body; it may be a coroutine function."""
+
+    def parse(self, body: dict, state: Any, rate_key: str | None = None) -> Any: ...
+    def stream(self, state: Any, req: Any, *, owner: str, keep_warm: bool, request_id: str | None,
+               rate_key: str | None = None) -> AsyncIterator[dict]: ...
+
+
+class ChatServiceBackend:
+    """Adapter over chatserve.server.chat_service (imported on first use). Bodies go through the
+    server's prompt guard: size bound, rate limits, then tokenizing where it cannot stall the loop."""
+
+    async def parse(self, body: dict, state: Any, rate_key: str | None = None) -> Any:
+        from chatserve.server import chat_service, prompt_guard
+        return await prompt_guard.admit(state, body, chat_service.parse_chat_body,
+                                        rate_key=rate_key or "anonymous")   # set by start()
+
+    def stream(self, state: Any, req: Any, *, owner: str, keep_warm: bool, request_id: str | None,
+               rate_key: str | None = None) -> AsyncIterator[dict]:
+        from chatserve.server import chat_service
+        return chat_service.stream_chat(state, req, owner=owner, keep_warm=keep_warm,
+                                        request_id=request_id, rate_key=rate_key)
+
+
+def not_found() -> APIError:
+    return APIError(404, "session not found", code="session_not_found")
+
+
+def busy() -> APIError:
+    return APIError(409, "a reply is already being generated in this session", code="session_busy")
+
+
+@dataclass
+class LiveTurn:
+    """One generation in one session, as this process runs it."""
+
+    id: str
+    session_id: str
+    owner: str
+    message_id: str                       # the assistant message being written
+    parent_id: str
+    user_message_id: str | None
+    request_id: str                       # the engine's request id
+    model: str = ""
+    text: list[str] = field(default_factory=list)
+    phase: str = "queued"
+    progress: dict | None = None          # the last progress event sent
+    followers: set = field(default_factory=set)
+    task: asyncio.Task | None = None
+    admitted: asyncio.Future | None = None
+    cancelled: bool = False
+    running: bool = False                 # _run has begun (a task cancelled before that never runs)
+    finishing: bool = False
+    done: bool = False
+
+    def event(self, replay: bool) -> dict:
+        return {"object": "chatserve.turn", "id": self.id, "session_id": self.session_id,
+                "message_id": self.message_id, "parent_id": self.parent_id or None,
+                "user_message_id": self.user_message_id, "replay": replay}
+
+    def follow(self, replay: bool) -> asyncio.Queue:
+        """A queue that receives this turn's items from now on (after a replay of the text so far)."""
+        q: asyncio.Queue = asyncio.Queue()
+        q.put_nowait(self.event(replay))
+        if replay:
+            q.put_nowait({"id": self.request_id, "object": "chat.completion.chunk",
+                          "created": int(time.time()), "model": self.model,
+                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": "".join(self.text)},
+                                       "finish_reason": None}]})
+            if self.progress is not None and not self.text:
+                q.put_nowait(self.progress)
+        if self.done:
+            q.put_nowait(_END)
+        else:
+            self.followers.add(q)
+        return q
+
+    def publish(self, item: Any) -> None:
+        for q in self.followers:
+            q.put_nowait(item)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.task is not None and self.running and not self.finishing and not self.task.done():
+            self.task.cancel()
+
+
+async def drain(turn: LiveTurn, q: asyncio.Queue) -> AsyncIterator[dict]:
+    """Follow a turn: its items until it ends. Leaving early only stops following."""
+    try:
+        while True:
+            item = await q.get()
+            if item is _END:
+                return
+            yield item
+    finally:
+        turn.followers.discard(q)
+
+
+class TurnService:
+    """Starts, follows, cancels and finishes the turns of this process (at most one per session)."""
+
+    def __init__(self, app_state: Any, state: Any, store: SessionStore) -> None:
+        self.app_state, self.state, self.store = app_state, state, store
+        self.by_session: dict[str, LiveTurn] = {}
+        self._default_backend = ChatServiceBackend()
+
+    @property
+    def backend(self) -> ChatBackend:
+        """Test hook: `app.state.session_chat_backend = obj` stands in for the model (docs/sessions.md)."""
+        return getattr(self.app_state, "session_chat_backend", None) or self._default_backend
+
+    def live(self, owner: str, sid: str) -> LiveTurn | None:
+        t = self.by_session.get(sid)
+        return t if t is not None and t.owner == owner else None
+
+    # ── starting ──────────────────────────────────────────────────────────────────────────────
+    async def start(self, owner: str, sid: str, treq: TurnRequest,
+                    rate_key: str | None = None) -> AsyncIterator[dict]:
+        """Store the user's message and the placeholder, start generating, and return the starter's
+        stream. An APIError before the first chunk (validation, overload, rate limit, context too
+        long) is raised here, and the placeholder is removed (the user's message stays)."""
+        if not valid_session_id(sid):
+            raise not_found()
+        if sid in self.by_session:
+            raise busy()
+        rate_key = rate_key or owner
+        user_id = None if treq.content is None else "m_" + secrets.token_urlsafe(9)
+        reply_id = "m_" + secrets.token_urlsafe(9)
+        turn = LiveTurn(id="turn_" + secrets.token_urlsafe(9), session_id=sid, owner=owner,
+                        message_id=reply_id, parent_id="", user_message_id=user_id,
+                        request_id=f"sess-{sid[:8]}-{secrets.token_hex(4)}")
+        self.by_session[sid] = turn                          # claimed before any await
+        try:
+            history: list[list[dict]] = []
+
+            def add_turn(s: Session) -> None:
+                history[:] = [_add_turn(s, treq, turn, user_id, reply_id)]
+
+            cur = await self.store.get(owner, sid)           # validate on a preview first, so a
+            if cur is None:                                   # rejected request changes nothing
+                raise not_found()
+            if cur.turn_live():
+                raise busy()                                  # another replica is generating here
+            add_turn(cur)
+            preview = history[0]
+            req = await self._parse(cur, preview, treq.overrides, rate_key)
+            s = await self.store.update(owner, sid, add_turn)
+            if s is None:
+                raise not_found()
+            if _chat_key(s, history[0]) != _chat_key(cur, preview):
+                req = await self._parse(s, history[0], treq.overrides, None)   # changed meanwhile
+            turn.model = s.model or getattr(self.state, "model_name", None) or ""
+        except BaseException:
+            self.by_session.pop(sid, None)
+            raise
+        q = turn.follow(replay=False)
+        turn.admitted = asyncio.get_running_loop().create_future()
+        turn.task = asyncio.get_running_loop().create_task(self._run(turn, req, rate_key))
+        try:
+            await asyncio.shield(turn.admitted)
+        except asyncio.CancelledError:
+            turn.followers.discard(q)                         # the caller left; the turn goes on
+            raise
+        return drain(turn, q)
+
+    async def _parse(self, s: Session, history: list[dict], overrides: dict, rate_key: str | None) -> Any:
+        chat: dict[str, Any] = {
+            "model": s.model or getattr(self.state, "model_name", None) or "default",
+            "messages": ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else [])
+            + [{"role": m["role"], "content": m["content"]} for m in history],
+            "stream": True, "stream_options": {"include_usage": True},
+            **s.params, **overrides}
+        req = self.backend.parse(chat, self.state, rate_key)
+        return await req if inspect.isawaitable(req) else req
+
+    # ── following and stopping ────────────────────────────────────────────────────────────────
+    def attach(self, owner: str, sid: str) -> AsyncIterator[dict]:
+        """The running turn's stream from now on, after its text so far (one replay chunk)."""
+        turn = self.live(owner, sid) if valid_session_id(sid) else None
+        if turn is None or turn.done:
+            raise APIError(404, "no reply is being generated in this session", code="no_active_turn")
+        return drain(turn, turn.follow(replay=True))
+
+    def cancel(self, owner: str, sid: str) -> bool:
+        turn = self.live(owner, sid)
+        if turn is None:
+            return False
+        turn.cancel()
+        return True
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Let running turns finish for up to grace_s, stop the rest, wait for their replies to be
+        saved, then flush and close the store."""
+        deadline = time.monotonic() + grace_s
+        while self.by_session and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        tasks = [t.task for t in self.by_session.values() if t.task is not None]
+        for t in list(self.by_session.values()):
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        await self.store.aclose()
+
+    # ── running ───────────────────────────────────────────────────────────────────────────────
+    async def _run(self, turn: LiveTurn, req: Any, rate_key: str | None) -> None:
+        turn.running = True
+        t0 = time.perf_counter()
+        finish: str | None = None
+        usage: dict[str, Any] | None = None
+        first_token_at: float | None = None
+        n_chunks = n_content = 0
+        error: str | None = None
+        early: BaseException | None = None
+        ticker = asyncio.get_running_loop().create_task(self._tick(turn))
+        agen = self.backend.stream(self.state, req, owner=turn.owner, keep_warm=True,
+                                   request_id=turn.request_id, rate_key=rate_key)
+        try:
+            async for item in agen:
+                n_chunks += 1
+                if not turn.admitted.done():
+                    turn.admitted.set_result(None)
+                for ch in item.get("choices") or []:
+                    delta = ch.get("delta") or {}
+                    if delta.get("content"):
+                        turn.text.append(delta["content"])
+                        n_content += 1
+                        if first_token_at is None:
+                            first_token_at = time.perf_counter()
+                            turn.phase = "generating"
+                    if ch.get("finish_reason"):
+                        finish = ch["finish_reason"]
+                if item.get("usage"):
+                    usage = item["usage"]
+                if item.get("error"):
+                    error = str((item["error"] or {}).get("message") or "generation failed")
+                    finish = "error"
+                turn.publish(item)
+                if turn.cancelled:               # stopped before this task was running
+                    break
+        except asyncio.CancelledError:
+            turn.cancelled = True
+        except Exception as e:
+            if n_chunks == 0 and isinstance(e, APIError):
+                early = e
+            else:
+                error = getattr(e, "message", None) or str(e) or type(e).__name__
+                log.warning("session %s: generation failed: %s", turn.session_id, error)
+                finish = "error"
+                turn.publish({"error": {"message": error, "type": "server_error", "param": None,
+                                        "code": "generation_failed"}})
+        finally:
+            turn.finishing = True
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()                   # aborts the engine request if still running
+                except Exception:
+                    pass
+        if turn.cancelled and early is None:
+            finish = "abort"
+            turn.publish({"id": turn.request_id, "object": "chat.completion.chunk",
+                          "created": int(time.time()), "model": turn.model,
+                          "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
+        reply = "".join(turn.text)
+        keep = early is None and (reply or not error)
+        msg: dict[str, Any] = {"content": reply, "finish_reason": finish or "stop",
+                               "usage": usage_record(usage, t0, first_token_at, n_content)}
+        if error:
+            msg["error"] = error[:500]
+        await self._finish(turn, msg if keep else None)
+        if not turn.admitted.done():
+            if early is not None:
+                turn.admitted.set_exception(early)
+            else:
+                turn.admitted.set_result(None)
+        turn.done = True
+        turn.publish(_END)
+        turn.followers.clear()
+
+    async def _finish(self, turn: LiveTurn, msg: dict | None) -> None:
+        """Store the reply (or drop its placeholder) and clear the session's turn marker."""
+        def apply(s: Session) -> None:
+            node = s.nodes.get(turn.message_id)
+            if node is not None:
+                if msg is None:
+                    s.remove(turn.message_id)
+                else:
+                    node.pop("status", None)
+                    node.update(msg)
+            if s.turn and s.turn.get("id") == turn.id:
+                s.turn = None
+
+        try:
+            await self.store.update(turn.owner, turn.session_id, apply)
+        except Exception as e:               # StoreUnavailable: the reply was streamed but not kept
+            log.error("session %s: reply not stored: %s", turn.session_id, e)
+        finally:
+            if self.by_session.get(turn.session_id) is turn:
+                del self.by_session[turn.session_id]
+
+    async def _tick(self, turn: LiveTurn) -> None:
+        """Progress events until the first token; the partial reply and heartbeat saved periodically."""
+        progress = getattr(getattr(self.state, "engine", None), "progress", None)
+        saved_len, saved_at = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(TICK_S)
+            if callable(progress) and not turn.text:
+                p = progress(turn.request_id)
+                if p is not None:
+                    ev = {"object": "chatserve.turn.progress", "turn_id": turn.id, **p}
+                    if ev != turn.progress:
+                        turn.progress = ev
+                        turn.phase = p.get("phase", turn.phase)
+                        turn.publish(ev)
+            now = time.monotonic()
+            n = sum(len(x) for x in turn.text)
+            if now - saved_at >= SAVE_EVERY_S and (n != saved_len or now - saved_at >= HEARTBEAT_S):
+                saved_len, saved_at = n, now
+                await self._save_partial(turn)
+
+    async def _save_partial(self, turn: LiveTurn) -> None:
+        text, phase = "".join(turn.text), turn.phase
+
+        def apply(s: Session) -> None:
+            node = s.nodes.get(turn.message_id)
+            if node is not None and node.get("status") == "generating":
+                node["content"] = text
+            if s.turn and s.turn.get("id") == turn.id:
+                s.turn.update(heartbeat=time.time(), phase=phase)
+
+        try:
+            await self.store.update(turn.owner, turn.session_id, apply)
+        except StoreUnavailable as e:
+            log.debug("session %s: partial reply not saved: %s", turn.session_id, e)
+
+
+def _chat_key(s: Session, history: list[dict]) -> tuple:
+    return [(m["role"], m["content"]) for m in history], s.params, s.system_prompt, s.model
+
+
+def _add_turn(s: Session, treq: TurnRequest, turn: LiveTurn, user_id: str | None,
+              reply_id: str) -> list[dict]:
+    """Add the user's message (a new version when editing) and the placeholder reply; set the turn
+    marker. Returns the history the reply answers. Raises APIError when there is nothing to answer."""
+    path = s.path()
+    start = treq.replace_from
+    if treq.edit_id is not None:
+        ids = [m["id"] for m in path]
+        if treq.edit_id not in ids:
+            raise invalid("edit_id is not a message of the active branch", "edit_id", "message_not_found")
+        start = ids.index(treq.edit_id)
+    if start is not None:
+        if start > len(path):
+            raise invalid("replace_from is past the end of the conversation", "replace_from")
+        base = path[:start]
+    else:
+        base = list(path)
+        if treq.content is None:                         # regenerate: a new version of the reply
+            while base and base[-1]["role"] == "assistant":
+                base.pop()
+    parent = base[-1]["id"] if base else ROOT
+    if treq.content is not None:
+        user = s.add_message({"role": "user", "content": treq.content}, parent=parent, node_id=user_id)
+        base.append(user)
+        parent = user["id"]
+        if s.title == "New chat" and sum(m["role"] == "user" for m in base) == 1:
+            s.title = " ".join(treq.content.split())[:60] or "New chat"
+    if not base or base[-1]["role"] != "user":
+        raise invalid("nothing to answer: the conversation must end with a user message", None)
+    s.add_message({"role": "assistant", "content": "", "status": "generating"}, parent=parent,
+                  node_id=reply_id)
+    turn.parent_id = parent
+    s.turn = {"id": turn.id, "message_id": reply_id, "phase": "queued", "heartbeat": time.time()}
+    return base
+
+
+def usage_record(usage: dict | None, t0: float, first: float | None, n_content: int) -> dict:
+    """The per-turn usage kept with a reply: tokens, cached tokens, TTFT, speed, queue time."""
+    now = time.perf_counter()
+    u: dict[str, Any] = {}
+    if usage:
+        u["prompt_tokens"] = usage.get("prompt_tokens")
+        u["completion_tokens"] = usage.get("completion_tokens")
+        u["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        extra = usage.get("chatserve") or {}
+        for k in ("ttft_s", "tokens_per_s", "queue_s"):
+            if extra.get(k) is not None:
+                u[k] = extra[k]
+    if u.get("completion_tokens") is None:
+        u["completion_tokens"] = n_content          # stopped early: no usage chunk came
+    if "ttft_s" not in u and first is not None:
+        u["ttft_s"] = round(first - t0, 4)
+    if "tokens_per_s" not in u and first is not None and now > first and u["completion_tokens"] > 1:
+        u["tokens_per_s"] = round((u["completion_tokens"] - 1) / (now - first), 2)
+    return {k: v for k, v in u.items() if v is not None}
