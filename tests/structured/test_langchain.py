@@ -26,7 +26,7 @@ def get_weather(city: str) -> str:
 @pytest.fixture(scope="module")
 def llm(structured_server):
     return langchain_openai.ChatOpenAI(base_url=structured_server.url + "/v1", api_key="none", model="smollm2",
-                                       temperature=0, max_tokens=60, timeout=300, max_retries=0)
+                                       temperature=0, max_tokens=200, timeout=300, max_retries=0)
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
