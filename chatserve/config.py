@@ -276,6 +276,9 @@ class ServerConfig:
         "loop gets it back (lower = snappier 503s, pings and streams under load)", metavar="SECONDS")
     log_level: str = option("info", "chatserve's log level", choices=LOG_LEVELS)
     uvicorn_log_level: str = option("warning", "uvicorn's log level", choices=LOG_LEVELS)
+    tool_call_parser: str | None = option(
+        None, "how tool calls are read from the model's output with tool_choice auto",
+        choices=(None, "hermes", "llama3_json", "mistral"), shown_default="implied by the chat template")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

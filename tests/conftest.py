@@ -1,5 +1,5 @@
-"""Fixtures shared by every test folder: a throwaway redis-server (skipped with a hint when missing) and
-a tiny random-weight model directory."""
+"""Fixtures shared by every test folder: a throwaway redis-server (skipped with a hint when missing),
+a tiny random-weight model directory, and the real default model served once per session."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "sessions"))
+sys.path.insert(0, str(Path(__file__).parent / "server"))
 
+from server_support import real_model_available, start_real_server  # noqa: E402
 from session_fakes import RedisServer, redis_binary  # noqa: E402
 
 
@@ -32,6 +34,18 @@ def tiny_model(tmp_path_factory) -> str:
         return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
     except (ImportError, FileNotFoundError) as e:
         pytest.skip(f"tiny model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory):
+    """The default model served once for the whole test session (fp32, small KV cache): tests/server
+    and tests/structured share it."""
+    if not real_model_available():
+        pytest.skip("default model or engine components not available")
+    srv = start_real_server(str(tmp_path_factory.mktemp("live")), "--kv-blocks", "512",
+                            "--max-model-len", "2048")
+    yield srv
+    srv.stop()
 
 
 def pytest_collection_modifyitems(config, items):

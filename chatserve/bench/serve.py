@@ -72,6 +72,7 @@ def build_body(job: Job, turn_idx: int, history: list[tuple[Any, str]], opts: Ru
     if opts.ignore_eos:
         body["ignore_eos"] = True
     body.update(opts.extra_body)
+    body.update(job.extra)               # per-job fields (the structured workload's response_format)
     if opts.endpoint == "chat":
         msgs: list[dict[str, str]] = []
         if job.system is not None:
@@ -231,6 +232,8 @@ def make_jobs(args: argparse.Namespace, seed: int, tokenizer: Any) -> list[Job]:
                                          args.output_len, args.system_len if args.system_len_set else 0)
     if w == "parallel":
         return workloads.parallel_jobs(src, args.num_prompts, args.n, args.input_len, args.output_len)
+    if w == "structured":
+        return workloads.structured_jobs(src, args.num_prompts, args.input_len, args.output_len)
     raise ValueError(w)
 
 
@@ -343,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "parallel"),
+    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "parallel", "structured"),
                    default="random")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", default="128", help="tokens, N or MIN:MAX")

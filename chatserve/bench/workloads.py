@@ -1,4 +1,4 @@
-"""Benchmark workloads: random, shared-prefix, multi-turn and parallel, as lists of `Job`s.
+"""Benchmark workloads: random, shared-prefix, multi-turn, parallel and structured, as lists of `Job`s.
 
 Prompts are random common words (about one token each, so lengths are approximate) or, with a
 tokenizer, exact token-id lists. This module builds requests; it sends nothing (see serve.py).
@@ -131,6 +131,30 @@ def parallel_jobs(src: PromptSource, num_prompts: int, n: int, input_len: str,
     jobs = random_jobs(src, num_prompts, input_len, output_len)
     for j in jobs:
         j.n = n
+    return jobs
+
+
+# The structured workload's schema: a record with bounded fields and an open list, so a reply can run
+# about as long as the random workload's while every token goes through the grammar.
+STRUCTURED_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False, "required": ["title", "rating", "tags", "notes"],
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["short", "long", "odd", "plain", "new"]}},
+        "notes": {"type": "array", "items": {"type": "string", "maxLength": 80}},
+    },
+}
+
+
+def structured_jobs(src: PromptSource, num_prompts: int, input_len: str, output_len: str,
+                    schema: dict[str, Any] | None = None) -> list[Job]:
+    """The random workload's prompts (same seed → same prompts), each answered under a JSON schema
+    (response_format json_schema), for TPOT with and without a grammar."""
+    jobs = random_jobs(src, num_prompts, input_len, output_len)
+    rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema or STRUCTURED_SCHEMA}}
+    for j in jobs:
+        j.extra["response_format"] = rf
     return jobs
 
 

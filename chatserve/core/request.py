@@ -52,6 +52,9 @@ class SamplingParams:
     min_tokens: int = 0          # EOS and stop_token_ids are masked until this many tokens are out
     min_tokens_banned_ids: list[int] = field(default_factory=list)   # those ids (set by the HTTP layer)
     skip_special_tokens: bool = True   # drop special tokens from the streamed text
+    # Output constraint (chatserve.structured.spec.StructuredSpec: JSON schema, regex, grammar…), opaque
+    # here: the HTTP layer compiles it, the sampler's grammar masks apply it. None = unconstrained.
+    structured: object | None = None
 
     @property
     def greedy(self) -> bool:

@@ -1,10 +1,14 @@
 """Next-token choice for a batch of sequences, each with its own sampling parameters.
 
-Logits → penalties → logit_bias → (logprobs) → temperature → min_p → top_k → top_p → one draw per row.
+Logits → grammar mask → penalties → logit_bias → (logprobs) → temperature → min_p → top_k → top_p → one
+draw per row.
 Batched tensor ops throughout; Python loops only over rows and over bias entries, never over the vocab.
 Not here: stop strings (the detokenizer), EOS / max_tokens (the scheduler).
 
 Order and conventions:
+  * grammar mask (structured outputs): rows whose params carry a compiled constraint get the tokens their
+    grammar forbids set to -inf first, from one batched bitmask (chatserve.structured.matchers); rows
+    without one pay nothing, and nothing is imported until a constrained row appears.
   * repetition_penalty (vLLM/HF): over prompt + output tokens, logit / p if logit > 0 else logit * p.
   * presence/frequency (OpenAI): over output tokens, logit -= presence * [count > 0] + frequency * count.
   * logit_bias (OpenAI): added after the penalties, so +100 forces and -100 bans a token.
@@ -20,6 +24,7 @@ Order and conventions:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -46,12 +51,21 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}    # seeded requests only
         self._prompt_ids: dict[str, tuple[int, torch.Tensor]] = {}  # request_id → (len, unique prompt ids)
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self._masks: Any = None  # chatserve.structured.matchers.GrammarMasks, made on first use
 
     def drop(self, request_ids: list[str]) -> None:
-        """Forget per-request state (seeded generators, cached prompt ids) of finished requests."""
+        """Forget per-request state (seeded generators, cached prompt ids, grammar matchers) of finished requests."""
         for rid in request_ids:
             self._generators.pop(rid, None)
             self._prompt_ids.pop(rid, None)
+        if self._masks is not None:
+            self._masks.drop(request_ids)
+
+    def _grammar_masks(self) -> Any:
+        if self._masks is None:
+            from chatserve.structured.matchers import GrammarMasks
+            self._masks = GrammarMasks()
+        return self._masks
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -60,6 +74,16 @@ class Sampler:
         B = len(seqs)
         if B == 0:
             return [], []
+        c_rows = [i for i in range(B) if getattr(seqs[i].params, "structured", None) is not None]
+        if c_rows:
+            self._grammar_masks().apply(logits, seqs, c_rows)   # in place: logits are this step's own
+            token_list, logprobs = self._choose(logits, seqs)
+            self._masks.accept(seqs, c_rows, token_list)
+            return token_list, logprobs
+        return self._choose(logits, seqs)
+
+    def _choose(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:
+        B = len(seqs)
         greedy = [_is_greedy(s) for s in seqs]
         penal = [_has_penalties(s) for s in seqs]
         biased = [bool(s.params.logit_bias) or _under_min_tokens(s) for s in seqs]
@@ -197,7 +221,8 @@ class Sampler:
         out = []
         for r, s in enumerate(seqs):
             n = min(k, s.params.logprobs or 0)
-            top = list(zip(top_i[r][:n], top_v[r][:n])) if n else []
+            # -inf alternatives (tokens a grammar mask forbids) are not alternatives
+            top = [(i, v) for i, v in zip(top_i[r][:n], top_v[r][:n]) if v != float("-inf")] if n else []
             out.append(TokenLogprob(token_id=chosen[r], logprob=chosen_lp[r], top=top))
         return out
 

@@ -23,6 +23,7 @@ from chatserve.server.errors import APIError, admission_error, engine_error_body
 from chatserve.server.identity import cache_salt
 from chatserve.server.protocol import (ChatRequest, CompletionRequest, GenerationRequest,
                                        parse_chat_body, parse_completion_body)
+from chatserve.tools.stream import ToolCallFolder
 
 __all__ = ["precheck", "parse_chat_body", "parse_completion_body", "stream_chat", "stream_completion",
            "sse_response", "error_response", "collect_chat", "collect_completion", "APIError",
@@ -171,6 +172,7 @@ async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = 
             "model": req.model, "system_fingerprint": None}
     usage = _Usage(len(req.prompt_ids))
     started: set[int] = set()
+    calls = [req.tools.streamer() for _ in range(req.params.n)] if req.tools is not None else None
     try:
         async for d in stream:
             usage.add(d)
@@ -180,12 +182,19 @@ async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = 
             if not d.text and not d.logprobs and d.finish_reason is None:
                 continue
             delta: dict[str, Any] = {"content": d.text} if d.text else {}
-            if d.index not in started:
+            reason = d.finish_reason
+            if calls is not None:          # tool calls read from the text (chatserve.tools.stream)
+                delta = calls[d.index].push(d.text, final=reason is not None)
+                reason = calls[d.index].finish_reason(reason)
+                if not delta and not d.logprobs and reason is None:
+                    continue
+            if d.index not in started:     # the role goes with the choice's first content, never alone
                 started.add(d.index)
-                delta = {"role": "assistant", "content": d.text}
+                delta = ({"role": "assistant", "content": None, **delta} if calls is not None
+                         else {"role": "assistant", "content": d.text})
             yield {**base, "choices": [{"index": d.index, "delta": delta,
                                         "logprobs": _chat_logprobs(state, d),
-                                        "finish_reason": d.finish_reason,
+                                        "finish_reason": reason,
                                         "stop_reason": _stop_reason(d, req.params)}]}
         yield {**base, "choices": [], "usage": usage.to_dict()}
     finally:
@@ -333,11 +342,11 @@ async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str
 
 async def collect_chat(chunks: AsyncIterator[dict], req: ChatRequest) -> dict:
     n = req.params.n
-    head, texts, reasons, stops, lps, usage = await _fold(chunks, n,
-                                                          lambda ch: ch["delta"].get("content") or "")
+    calls = ToolCallFolder(n)
+    head, texts, reasons, stops, lps, usage = await _fold(chunks, n, calls.content)
     return {"id": head["id"], "object": "chat.completion", "created": head["created"],
             "model": head["model"], "system_fingerprint": None,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+            "choices": [{"index": i, "message": calls.message(i, texts[i]),
                          "logprobs": lps[i], "finish_reason": reasons[i], "stop_reason": stops[i]}
                         for i in range(n)],
             "usage": usage}

@@ -194,8 +194,8 @@ async def admit(state: Any, body: dict, build: Callable[[dict, Any], T], *, rate
     limiter = getattr(state, "rate_limiter", None)
     if limiter is not None:
         await limiter.check(rate_key)
-    if nbytes > BIG_INPUT_BYTES:
-        req = await asyncio.to_thread(build, body, state)
+    if nbytes > BIG_INPUT_BYTES or body.get("response_format") or body.get("tools"):
+        req = await asyncio.to_thread(build, body, state)     # big text, or a grammar to compile
     else:
         req = build(body, state)
     if limiter is not None:

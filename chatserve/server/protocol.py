@@ -18,11 +18,10 @@ from chatserve.server.schemas import openai as s
 from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_TOP_LOGPROBS  # noqa: F401
 
 GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
-# Declared in the schema for the clients that send them; answered with a 400 until structured outputs and
-# tool calling land (branch `structured`). The hand-off point is `_structured_fields` below.
-STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
 
 M = TypeVar("M", bound=BaseModel)
+from chatserve.structured.chat_request import chat_constraints, tool_message_fields
+from chatserve.tools.request import ToolPlan
 
 
 @dataclass
@@ -41,7 +40,7 @@ class ChatRequest(GenerationRequest):
     messages: list[dict] = field(default_factory=list)   # normalized: {"role", "content": str, ...}
     logprobs: bool = False
     top_logprobs: int = 0
-    structured: dict[str, Any] = field(default_factory=dict)   # response_format/tools/...: see STRUCTURED_FIELDS
+    tools: ToolPlan | None = None                        # tool calls to read back from the output
 
 
 @dataclass
@@ -212,22 +211,6 @@ def _stream_flags(r: s.SamplingFields) -> tuple[bool, bool]:
     return r.stream, bool(r.stream_options and r.stream_options.include_usage)
 
 
-def _structured_fields(r: s.ChatCompletionRequest) -> dict[str, Any]:
-    """response_format / tools / tool_choice / parallel_tool_calls as the client set them, for
-    ChatRequest.structured. Today only their no-op values pass (the rest is a 400 naming the field);
-    at merge with branch `structured`, return them here and pass them to the sampler (and `tools`
-    to the chat template)."""
-    _refuse_unimplemented(r, STRUCTURED_FIELDS)
-    return {}
-
-
-def _refuse_unimplemented(r: BaseModel, names: tuple[str, ...]) -> None:
-    for k in names:
-        v = getattr(r, k, None)
-        if v not in (None, [], False, "none", "auto") and not (k == "response_format" and v == {"type": "text"}):
-            raise invalid(f"'{k}' is not supported by this server", k, "unsupported_parameter")
-
-
 # ---- chat -----------------------------------------------------------------------------------------
 def normalize_messages(v: Any) -> list[dict]:
     """Messages as the chat template gets them: content folded to one string, developer → system;
@@ -250,8 +233,6 @@ def normalize_messages(v: Any) -> list[dict]:
                                        or not all(isinstance(c, dict) for c in tool_calls)):
             raise invalid(f"{p}.tool_calls must be a list of objects on an assistant message",
                           f"{p}.tool_calls", "invalid_type")
-        if content is None and tool_calls:
-            content = ""                          # an assistant turn that only calls tools
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -260,13 +241,16 @@ def normalize_messages(v: Any) -> list[dict]:
                                   f"{p}.content", "invalid_type")
                 parts.append(part["text"])
             content = "".join(parts)
+        extra = tool_message_fields(m, p)
+        if content is None and extra.get("tool_calls"):
+            content = ""                   # an assistant turn that only calls tools
         if not isinstance(content, str):
             raise invalid(f"{p}.content must be a string or a list of text parts", f"{p}.content",
                           "invalid_type")
         msg = {"role": "system" if role == "developer" else role, "content": content}
-        for k in ("name", "tool_calls", "tool_call_id"):
-            if m.get(k) is not None:
-                msg[k] = m[k]
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+        msg.update(extra)                  # tool_calls / tool_call_id, checked
         out.append(msg)
     return out
 
@@ -322,7 +306,6 @@ def parse_chat_body(body: dict, state) -> ChatRequest:
 def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
     model = check_model(r.model, state)
     messages = normalize_messages(body["messages"])
-    structured = _structured_fields(r)
     if r.prompt_logprobs is not None:
         raise invalid("'prompt_logprobs' is not supported on chat completions; use /v1/completions with "
                       "echo and logprobs", "prompt_logprobs", "unsupported_parameter")
@@ -330,14 +313,19 @@ def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
     if r.top_logprobs is not None and not r.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     params = sampling_params(r, state, n=r.n, logprobs=(r.top_logprobs or 0) if r.logprobs else None)
-    prompt_ids = render_prompt(state, messages, template_options(r))
+    constraints = chat_constraints(body, messages, state)      # response_format, tools: 400s first
+    options = template_options(r)
+    if constraints.template_tools:
+        options["tools"] = constraints.template_tools
+    prompt_ids = render_prompt(state, constraints.messages, options)
     params.max_tokens = max_tokens_for(body, len(prompt_ids), state.max_model_len, state.kv_tokens,
                                        state.default_max_tokens)
     _check_min_tokens(params)
+    params.structured = constraints.spec
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
                        logprobs=r.logprobs, top_logprobs=r.top_logprobs or 0, user=r.user,
-                       structured=structured)
+                       tools=constraints.tools)
 
 
 def _check_min_tokens(params: SamplingParams) -> None:

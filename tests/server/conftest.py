@@ -1,5 +1,6 @@
 """Server fixtures: a fake-engine server in a thread (fast), and the real default model served once
-per test session by `chatserve serve` in a subprocess (shared by every tests/server file).
+per test session by `chatserve serve` in a subprocess (tests/conftest.py's live_server, shared by every
+tests/server and tests/structured file).
 Helpers to import live in server_support.py (a `from conftest import` would find another folder's)."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_support import real_model_available, start_fake_server, start_real_server  # noqa: E402
+from server_support import start_fake_server  # noqa: E402
 
 
 @pytest.fixture
@@ -22,17 +23,5 @@ def fake_server():
 @pytest.fixture(scope="module")
 def shared_fake_server():
     srv = start_fake_server()
-    yield srv
-    srv.stop()
-
-
-
-@pytest.fixture(scope="session")
-def live_server(tmp_path_factory):
-    """The default model served once for the whole test session (fp32, small KV cache)."""
-    if not real_model_available():
-        pytest.skip("default model or engine components not available")
-    srv = start_real_server(str(tmp_path_factory.mktemp("live")), "--kv-blocks", "512",
-                            "--max-model-len", "2048")
     yield srv
     srv.stop()

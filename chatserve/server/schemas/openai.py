@@ -117,7 +117,7 @@ class ChatCompletionRequest(SamplingFields):
                                          "to be continued; excludes add_generation_prompt")
     chat_template: Annotated[str, StringConstraints(max_length=65536)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # Structured outputs and tools: declared, answered with a 400 until that work lands (protocol.py).
+    # Structured outputs and tools: checked and compiled by chatserve/structured (chat_constraints).
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
