@@ -82,6 +82,12 @@ OPS: tuple[Op, ...] = (
     Op("post", "/v1/sessions/{sid}/messages", "postSessionMessage", "One turn (SSE unless stream: false)",
        ss.TurnRequest, ss.TurnResult, errors=(400, 401, 403, 404, 409, 413, 415, 429, 503),
        sse=o.ChatCompletionChunk, path_params=SID, tags=("sessions",)),
+    Op("post", "/v1/sessions/{sid}/attach", "attachSessionTurn", "Follow the running turn (SSE): its text so "
+       "far, then the live stream", ss.AttachRequest, errors=(400, 401, 403, 404, 503), sse=o.ChatCompletionChunk,
+       path_params=SID, tags=("sessions",)),
+    Op("post", "/v1/sessions/{sid}/branch", "switchSessionBranch", "Make a message version active",
+       ss.BranchRequest, ss.Session, errors=(400, 401, 403, 404, 409, 413, 415, 503), path_params=SID,
+       tags=("sessions",)),
     Op("post", "/v1/sessions/{sid}/cancel", "cancelSessionTurn", "Stop the running turn",
        ok=ss.TurnCancelled, errors=(401, 403), path_params=SID, tags=("sessions",)),
     Op("get", "/v1/sessions/{sid}/export", "exportSession", "The session as a file", ok=ss.SessionExport,

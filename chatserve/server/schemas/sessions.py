@@ -54,11 +54,18 @@ class StoredUsage(_Out):
 
 
 class StoredMessage(_Out):
+    """One message of the active branch (docs/sessions-api.md): its id, parent and versions (◀ n/N ▶)."""
+    id: str | None = None
+    parent: str | None = None
     role: Literal["user", "assistant", "system"]
     content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
     created: float | None = None
     usage: StoredUsage | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = Field(None, description="null while generating; \"interrupted\" when its "
+                                      "server died mid-turn")
+    status: Literal["generating"] | None = None
+    versions: list[str] | None = Field(None, description="ids of this message's versions, oldest first")
+    version: int | None = Field(None, description="this message's index in versions")
 
 
 class ImportedMessage(_Body):
@@ -70,9 +77,12 @@ class ImportedMessage(_Body):
 
 
 class SessionImport(SessionSettings):
-    """POST /v1/sessions/import: a file written by GET /v1/sessions/{sid}/export."""
-    format: Literal["chatserve.session.v1"] = "chatserve.session.v1"
+    """POST /v1/sessions/import: a file written by GET /v1/sessions/{sid}/export (v1: one branch; v2:
+    every version in `tree`, which wins when present)."""
+    format: Literal["chatserve.session.v1", "chatserve.session.v2"] = "chatserve.session.v1"
     messages: Annotated[list[ImportedMessage], Field(max_length=MAX_IMPORT_MESSAGES)] = []
+    tree: dict[str, Any] | None = Field(None, description='{"nodes": [messages with id and parent], '
+                                        '"active": leaf id}')
     created: float | None = None
     updated: float | None = None
 
@@ -108,17 +118,27 @@ class Session(_SessionHead):
     id: str
     messages: list[StoredMessage]
     generating: bool | None = None
+    turn: dict[str, Any] | None = Field(None, description='the running turn: {"id", "message_id", "phase"}')
     rev: int | None = None
+
+
+class BranchRequest(_Body):
+    """POST /v1/sessions/{sid}/branch: make this message version active (◀ / ▶)."""
+    message_id: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+
+class AttachRequest(_Body):
+    """POST /v1/sessions/{sid}/attach: follow the running turn (no fields)."""
 
 
 class SessionList(_Out):
     object: Literal["list"]
     data: list[SessionSummary]
-    store: dict[str, Any] | None = None
 
 
 class SessionExport(_SessionHead):
-    format: Literal["chatserve.session.v1"]
+    format: Literal["chatserve.session.v1", "chatserve.session.v2"]
+    tree: dict[str, Any] | None = None
     messages: list[StoredMessage]
 
 
