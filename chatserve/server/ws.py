@@ -55,6 +55,7 @@ class _Socket:
 
     async def chunks_for(self, cid: str, kind: str, msg: dict) -> AsyncIterator[dict]:
         body = {k: v for k, v in msg.items() if k not in ("id", "type")}
+        body.setdefault("stream", True)     # a socket always streams (so stream_options applies)
         rid = new_id("chatcmpl" if kind == "chat.completions" else "cmpl")
         if kind == "chat.completions":
             req = await admit(self.state, body, parse_chat_body, rate_key=self.rate_key)

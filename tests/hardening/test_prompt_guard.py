@@ -115,7 +115,7 @@ def _p99(xs: list[float]) -> float:
 
 def test_health_stays_fast_while_2mb_prompts_arrive(tiny_server):
     big = (WORDS * 30_000)[:2_000_000]
-    refused = []
+    refused, session_refusals = [], []
     with _HealthProbe(tiny_server.url) as idle:        # the same probe with nothing else going on
         time.sleep(2.0)
     with _HealthProbe(tiny_server.url) as probe:
@@ -132,6 +132,12 @@ def test_health_stays_fast_while_2mb_prompts_arrive(tiny_server):
                                     "messages": [{"role": "user", "content": big[:1_900_000]}]}))
                 m = json.loads(ws.recv(timeout=60))
                 refused.append(("ws", m["status"], m["error"]["code"]))
+        # the session route: a 2 MB message is refused before anything is tokenized
+        with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+            sid = c.post("/v1/sessions", json={"title": "big"}).json()["id"]
+            for _ in range(3):
+                r = c.post(f"/v1/sessions/{sid}/messages", json={"content": big, "stream": False})
+                session_refusals.append((r.status_code, r.json()["error"]["param"]))
         # a big prompt under the byte bound is tokenized (in the helper process), then refused as too long
         fits_bytes = (WORDS * 2000)[:60_000]
         r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": fits_bytes, "max_tokens": 4},
@@ -139,6 +145,7 @@ def test_health_stays_fast_while_2mb_prompts_arrive(tiny_server):
         refused.append(("tokenized", r.status_code, r.json()["error"]["code"]))
         time.sleep(0.3)
     assert all(s == 400 and code == "context_length_exceeded" for _, s, code in refused), refused
+    assert session_refusals == [(400, "content")] * 3, session_refusals
     assert "bytes of text" not in r.json()["error"]["message"]    # refused after counting its tokens
     times = probe.times
     for name, xs in (("idle", idle.times), ("during 2 MB prompts", times)):

@@ -208,8 +208,8 @@ class FakeTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = VOCAB
 
-    def encode(self, text: str) -> list[int]:
-        return [(ord(c) - 97) % VOCAB for c in text]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return ([1] if add_special_tokens else []) + [(ord(c) - 97) % VOCAB for c in text]   # 1: the fake BOS
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.token_str(i) for i in ids)
