@@ -189,8 +189,8 @@ class StepInfo:
 
 
 class Attention:
-    """Store this step's K/V in the layer's paged cache and attend over it. Layers with logit soft-capping
-    (Gemma 2) run softcap_attention (torch, here); the others run chatserve_kernels.paged_attention."""
+    """Store this step's K/V in the layer's paged cache and attend over it with
+    chatserve_kernels.paged_attention (which runs soft-capped layers, Gemma 2, on its torch twin)."""
 
     def __init__(self, scale: float, sliding_window: int | None, softcap: float | None) -> None:
         self.scale, self.window, self.softcap = scale, sliding_window, softcap
@@ -207,37 +207,10 @@ class Attention:
         if self.softcap:
             if kw:
                 raise ValueError("attention logit soft-capping needs an unquantized KV cache")
-            return softcap_attention(q, cache[0], cache[1], step.meta, self.scale, self.softcap, self.window)
+            kw["logit_softcap"] = self.softcap
         if self.window:
             kw["sliding_window"] = self.window
         return chatserve_kernels.paged_attention(q, cache[0], cache[1], step.meta, self.scale, **kw)
-
-
-def softcap_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, softcap: float,
-                      sliding_window: int | None = None) -> torch.Tensor:
-    """softmax(c·tanh(q kᵀ·scale / c)) v per sequence over its gathered blocks, causal (and windowed),
-    scores in float32. q: [T, hq, d]; caches: [num_blocks, block_size, hkv, d] → [T, hq, d]."""
-    out = torch.empty_like(q)
-    bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // hkv
-    start = 0
-    for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
-        nb = -(-sl // bs)
-        blocks = meta.block_tables[b, :nb].long()
-        k = k_cache[blocks].reshape(nb * bs, hkv, d)[:sl].float().repeat_interleave(group, 1)  # [S, hq, d]
-        v = v_cache[blocks].reshape(nb * bs, hkv, d)[:sl].float().repeat_interleave(group, 1)
-        s = torch.einsum("qhd,khd->hqk", q[start:start + ql].float(), k) * scale           # [hq, ql, S]
-        s = torch.tanh(s / softcap) * softcap
-        qpos = torch.arange(sl - ql, sl, device=q.device)[:, None]
-        kpos = torch.arange(sl, device=q.device)[None, :]
-        visible = kpos <= qpos
-        if sliding_window:
-            visible &= (qpos - kpos) < sliding_window
-        p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
-        out[start:start + ql] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
-        start += ql
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
