@@ -115,30 +115,40 @@ def run(args: argparse.Namespace, read: Callable[[str], str] = input,
                 continue
             history.append({"role": "user", "content": line})
             msgs = ([{"role": "system", "content": system}] if system else []) + history
-            reply, usage = "", None
-            write("bot> ")
-            gen = stream_reply(client, msgs, model=args.model, max_tokens=args.max_tokens,
-                               temperature=args.temperature)
-            try:
-                for item in gen:
-                    if isinstance(item, str):
-                        reply += item
-                        write(item)
-                        if hasattr(sys.stdout, "flush"):
-                            sys.stdout.flush()
-                    else:
-                        usage = item
-            except KeyboardInterrupt:
-                gen.close()                       # closes the connection: the server aborts the reply
-                write(dim(" [stopped]"))
-            except (ChatError, httpx.HTTPError) as e:
-                write(f"\n(error: {e})\n")
+            reply = _show_reply(client, args, msgs, write, dim)
+            if reply is None:
                 history.pop()
-                continue
-            write("\n")
-            if usage:
-                write(dim(format_usage(usage)) + "\n")
-            history.append({"role": "assistant", "content": reply})
+            else:
+                history.append({"role": "assistant", "content": reply})
+
+
+def _show_reply(client: httpx.Client, args: argparse.Namespace, msgs: list[dict],
+                write: Callable[[str], object], dim: Callable[[str], str]) -> str | None:
+    """Stream one reply to the terminal, then its usage line. Returns its text (partial when stopped
+    with Ctrl-C), or None after an error."""
+    reply, usage = "", None
+    write("bot> ")
+    gen = stream_reply(client, msgs, model=args.model, max_tokens=args.max_tokens,
+                       temperature=args.temperature)
+    try:
+        for item in gen:
+            if isinstance(item, str):
+                reply += item
+                write(item)
+                if hasattr(sys.stdout, "flush"):
+                    sys.stdout.flush()
+            else:
+                usage = item
+    except KeyboardInterrupt:
+        gen.close()                       # closes the connection: the server aborts the reply
+        write(dim(" [stopped]"))
+    except (ChatError, httpx.HTTPError) as e:
+        write(f"\n(error: {e})\n")
+        return None
+    write("\n")
+    if usage:
+        write(dim(format_usage(usage)) + "\n")
+    return reply
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         ids = tok.encode(args.prompt)
     # a KV cache sized to this one request (plus a block of slack), not the server's default budget
     block_size = 16
-    from chatserve.runtime.weights import UnsupportedModelError
+    from chatserve.runtime.arch_config import UnsupportedModelError
     try:
         llm = LLM(path, dtype=model.dtype, device=model.device, block_size=block_size,
                   num_blocks=(len(ids) + args.max_tokens) // block_size + 2,

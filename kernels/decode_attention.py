@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl,
-                                        use_triton)
+from chatserve_kernels.dispatch import cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl
 from chatserve_kernels.quant import SCALE_TOKEN, dequantize_torch, scale_mode
 
 LOG2E = 1.4426950408889634
@@ -211,7 +210,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # --------------------------------------------------------------------------- torch twin
 def take_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """cache [NB, ...] at int64 table [...] → [..., *cache.shape[1:]]: one index_select over a flat
-    [NB, row] view (a memcpy per block; advanced indexing costs ~2× more per decode layer on CPU)."""
+    [NB, row] view (a memcpy per block; advanced indexing is slower per decode layer on CPU)."""
     nb = cache.shape[0]
     flat = cache.view(torch.uint8) if cache.dtype.itemsize == 1 and cache.is_floating_point() else cache
     rows = flat.reshape(nb, -1).index_select(0, table.reshape(-1))          # [n, row] (fp8 as raw bytes)
@@ -276,19 +275,3 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = F.scaled_dot_product_attention(q[:, :, None, :].to(cd), k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=hq != hkv)   # [B, hq, 1, d]
     return out[:, :, 0, :].to(q.dtype)
-
-
-# --------------------------------------------------------------------------- public
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """softmax(q kᵀ · scale) v for one query per sequence. q: [B, q_heads, D] → [B, q_heads, D]."""
-    assert q.dim() == 3 and k_cache.dim() == 4 and q.shape[0] == seq_lens.shape[0]
-    if use_triton(q):
-        qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, qsl, max_seq_len,
-                                       scale, torch.empty_like(q), k_scale, v_scale, sliding_window,
-                                       num_splits)
-    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale,
-                                  k_scale, v_scale, sliding_window)

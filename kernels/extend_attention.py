@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from chatserve_kernels.decode_attention import LOG2E, gather_dequant, merge_splits, softcap, take_blocks
-from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl,
-                                        use_triton)
+from chatserve_kernels.dispatch import cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl
 from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
 
 
@@ -347,28 +346,3 @@ def extend_batch_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     p = torch.softmax(s, -1).to(q.dtype).view(B, hkv, g * m, S)
     o = torch.matmul(p, v).view(B, hkv, g, m, d).permute(0, 3, 1, 2, 4).reshape(B * m, hq, d)
     return o[picks]
-
-
-# --------------------------------------------------------------------------- public
-def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                     query_lens: list[int], seq_lens_list: list[int], scale: float,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of every sequence's new tokens over its cached prefix and themselves.
-
-    q: [T, q_heads, D] flattened over sequences (query_start_loc [B+1]) → [T, q_heads, D].
-    """
-    if use_triton(q):
-        return extend_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                       max(query_lens, default=0), scale, torch.empty_like(q),
-                                       k_scale, v_scale, sliding_window,
-                                       max_seq_len=max(seq_lens_list, default=0))
-    out = torch.empty_like(q)
-    start = 0
-    for b, (ql, sl) in enumerate(zip(query_lens, seq_lens_list)):
-        out[start:start + ql] = extend_attention_torch(q[start:start + ql], k_cache, v_cache,
-                                                       block_tables[b], sl, scale, k_scale, v_scale,
-                                                       sliding_window)
-        start += ql
-    return out

@@ -67,7 +67,7 @@ MASK_DOC = {"name": "Ada Lovelace, mathematician and writer", "level": "high",  
 
 def _tokenizer():
     from chatserve.config import default_model_path
-    from chatserve.tokenizer import Tokenizer
+    from chatserve.text import Tokenizer
     return Tokenizer.from_model(default_model_path())
 
 

@@ -34,9 +34,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     src = PromptSource(rng)
     plo, phi = parse_range(args.prompt_len)
     mlo, mhi = parse_range(args.max_tokens)
-    counts: Counter[str] = Counter()
     results: list[StreamResult] = []
-    samples: list[str] = []
     sent = 0
     bar = progress_bar(args.max_requests or None, not args.no_progress, desc="bench load")
     deadline = time.monotonic() + args.duration
@@ -66,9 +64,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results.append(res)
                 if bar is not None:
                     bar.update(1)
-                counts[res.outcome] += 1
-                if res.problems and len(samples) < 10:
-                    samples.append(f"HTTP {res.status} {res.outcome}: " + "; ".join(res.problems[:3]))
                 if res.outcome == REJECTED and res.status in (429, 503):
                     # back off as told (capped), so a refused client does not spin
                     await asyncio.sleep(min(_retry_after(res.retry_after), args.max_backoff))
@@ -79,7 +74,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         idle = await server_metrics.wait_idle(client, timeout=args.idle_timeout)
+    return _report(args, model, duration, results, idle)
 
+
+def _report(args: argparse.Namespace, model: str, duration: float, results: list[StreamResult],
+            idle: dict[str, float] | None) -> dict[str, Any]:
+    """The run's figures from every stream's result and the server's metrics once idle."""
+    counts = Counter(r.outcome for r in results)
+    samples = [f"HTTP {r.status} {r.outcome}: " + "; ".join(r.problems[:3]) for r in results if r.problems][:10]
     accepted = [r for r in results if r.status == 200]
     rejected = [r for r in results if r.outcome == REJECTED]
     overload = [r.headers_s for r in results if r.status == 503 and r.headers_s is not None]

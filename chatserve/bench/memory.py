@@ -11,9 +11,8 @@ import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 
-from chatserve.bench.report import goal_table, goals_met
+from chatserve.bench.report import goal_table, goals_met, run_stamp
 from chatserve.core.kv_cache_manager import KVCacheManager
 
 GOALS: dict[str, tuple[str, float]] = {       # key → (comparison, bound)
@@ -129,6 +128,19 @@ def _decode_all(m: KVCacheManager, seqs: dict[str, list[int]], n: int, rng: rand
             m.commit(sid, t, len(t))
 
 
+def _prefill_and_fork(m: KVCacheManager, prompt: list[int], prefix: str, n: int) -> dict[str, list[int]]:
+    """Sequence `prefix`0 computes the prompt and n-1 forks share it; each sequence id → its tokens."""
+    first = f"{prefix}0"
+    m.add_seq(first, prompt)
+    m.allocate_slots(first, len(prompt))
+    m.commit(first, prompt, len(prompt))
+    seqs = {first: list(prompt)}
+    for k in range(1, n):
+        m.fork(first, f"{prefix}{k}")
+        seqs[f"{prefix}{k}"] = list(prompt)
+    return seqs
+
+
 def parallel_sampling(n: int, prompt_len: int, out_len: int, block_size: int,
                       seed: int = 0) -> dict[str, float]:
     """n samples of one prompt: slots used with fork sharing vs n independent copies; also the
@@ -142,13 +154,7 @@ def parallel_sampling(n: int, prompt_len: int, out_len: int, block_size: int,
 
     # fork: the leader computes the prompt once, then n-1 children share it
     m = KVCacheManager(nb, block_size, watermark=0.0, hash_seed=seed)
-    m.add_seq("s0", prompt)
-    m.allocate_slots("s0", prompt_len)
-    m.commit("s0", prompt, prompt_len)
-    seqs = {"s0": list(prompt)}
-    for k in range(1, n):
-        m.fork("s0", f"s{k}")
-        seqs[f"s{k}"] = list(prompt)
+    seqs = _prefill_and_fork(m, prompt, "s", n)
     _decode_all(m, seqs, out_len, rng)
     shared = used(m)
     cow = m.stats().cow_copies
@@ -184,13 +190,7 @@ def fork_tree(width: int, rounds: int, prompt_len: int, tokens_per_round: int, b
     cap = width * (prompt_len + rounds * tokens_per_round) // block_size + 4 * width * rounds
     m = KVCacheManager(cap, block_size, watermark=0.0, hash_seed=seed)
     prompt = _tokens(rng, prompt_len)
-    m.add_seq("b0", prompt)
-    m.allocate_slots("b0", prompt_len)
-    m.commit("b0", prompt, prompt_len)
-    beams = {"b0": list(prompt)}
-    for k in range(1, width):
-        m.fork("b0", f"b{k}")
-        beams[f"b{k}"] = list(prompt)
+    beams = _prefill_and_fork(m, prompt, "b", width)
     next_id, forks, best_saved = width, width - 1, 0
     for _ in range(rounds):
         _decode_all(m, beams, tokens_per_round, rng)
@@ -310,9 +310,7 @@ def run(num_requests: int = 1000, *, prompt_range: tuple[int, int] = (16, 2048),
                      "sample_prompt": sample_prompt, "sample_output": sample_output,
                      "tree_width": tree_width, "tree_rounds": tree_rounds, "tree_prompt": tree_prompt,
                      "tree_tokens_per_round": tree_tokens_per_round, "speed_seqs": speed_seqs,
-                     "speed_len": speed_len, "seed": seed,
-                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-                     "python": sys.version.split()[0]}
+                     "speed_len": speed_len, "seed": seed, **run_stamp()}
     return res
 
 

@@ -1,11 +1,19 @@
-"""Shared reporting for the in-process benchmarks: goal checks and the metric/value/goal table.
+"""Shared reporting for the in-process benchmarks: goal checks, the metric/value/goal table, the run stamp.
 
 Only formatting; each benchmark module owns its measurements and its GOALS.
 """
 from __future__ import annotations
 
+import sys
+from datetime import datetime, timezone
+
 Goals = dict[str, tuple[str, float]]          # key → (comparison "<" or ">=", bound)
 Row = tuple[str, str, str]                    # (key, label, format)
+
+
+def run_stamp() -> dict[str, str]:
+    """When and under which Python a result was measured (kept in each benchmark's `config`)."""
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "python": sys.version.split()[0]}
 
 
 def goals_met(res: dict, goals: Goals) -> dict[str, bool]:

@@ -12,10 +12,9 @@ import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 
 from chatserve.config import SchedulerConfig
-from chatserve.bench.report import goal_table, goals_met
+from chatserve.bench.report import goal_table, goals_met, run_stamp
 from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.request import Request, SamplingParams
@@ -116,9 +115,7 @@ def run(seqs: int = 256, steps: int = 300, *, block_size: int = 16, prompt_len: 
     res["num_preemptions"] = sched.num_preemptions
     res["goals_met"] = goals_met(res, GOALS)
     res["config"] = {"seqs": seqs, "steps": steps, "block_size": block_size, "prompt_len": prompt_len,
-                     "max_num_batched_tokens": budget, "seed": seed,
-                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-                     "python": sys.version.split()[0]}
+                     "max_num_batched_tokens": budget, "seed": seed, **run_stamp()}
     return res
 
 

@@ -13,9 +13,9 @@ import statistics
 import sys
 import zlib
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
 
 from chatserve.bench.progress import progress_bar
+from chatserve.bench.report import run_stamp
 from chatserve.config import SchedulerConfig
 from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
@@ -64,116 +64,138 @@ def simulate(w: Workload, num_blocks: int, keep_warm: bool, *,
              max_warm_fraction: float | None = None) -> dict:
     """One run. Returns the turn-N+1 hit figures for the sessions and the background's own figures.
     max_warm_fraction None = the manager's default bound on protected blocks; 1.0 = unbounded."""
-    rng = random.Random(w.seed)           # same prompts, think times and arrivals for both arms
-    kw = {} if max_warm_fraction is None else {"max_warm_fraction": max_warm_fraction}
-    kv = KVCacheManager(num_blocks, w.block_size, watermark=0.01, hash_seed=0, **kw)
-    cfg = SchedulerConfig(max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.budget,
-                          max_waiting_requests=1 << 20, max_waiting_tokens=1 << 30)
-    sched = Scheduler(cfg, kv, max_model_len=1 << 16)
-    bs = w.block_size
+    return _Simulation(w, num_blocks, keep_warm, max_warm_fraction).run()
 
-    # Session state: the conversation so far (ids the template would produce), and when it speaks.
-    history = [_tokens(rng, w.system_tokens) for _ in range(w.sessions)]
-    turn = [0] * w.sessions
-    next_at = [rng.randrange(0, w.think_steps[0]) for _ in range(w.sessions)]   # staggered starts
-    live: dict[str, tuple[int, Request, int, int]] = {}   # rid → (session, request, arrival, cacheable)
-    prefixes = [_tokens(rng, w.bg_prefix_tokens) for _ in range(w.bg_prefixes)]
-    bg_live: dict[str, Request] = {}
-    bg_n = 0
 
-    turn_rows: list[dict] = []     # one per session turn >= 2
-    first_tok: dict[str, int] = {}
-    bg_prompt = bg_cached = bg_done = bg_out = 0
-    step = computed = all_prompt = all_cached = 0
-    done_sessions = 0
+class _Simulation:
+    """One run's state: the sessions' conversations, the background traffic, and the counters."""
 
-    def add_bg() -> None:
-        nonlocal bg_n
+    def __init__(self, w: Workload, num_blocks: int, keep_warm: bool, max_warm_fraction: float | None) -> None:
+        self.w, self.num_blocks, self.keep_warm = w, num_blocks, keep_warm
+        self.rng = rng = random.Random(w.seed)     # same prompts, think times and arrivals for both arms
+        kw = {} if max_warm_fraction is None else {"max_warm_fraction": max_warm_fraction}
+        self.kv = KVCacheManager(num_blocks, w.block_size, watermark=0.01, hash_seed=0, **kw)
+        cfg = SchedulerConfig(max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.budget,
+                              max_waiting_requests=1 << 20, max_waiting_tokens=1 << 30)
+        self.sched = Scheduler(cfg, self.kv, max_model_len=1 << 16)
+
+        # Session state: the conversation so far (ids the template would produce), and when it speaks.
+        self.history = [_tokens(rng, w.system_tokens) for _ in range(w.sessions)]
+        self.turn = [0] * w.sessions
+        self.next_at = [rng.randrange(0, w.think_steps[0]) for _ in range(w.sessions)]   # staggered starts
+        self.live: dict[str, tuple[int, Request, int, int]] = {}   # rid → (session, request, arrival, cacheable)
+        self.prefixes = [_tokens(rng, w.bg_prefix_tokens) for _ in range(w.bg_prefixes)]
+        self.bg_live: dict[str, Request] = {}
+        self.bg_n = 0
+
+        self.turn_rows: list[dict] = []     # one per session turn >= 2
+        self.first_tok: dict[str, int] = {}
+        self.bg_prompt = self.bg_cached = self.bg_done = self.bg_out = 0
+        self.step = self.computed = self.all_prompt = self.all_cached = 0
+        self.done_sessions = 0
+
+    def run(self) -> dict:
+        w = self.w
+        for _ in range(w.bg_concurrency):
+            self.add_background()
+        while self.done_sessions < w.sessions and self.step < w.max_steps:
+            for s in range(w.sessions):
+                if self.next_at[s] == self.step and self.turn[s] < w.turns:
+                    self.add_turn(s)
+            out = self.sched.schedule()
+            self.computed += out.num_batched_tokens
+            for ev in self.sched.update(out, _runner(out)):
+                rid = ev.request_id
+                if rid in self.live and rid not in self.first_tok and ev.new_token_ids:
+                    self.first_tok[rid] = self.step
+                if not ev.finished:
+                    continue
+                if rid in self.live:
+                    self.finish_turn(rid)
+                elif rid in self.bg_live:
+                    self.finish_background(rid)
+            if self.step % 500 == 0:
+                self.kv.check_integrity()
+            self.step += 1
+        self.kv.check_integrity()
+        return self.summary()
+
+    def add_background(self) -> None:
+        w, rng = self.w, self.rng
         p = rng.randrange(w.bg_prefixes)
-        prompt = prefixes[p] + _tokens(rng, w.bg_unique_tokens)
-        r = Request(f"bg{bg_n}", prompt, SamplingParams(max_tokens=w.bg_output_tokens, ignore_eos=True),
+        prompt = self.prefixes[p] + _tokens(rng, w.bg_unique_tokens)
+        r = Request(f"bg{self.bg_n}", prompt, SamplingParams(max_tokens=w.bg_output_tokens, ignore_eos=True),
                     cache_salt=f"app{p % 4}")
-        bg_n += 1
-        bg_live[r.request_id] = r
-        sched.add_request(r)
+        self.bg_n += 1
+        self.bg_live[r.request_id] = r
+        self.sched.add_request(r)
 
-    for _ in range(w.bg_concurrency):
-        add_bg()
-    while done_sessions < w.sessions and step < w.max_steps:
-        for s in range(w.sessions):
-            if next_at[s] == step and turn[s] < w.turns:
-                prev = history[s]
-                prompt = prev + _tokens(rng, w.user_tokens)
-                # the best a cache can do: the full blocks computed in the previous turn (its last
-                # sampled token and EOT were never run through the model)
-                cacheable = 0 if turn[s] == 0 else min((len(prev) - 2) // bs, (len(prompt) - 1) // bs) * bs
-                rid = f"s{s}.t{turn[s]}"
-                r = Request(rid, prompt, SamplingParams(max_tokens=w.reply_tokens, ignore_eos=True),
-                            cache_salt=f"owner{s}", keep_warm=keep_warm)
-                live[rid] = (s, r, step, cacheable)
-                sched.add_request(r)
-        out = sched.schedule()
-        computed += out.num_batched_tokens
-        for ev in sched.update(out, _runner(out)):
-            rid = ev.request_id
-            if rid in live and rid not in first_tok and ev.new_token_ids:
-                first_tok[rid] = step
-            if not ev.finished:
-                continue
-            if rid in live:
-                s, r, arrived, cacheable = live.pop(rid)
-                all_prompt += r.num_prompt_tokens
-                all_cached += r.num_cached_tokens
-                if turn[s] > 0:
-                    turn_rows.append({"turn": turn[s] + 1, "prompt": r.num_prompt_tokens,
-                                      "cached": r.num_cached_tokens, "cacheable": cacheable,
-                                      "ttft_steps": first_tok[rid] - arrived + 1})
-                history[s] = r.prompt_token_ids + r.output_token_ids + [EOT]
-                turn[s] += 1
-                if turn[s] >= w.turns:
-                    done_sessions += 1
-                else:
-                    next_at[s] = step + 1 + rng.randint(*w.think_steps)
-            elif rid in bg_live:
-                r = bg_live.pop(rid)
-                bg_prompt += r.num_prompt_tokens
-                bg_cached += r.num_cached_tokens
-                all_prompt += r.num_prompt_tokens
-                all_cached += r.num_cached_tokens
-                bg_out += len(r.output_token_ids)
-                bg_done += 1
-                add_bg()
-        if step % 500 == 0:
-            kv.check_integrity()
-        step += 1
-    kv.check_integrity()
-    warm_cap = kv.pool.max_warm
+    def add_turn(self, s: int) -> None:
+        """Session s sends its next user message."""
+        w, bs = self.w, self.w.block_size
+        prev = self.history[s]
+        prompt = prev + _tokens(self.rng, w.user_tokens)
+        # the best a cache can do: the full blocks computed in the previous turn (its last
+        # sampled token and EOT were never run through the model)
+        cacheable = 0 if self.turn[s] == 0 else min((len(prev) - 2) // bs, (len(prompt) - 1) // bs) * bs
+        rid = f"s{s}.t{self.turn[s]}"
+        r = Request(rid, prompt, SamplingParams(max_tokens=w.reply_tokens, ignore_eos=True),
+                    cache_salt=f"owner{s}", keep_warm=self.keep_warm)
+        self.live[rid] = (s, r, self.step, cacheable)
+        self.sched.add_request(r)
 
-    prompt_tot = sum(t["prompt"] for t in turn_rows)
-    cached_tot = sum(t["cached"] for t in turn_rows)
-    cacheable_tot = sum(t["cacheable"] for t in turn_rows)
-    fracs = [t["cached"] / t["prompt"] for t in turn_rows]
-    st = kv.stats()
-    return {
-        "num_blocks": num_blocks, "keep_warm": keep_warm, "max_warm_blocks": warm_cap,
-        "completed": done_sessions == w.sessions, "steps": step,
-        "turns_measured": len(turn_rows),
-        "session_hit_frac": cached_tot / prompt_tot if prompt_tot else 0.0,     # Σcached / Σprompt
-        "session_hit_frac_mean": statistics.fmean(fracs) if fracs else 0.0,     # mean over turns
-        "session_full_hits": sum(t["cached"] >= t["cacheable"] for t in turn_rows) / max(1, len(turn_rows)),
-        "session_cacheable_frac": cacheable_tot / prompt_tot if prompt_tot else 0.0,   # the ceiling
-        "session_ttft_steps_mean": statistics.fmean(t["ttft_steps"] for t in turn_rows) if turn_rows else 0.0,
-        "bg_hit_frac": bg_cached / bg_prompt if bg_prompt else 0.0,
-        "bg_requests": bg_done,
-        "bg_requests_per_kstep": 1000.0 * bg_done / step if step else 0.0,
-        "bg_output_tokens_per_step": bg_out / step if step else 0.0,
-        "all_hit_frac": all_cached / all_prompt if all_prompt else 0.0,   # every prompt, both kinds
-        "tokens_computed": computed,          # prefill + decode tokens run by the "model", all traffic
-        "preemptions": sched.num_preemptions,
-        "warm_demotions": kv.pool.warm_demotions,
-        "evictions": st.evictions,
-        "warm_blocks_end": kv.pool.num_warm,
-    }
+    def finish_turn(self, rid: str) -> None:
+        s, r, arrived, cacheable = self.live.pop(rid)
+        self.all_prompt += r.num_prompt_tokens
+        self.all_cached += r.num_cached_tokens
+        if self.turn[s] > 0:
+            self.turn_rows.append({"turn": self.turn[s] + 1, "prompt": r.num_prompt_tokens,
+                                   "cached": r.num_cached_tokens, "cacheable": cacheable,
+                                   "ttft_steps": self.first_tok[rid] - arrived + 1})
+        self.history[s] = r.prompt_token_ids + r.output_token_ids + [EOT]
+        self.turn[s] += 1
+        if self.turn[s] >= self.w.turns:
+            self.done_sessions += 1
+        else:
+            self.next_at[s] = self.step + 1 + self.rng.randint(*self.w.think_steps)
+
+    def finish_background(self, rid: str) -> None:
+        r = self.bg_live.pop(rid)
+        self.bg_prompt += r.num_prompt_tokens
+        self.bg_cached += r.num_cached_tokens
+        self.all_prompt += r.num_prompt_tokens
+        self.all_cached += r.num_cached_tokens
+        self.bg_out += len(r.output_token_ids)
+        self.bg_done += 1
+        self.add_background()
+
+    def summary(self) -> dict:
+        rows, step, kv = self.turn_rows, self.step, self.kv
+        prompt_tot = sum(t["prompt"] for t in rows)
+        cached_tot = sum(t["cached"] for t in rows)
+        cacheable_tot = sum(t["cacheable"] for t in rows)
+        fracs = [t["cached"] / t["prompt"] for t in rows]
+        st = kv.stats()
+        return {
+            "num_blocks": self.num_blocks, "keep_warm": self.keep_warm, "max_warm_blocks": kv.pool.max_warm,
+            "completed": self.done_sessions == self.w.sessions, "steps": step,
+            "turns_measured": len(rows),
+            "session_hit_frac": cached_tot / prompt_tot if prompt_tot else 0.0,     # Σcached / Σprompt
+            "session_hit_frac_mean": statistics.fmean(fracs) if fracs else 0.0,     # mean over turns
+            "session_full_hits": sum(t["cached"] >= t["cacheable"] for t in rows) / max(1, len(rows)),
+            "session_cacheable_frac": cacheable_tot / prompt_tot if prompt_tot else 0.0,   # the ceiling
+            "session_ttft_steps_mean": statistics.fmean(t["ttft_steps"] for t in rows) if rows else 0.0,
+            "bg_hit_frac": self.bg_cached / self.bg_prompt if self.bg_prompt else 0.0,
+            "bg_requests": self.bg_done,
+            "bg_requests_per_kstep": 1000.0 * self.bg_done / step if step else 0.0,
+            "bg_output_tokens_per_step": self.bg_out / step if step else 0.0,
+            "all_hit_frac": self.all_cached / self.all_prompt if self.all_prompt else 0.0,   # both kinds
+            "tokens_computed": self.computed,     # prefill + decode tokens run by the "model", all traffic
+            "preemptions": self.sched.num_preemptions,
+            "warm_demotions": kv.pool.warm_demotions,
+            "evictions": st.evictions,
+            "warm_blocks_end": kv.pool.num_warm,
+        }
 
 
 def default_cache_sizes(w: Workload) -> list[int]:
@@ -217,8 +239,7 @@ def run(workload: Workload | None = None, cache_sizes: list[int] | None = None, 
     cfg["think_steps"] = list(w.think_steps)
     res["config"] = {**cfg, "cache_sizes": sizes, "max_warm_fraction": max_warm_fraction,
                      "manager_default_max_warm_fraction": KVCacheManager(1).max_warm_fraction,
-                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-                     "python": sys.version.split()[0]}
+                     **run_stamp()}
     return res
 
 

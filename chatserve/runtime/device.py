@@ -46,8 +46,8 @@ def cpu_has_bf16() -> bool:
 def resolve_dtype(name: str, device: torch.device) -> str:
     """"auto" → bfloat16 on CUDA and on CPUs with bf16 instructions, else float32.
 
-    On such a CPU prepacked bf16 GEMMs use the bf16 dot instructions (on a Zen 5 EPYC 3-5× faster than
-    fp32 through MKL) and the KV cache takes half the bytes; elsewhere oneDNN would emulate bf16,
+    On such a CPU prepacked bf16 GEMMs use the bf16 dot instructions (faster than fp32 through MKL;
+    figures in docs/benchmarks.md) and the KV cache takes half the bytes; elsewhere oneDNN would emulate bf16,
     slower than fp32. `--dtype float32` overrides it.
     """
     if name != "auto":

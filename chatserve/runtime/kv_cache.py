@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from chatserve.runtime.weights import ArchConfig
+from chatserve.runtime.arch_config import ArchConfig
 from chatserve_kernels import quant
 
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)

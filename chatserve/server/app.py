@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -133,15 +133,10 @@ def _vocab_size(state: ServerState) -> int | None:
     return size if size > 0 else None
 
 
-def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> Starlette:
+def _lifespan(state: ServerState) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """Startup (engine, the state built from its tokenizer, Redis check, hooks) and shutdown (hooks,
+    drain, then the helpers closed)."""
     cfg = state.config.server
-    if state.metrics is None:
-        state.metrics = Metrics(state.engine, state.model_name)
-    if state.rate_limiter is None and (cfg.rate_limit_rpm or cfg.rate_limit_tpm):
-        state.rate_limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm,
-                                         redis_storage(cfg.redis_url) if cfg.redis_url else None)
-    if state.redis_check is None and cfg.redis_url:
-        state.redis_check = RedisCheck(cfg.redis_url)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -175,6 +170,19 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
             if state.prompt_guard is not None:
                 state.prompt_guard.close()
 
+    return lifespan
+
+
+def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> Starlette:
+    cfg = state.config.server
+    if state.metrics is None:
+        state.metrics = Metrics(state.engine, state.model_name)
+    if state.rate_limiter is None and (cfg.rate_limit_rpm or cfg.rate_limit_tpm):
+        state.rate_limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm,
+                                         redis_storage(cfg.redis_url) if cfg.redis_url else None)
+    if state.redis_check is None and cfg.redis_url:
+        state.redis_check = RedisCheck(cfg.redis_url)
+
     routes: list[Any] = [*openai_routes.routes, *ws.routes,
                          Route("/openapi.json", _openapi, methods=["GET"]), *(extra_routes or [])]
     install_sessions = None
@@ -195,7 +203,7 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
     if cfg.api_keys:
         middleware.append(Middleware(APIKeyMiddleware, keys=tuple(cfg.api_keys)))
 
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+    app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan(state),
                     exception_handlers={APIError: _api_error, HTTPException: _http_error})
     app.state.chatserve = state
     if install_sessions is not None:

@@ -79,7 +79,7 @@ class Tokenizer:
         """Load from a GGUF file (tokenizer + chat template in its metadata) or an HF model directory.
 
         The tokenizer built from a GGUF is cached on disk (`cache_dir`, default $CHATSERVE_CACHE_DIR or
-        ~/.cache/chatserve) as a tokenizer.json, and in-process, so later loads take ~0.1 s.
+        ~/.cache/chatserve) as a tokenizer.json, and in-process, so later loads skip the conversion.
         """
         p = Path(path)
         if not p.exists():

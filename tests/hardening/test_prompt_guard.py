@@ -25,7 +25,7 @@ WORDS = "The quick brown fox jumps over the lazy dog while the band plays a slow
 
 def _default_tokenizer():
     from chatserve.config import ModelConfig
-    from chatserve.tokenizer import Tokenizer
+    from chatserve.text import Tokenizer
     try:
         return Tokenizer.from_model(ModelConfig().resolved_model())
     except Exception as e:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from chatserve_kernels import cpu_attention, cpu_build, paged_attention
-from chatserve_kernels.paged_attention import paged_attention_torch
+from chatserve_kernels.attention import paged_attention_torch
 from kernel_cases import BF16, F32, TOL_DENSE, assert_close, dense_reference, make_case
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(),

@@ -6,14 +6,15 @@ steps with decode rows; soft-capping and per-layer windows through the twin.
 """
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+from chatserve_kernels import attention as pa
+from chatserve_kernels import extend_attention as ea
 from chatserve_kernels import paged_attention
+from chatserve_kernels import step_plan as sp
+from chatserve_kernels.attention import paged_attention_torch
 from chatserve_kernels.cpu_extend import flash_supported
-from chatserve_kernels.paged_attention import paged_attention_torch
 from chatserve_kernels.step_plan import PlanKey
 from kernel_cases import BF16, F32, TOL_DENSE, assert_close, dense_reference, make_case
 
@@ -55,10 +56,6 @@ def test_flash_prefill_on_an_int8_cache():
 
 def test_flash_path_builds_no_chunk_by_context_tensor(monkeypatch):
     # the twin's causal bias [ql, sl] and its score matrix are never built for a long chunk
-    ea = importlib.import_module("chatserve_kernels.extend_attention")
-    sp = importlib.import_module("chatserve_kernels.step_plan")
-    pa = importlib.import_module("chatserve_kernels.paged_attention")
-
     def boom(*a, **k):
         raise AssertionError("chunk x context tensor built")
     monkeypatch.setattr(sp, "extend_prep", boom)

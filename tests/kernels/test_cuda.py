@@ -11,7 +11,7 @@ import torch
 from chatserve_kernels import copy_blocks, paged_attention
 from chatserve_kernels.block_copy import copy_blocks_torch
 from chatserve_kernels.kv_store import store_kv_torch, store_kv_triton
-from chatserve_kernels.paged_attention import paged_attention_torch
+from chatserve_kernels.attention import paged_attention_torch
 from chatserve_kernels.quant import allocate_kv_cache
 from kernel_cases import (DECODE, EXTEND, STORE, TOL_DENSE, assert_close, case_id, decode_case,
                           dense_reference, extend_case, needs_cuda, store_inputs)

@@ -5,14 +5,15 @@ head dims 64/128, fp32/fp16/bf16 queries, plain/int8/fp8 caches, split-K counts,
 """
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+from chatserve_kernels import attention as pa
+from chatserve_kernels import decode_attention as da
+from chatserve_kernels import extend_attention as ea
 from chatserve_kernels import paged_attention
+from chatserve_kernels.attention import paged_attention_torch, paged_attention_triton
 from chatserve_kernels.decode_attention import decode_attention_triton
-from chatserve_kernels.paged_attention import paged_attention_torch, paged_attention_triton
 from kernel_cases import (DECODE, EXTEND, F32, TOL_DENSE, assert_close, case_id, decode_case,
                           dense_reference, extend_case, make_case, needs_interpreter)
 
@@ -58,7 +59,6 @@ def test_extend_twin_matches_dense(c):
 @needs_interpreter
 def test_public_function_uses_triton_when_forced(force_triton, monkeypatch):
     # the forced path must actually launch the kernel: count launches through the launcher
-    pa = importlib.import_module("chatserve_kernels.paged_attention")  # the attribute is the function
     calls = []
     real = pa.decode_attention_triton
     monkeypatch.setattr(pa, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -101,7 +101,6 @@ def test_quantized_cache_error_is_small(kvd, bound):
 
 def test_twin_decode_has_no_per_sequence_python_loop(monkeypatch):
     # the CPU serving path: a decode batch is one SDPA call, whatever the batch size
-    da = importlib.import_module("chatserve_kernels.decode_attention")
     calls = []
     real = da.F.scaled_dot_product_attention
     monkeypatch.setattr(da.F, "scaled_dot_product_attention",
@@ -116,8 +115,6 @@ def test_twin_decode_has_no_per_sequence_python_loop(monkeypatch):
 @pytest.mark.parametrize("dt", [F32, torch.bfloat16])
 def test_twin_batches_short_chunks_in_one_set_of_ops(dt, window, monkeypatch):
     # prefix-cache hits and chat turns: several short chunks (and a long one, and decode rows) in a step
-    ea = importlib.import_module("chatserve_kernels.extend_attention")
-    pa = importlib.import_module("chatserve_kernels.paged_attention")
     calls = {"batch": 0, "single": 0}
     real_batch, real_single = ea.extend_batch_torch, ea.extend_attention_torch
     monkeypatch.setattr(pa, "extend_batch_torch",
@@ -145,7 +142,6 @@ EXTEND_SPLITS = [
 def test_extend_split_k_triton_matches_twin(c):
     # short chunks over long prefixes: the keys cut into splits, merged by log-sum-exp
     qls, sls, hq, hkv, d, bs, kvd, window, splits = c
-    ea = importlib.import_module("chatserve_kernels.extend_attention")
     case = make_case(qls, sls, q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs, dtype=F32,
                      kv_cache_dtype=kvd)
     m = case.meta

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import hf_checkpoints as H
 from chatserve.runtime.models import build_model
-from chatserve.runtime.weights import UnsupportedModelError, load_weights
+from chatserve.runtime.arch_config import UnsupportedModelError
+from chatserve.runtime.weights import load_weights
 
 pytest.importorskip("transformers")
 

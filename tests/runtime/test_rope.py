@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chatserve.runtime.models.rope import angles, rope_tables
-from chatserve.runtime.weights import config_from_hf
+from chatserve.runtime.arch_config import config_from_hf
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402

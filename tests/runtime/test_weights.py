@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from chatserve.runtime.weights import UnsupportedModelError, config_from_hf, load_weights, unpermute_qk
+from chatserve.runtime.arch_config import UnsupportedModelError, config_from_hf
+from chatserve.runtime.weights import load_weights, unpermute_qk
 from chatserve.runtime.tiny import make_tiny_model, random_weights, tiny_config
 
 gguf = pytest.importorskip("gguf")

@@ -217,7 +217,7 @@ def test_min_tokens_masks_eos_in_the_sampler():
 def test_logprob_bytes_are_the_tokens_own_bytes(tiny_model):
     """A token that is half of a UTF-8 character reports its real bytes, not U+FFFD's."""
     from chatserve.server.chat_service import _chat_logprobs
-    from chatserve.tokenizer import Tokenizer
+    from chatserve.text import Tokenizer
     tok = Tokenizer.from_model(tiny_model)
     if not tok.is_byte_level:
         pytest.skip("needs a byte-level tokenizer")

@@ -21,7 +21,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"
 @pytest.fixture(scope="module")
 def tok():
     from chatserve.config import default_model_path
-    from chatserve.tokenizer import Tokenizer
+    from chatserve.text import Tokenizer
     path = default_model_path()
     if path is None:
         pytest.skip("default model not installed")

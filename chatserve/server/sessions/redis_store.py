@@ -54,7 +54,7 @@ return 1
 """
 
 
-class _Down(Exception):
+class _RedisDown(Exception):
     """Redis did not answer in time (internal: callers fall back to the cache / outbox)."""
 
 
@@ -113,7 +113,7 @@ class RedisSessionStore:
         if not self._healthy:
             if asyncio.iscoroutine(aw):
                 aw.close()
-            raise _Down(self._last_error or "redis down")
+            raise _RedisDown(self._last_error or "redis down")
         from redis.exceptions import ResponseError
         try:
             return await asyncio.wait_for(aw, self.op_timeout_s)
@@ -121,7 +121,7 @@ class RedisSessionStore:
             raise
         except Exception as e:                # timeouts, connection and socket errors
             self._mark_down(e)
-            raise _Down(str(e)) from e
+            raise _RedisDown(str(e)) from e
 
     def _mark_down(self, e: BaseException) -> None:
         if self._healthy:
@@ -225,9 +225,9 @@ class RedisSessionStore:
         self._remember(session)
         try:
             if self._outbox:
-                raise _Down("outbox not empty")
+                raise _RedisDown("outbox not empty")
             await self._write(session)
-        except _Down:
+        except _RedisDown:
             self._enqueue("put", session)
         return session.clone()
 
@@ -242,7 +242,7 @@ class RedisSessionStore:
                     self._remember(s)
                 else:
                     self._cache.pop(sid, None)
-            except _Down:
+            except _RedisDown:
                 s = self._cache.get(sid)
                 if s is None:
                     raise StoreUnavailable("session store unavailable; this session is not cached here")
@@ -274,7 +274,7 @@ class RedisSessionStore:
                 else:
                     by_id[sid] = self._cache.get(sid, s)
             out = list(by_id.values())
-        except _Down:
+        except _RedisDown:
             out = [s for sid, s in self._cache.items()
                    if s.owner == owner and self._outbox.get(sid, ("put",))[0] != "delete"]
         out.sort(key=lambda s: s.updated, reverse=True)
@@ -294,7 +294,7 @@ class RedisSessionStore:
                 return self._update_local(owner, sid, fn)
             try:
                 cur = await self._load(sid)
-            except _Down:
+            except _RedisDown:
                 return self._update_local(owner, sid, fn)
             if cur is None or cur.owner != owner:
                 return None
@@ -304,7 +304,7 @@ class RedisSessionStore:
             work.rev = cur.rev + 1
             try:
                 r = await self._write(work)
-            except _Down:
+            except _RedisDown:
                 self._remember(work)
                 self._enqueue("put", work)
                 return work.clone()
@@ -335,11 +335,11 @@ class RedisSessionStore:
         self._cache.pop(sid, None)
         try:
             if sid in self._outbox:
-                raise _Down("pending writes")
+                raise _RedisDown("pending writes")
             self._redis()
             return bool(await self._call(self._del(keys=[self._key(sid), self._owner_key(owner)],
                                                    args=[owner, sid, self.ttl_s])))
-        except _Down:
+        except _RedisDown:
             self._enqueue("delete", s)
             return True
 
@@ -355,14 +355,14 @@ class RedisSessionStore:
         try:
             await self._call(self._redis().ping())
             return True
-        except _Down:
+        except _RedisDown:
             return False
 
     async def aclose(self) -> None:
         if self._outbox and self._healthy:
             try:
                 await self._flush()
-            except _Down:
+            except _RedisDown:
                 pass
         if self._outbox:
             log.error("session store: %d buffered writes not flushed (redis down at shutdown)",

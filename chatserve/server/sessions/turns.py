@@ -117,6 +117,73 @@ class LiveTurn:
             self.task.cancel()
 
 
+@dataclass
+class _Outcome:
+    """What a turn's stream produced so far: how it ended, its usage, and its error if any."""
+
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    first_token_at: float | None = None
+    n_chunks: int = 0
+    n_content: int = 0                    # chunks that carried text
+    error: str | None = None
+    early: BaseException | None = None    # an APIError before the first chunk: raised to the starter
+
+    def take(self, turn: LiveTurn, item: dict) -> None:
+        """Fold one chunk into the turn's text and this outcome."""
+        self.n_chunks += 1
+        for ch in item.get("choices") or []:
+            delta = ch.get("delta") or {}
+            if delta.get("content"):
+                turn.text.append(delta["content"])
+                self.n_content += 1
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                    turn.phase = "generating"
+            if ch.get("finish_reason"):
+                self.finish = ch["finish_reason"]
+        if item.get("usage"):
+            self.usage = item["usage"]
+        if item.get("error"):
+            self.error = str((item["error"] or {}).get("message") or "generation failed")
+            self.finish = "error"
+
+    def reply(self, turn: LiveTurn, t0: float) -> dict | None:
+        """The reply message to store, or None to drop the placeholder (refused, or nothing said
+        before an error)."""
+        text = "".join(turn.text)
+        if self.early is not None or (not text and self.error):
+            return None
+        msg: dict[str, Any] = {"content": text, "finish_reason": self.finish or "stop",
+                               "usage": usage_record(self.usage, t0, self.first_token_at, self.n_content)}
+        if self.error:
+            msg["error"] = self.error[:500]
+        return msg
+
+
+async def _follow_stream(turn: LiveTurn, agen: AsyncIterator[dict], out: _Outcome) -> None:
+    """Publish the stream's chunks to the turn's followers until it ends, fails or is cancelled."""
+    try:
+        async for item in agen:
+            if not turn.admitted.done():
+                turn.admitted.set_result(None)
+            out.take(turn, item)
+            turn.publish(item)
+            if turn.cancelled:               # stopped before this task was running
+                break
+    except asyncio.CancelledError:
+        turn.cancelled = True
+    except Exception as e:
+        if out.n_chunks == 0 and isinstance(e, APIError):
+            out.early = e
+        else:
+            out.error = getattr(e, "message", None) or str(e) or type(e).__name__
+            log.warning("session %s: generation failed: %s", turn.session_id, out.error)
+            out.finish = "error"
+            turn.publish({"error": {"message": out.error, "type": "server_error", "param": None,
+                                    "code": "generation_failed"}})
+
+
 async def drain(turn: LiveTurn, q: asyncio.Queue) -> AsyncIterator[dict]:
     """Follow a turn: its items until it ends. Leaving early only stops following."""
     try:
@@ -238,49 +305,12 @@ class TurnService:
     async def _run(self, turn: LiveTurn, req: Any, rate_key: str | None) -> None:
         turn.running = True
         t0 = time.perf_counter()
-        finish: str | None = None
-        usage: dict[str, Any] | None = None
-        first_token_at: float | None = None
-        n_chunks = n_content = 0
-        error: str | None = None
-        early: BaseException | None = None
+        out = _Outcome()
         ticker = asyncio.get_running_loop().create_task(self._tick(turn))
         agen = self.backend.stream(self.state, req, owner=turn.cache_owner, keep_warm=True,
                                    request_id=turn.request_id, rate_key=rate_key)
         try:
-            async for item in agen:
-                n_chunks += 1
-                if not turn.admitted.done():
-                    turn.admitted.set_result(None)
-                for ch in item.get("choices") or []:
-                    delta = ch.get("delta") or {}
-                    if delta.get("content"):
-                        turn.text.append(delta["content"])
-                        n_content += 1
-                        if first_token_at is None:
-                            first_token_at = time.perf_counter()
-                            turn.phase = "generating"
-                    if ch.get("finish_reason"):
-                        finish = ch["finish_reason"]
-                if item.get("usage"):
-                    usage = item["usage"]
-                if item.get("error"):
-                    error = str((item["error"] or {}).get("message") or "generation failed")
-                    finish = "error"
-                turn.publish(item)
-                if turn.cancelled:               # stopped before this task was running
-                    break
-        except asyncio.CancelledError:
-            turn.cancelled = True
-        except Exception as e:
-            if n_chunks == 0 and isinstance(e, APIError):
-                early = e
-            else:
-                error = getattr(e, "message", None) or str(e) or type(e).__name__
-                log.warning("session %s: generation failed: %s", turn.session_id, error)
-                finish = "error"
-                turn.publish({"error": {"message": error, "type": "server_error", "param": None,
-                                        "code": "generation_failed"}})
+            await _follow_stream(turn, agen, out)
         finally:
             turn.finishing = True
             ticker.cancel()
@@ -291,21 +321,15 @@ class TurnService:
                     await aclose()                   # aborts the engine request if still running
                 except Exception:
                     pass
-        if turn.cancelled and early is None:
-            finish = "abort"
+        if turn.cancelled and out.early is None:
+            out.finish = "abort"
             turn.publish({"id": turn.request_id, "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": turn.model,
                           "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
-        reply = "".join(turn.text)
-        keep = early is None and (reply or not error)
-        msg: dict[str, Any] = {"content": reply, "finish_reason": finish or "stop",
-                               "usage": usage_record(usage, t0, first_token_at, n_content)}
-        if error:
-            msg["error"] = error[:500]
-        await self._finish(turn, msg if keep else None)
+        await self._finish(turn, out.reply(turn, t0))
         if not turn.admitted.done():
-            if early is not None:
-                turn.admitted.set_exception(early)
+            if out.early is not None:
+                turn.admitted.set_exception(out.early)
             else:
                 turn.admitted.set_result(None)
         turn.done = True
