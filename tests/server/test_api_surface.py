@@ -172,6 +172,14 @@ def test_echo_and_prompt_logprobs_shapes_on_the_fake_engine(keyed_server):
         {"2": {"logprob": -0.2, "rank": 2, "decoded_token": "c"},
          "0": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}}]
     assert r.json()["usage"]["completion_tokens"] == 0
+    with httpx.stream("POST", keyed_server.url + "/v1/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True}) as st:
+        events = [json.loads(line[6:]) for line in st.iter_lines()
+                  if line.startswith("data: {")]
+    (first,) = [e for e in events if e["choices"]]
+    assert first["choices"][0]["text"] == "abc" and first["choices"][0]["finish_reason"] == "length"
+    assert first["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.1, -0.2]
     chat = post(keyed_server, "/v1/chat/completions", {"messages": M, "max_tokens": 2, "prompt_logprobs": 0})
     assert chat.status_code == 200, chat.text
     plp = chat.json()["prompt_logprobs"]
