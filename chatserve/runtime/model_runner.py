@@ -269,9 +269,12 @@ class ModelRunner:
                 tgt = targets[a:a + lp.shape[0]]                                       # [r]
                 chosen = lp.gather(1, tgt.unsqueeze(1))                                # [r, 1]
                 ranks = ((lp > chosen).sum(-1) + 1).tolist()
-                top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+                tv, ti = [], []
+                if k:
+                    top_v, top_i = lp.topk(k, dim=-1)                                  # [r, k]
+                    tv, ti = top_v.tolist(), top_i.tolist()
                 for r, (t, v) in enumerate(zip(tgt.tolist(), chosen.squeeze(1).tolist())):
-                    top = list(zip(top_i[r].tolist(), top_v[r].tolist())) if k else []
+                    top = list(zip(ti[r], tv[r])) if k else []
                     out.append(TokenLogprob(token_id=t, logprob=v, top=top, rank=ranks[r]))
             res.prompt_logprobs[s.request_id] = out
 
