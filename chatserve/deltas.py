@@ -32,6 +32,8 @@ class Delta:
     queue_s: float | None = None
     e2e_s: float | None = None
     num_output_tokens: int = 0
+    # on each sample's first delta when params.prompt_logprobs is set: prompt positions 1..len-1
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class DeltaChannel:

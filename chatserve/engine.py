@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 from chatserve.config import EngineConfig
 from chatserve.core.errors import ErrorCode
-from chatserve.core.outputs import RequestEvent, RunnerOutput, SchedulerOutput
+from chatserve.core.outputs import RequestEvent, RunnerOutput, SchedulerOutput, TokenLogprob
 from chatserve.core.protocols import KVCache, Runner, SchedulerLike, TokenizerLike
 from chatserve.core.request import FinishReason, Request, SamplingParams
 from chatserve.core.scheduler import AdmissionError  # re-exported: the server catches it from here
@@ -51,6 +51,7 @@ class _SampleState:
     last_token_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _Group:
     channel: DeltaChannel
     arrival: float
     seqs: list[_SampleState] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None   # one prompt, so one list for all n samples
 
     @property
     def done(self) -> bool:
@@ -358,6 +360,12 @@ class AsyncEngine:
             self._stats.prompt_tokens += ev.num_prompt_tokens
         d.num_prompt_tokens = seq.num_prompt_tokens or len(seq.request.prompt_token_ids)
         d.num_cached_tokens = seq.num_cached_tokens
+        if ev.prompt_logprobs is not None and g.prompt_logprobs is None:
+            g.prompt_logprobs = ev.prompt_logprobs
+        if g.prompt_logprobs is not None and not seq.sent_prompt_logprobs and (
+                ev.new_token_ids or ev.finished):   # the sample's first delta that goes out
+            seq.sent_prompt_logprobs = True
+            d.prompt_logprobs = g.prompt_logprobs
         if ev.error:
             self._finish_seq(seq, d, "error", now, error=ev.error)
             return

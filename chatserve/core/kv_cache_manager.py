@@ -148,7 +148,7 @@ class KVCacheManager:
 
     # ── lifecycle ─────────────────────────────────────────────────────────────────────────────
     def add_seq(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
-                shared_prefix_tokens: int = 0) -> int:
+                shared_prefix_tokens: int = 0, *, match_prefix: bool = True) -> int:
         """Register a sequence and take refs on its longest cached chain of full blocks.
 
         The match is capped so at least one token remains to compute. Returns the number of cached
@@ -156,14 +156,16 @@ class KVCacheManager:
 
         shared_prefix_tokens: the first tokens are an operator-marked shared prefix (a system prompt
         shared across owners). Blocks lying entirely inside it are hashed without the cache salt, so
-        every owner shares them; later blocks keep the salt (the chain still isolates owners)."""
+        every owner shares them; later blocks keep the salt (the chain still isolates owners).
+        match_prefix=False: take no hit (a prompt-logprobs request needs every position's logits);
+        its blocks are still hashed at commit for later requests."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         shared_blocks = max(0, int(shared_prefix_tokens)) // self.block_size if cache_salt else 0
         seq = _SeqBlocks(self.hasher.extra_key(cache_salt, self.model_key),
                    self.hasher.extra_key(None, self.model_key) if shared_blocks else b"", shared_blocks)
         self._seqs[seq_id] = seq
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not match_prefix:
             return 0
         bs = self.block_size
         n = len(token_ids)

@@ -63,6 +63,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None     # 1-based vocabulary rank of token_id (set for prompt logprobs)
 
 
 @dataclass
@@ -71,6 +72,9 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)             # request_id → token (sample=True seqs)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)   # only where params.logprobs is set
     errors: dict[str, str] = field(default_factory=dict)              # request_id → message: ends it with ERROR
+    # params.prompt_logprobs seqs only: the logprob of prompt token p + 1 under the logits at each
+    # position p of this chunk that has a next prompt token (entry i ↔ prompt position start_pos + 1 + i)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,3 +89,5 @@ class RequestEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # once, when the prompt is computed: prompt positions 1..len-1 (params.prompt_logprobs requests)
+    prompt_logprobs: list[TokenLogprob] | None = None

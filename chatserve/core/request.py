@@ -45,6 +45,9 @@ class SamplingParams:
     seed: int | None = None
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None = off; k >= 0 = the sampled token's logprob plus top-k alternatives
+    # None = off; k >= 0 = each prompt token's logprob (positions 1..) plus top-k: the runner computes
+    # log_softmax at every prompt position, and the scheduler skips the prefix-cache match for it
+    prompt_logprobs: int | None = None
     stop: list[str] = field(default_factory=list)          # stop strings: matched by the detokenizer
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False

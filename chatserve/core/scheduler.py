@@ -20,6 +20,7 @@ from chatserve.core.outputs import (
     RunnerOutput,
     ScheduledSeq,
     SchedulerOutput,
+    TokenLogprob,
 )
 from chatserve.core.request import FinishReason, Request, RequestStatus
 
@@ -117,6 +118,8 @@ class Scheduler:
         self._num_pending = 0                       # siblings waiting for a fork
         self._waiting_tokens = 0                    # tokens to compute for the waiting queue
         self._finished_ids: list[str] = []          # for the next SchedulerOutput
+        # prompt logprobs gathered chunk by chunk, until the prompt is computed (see _prompt_logprobs)
+        self._prompt_lps: dict[str, list[TokenLogprob]] = {}
         self._counter = itertools.count()
         self._step_id = 0
         # (head request id, free blocks, reserve) of the last failed admission: skip retries until
@@ -229,6 +232,9 @@ class Scheduler:
         if n > 1:
             self._forks[leader.request_id] = entries[1:]
             self._num_pending += n - 1
+        if leader.params.prompt_logprobs is not None:
+            for r in reqs:
+                self._prompt_lps[r.request_id] = []
 
     def retry_after(self) -> float:
         if not self._tokens_per_s:
@@ -353,7 +359,10 @@ class Scheduler:
             if self._prefix_in_flight(e):
                 i += 1
                 continue
-            cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens)
+            if rid in self._prompt_lps:     # its prompt logprobs need every position's logits: no hit
+                cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens, match_prefix=False)
+            else:
+                cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens)
             target = len(tokens) - 1 if pending else len(tokens)
             n_new = min(target - cached, budget)
             ops: list[CopyOp] | None = []
@@ -399,7 +408,7 @@ class Scheduler:
         """A running request is still prefilling full blocks that e's prompt starts with: admitting e
         now would compute them twice (e.g. n chats sent at once with one long system prompt), so e
         waits a step or two and then finds them in the prefix cache."""
-        if not self.kv.enable_prefix_caching:
+        if not self.kv.enable_prefix_caching or e.rid in self._prompt_lps:
             return False
         bs = self.kv.block_size
         tokens = e.tokens
@@ -462,6 +471,7 @@ class Scheduler:
         lreq = leader.req
         for s in sibs:
             del self._leader_of[s.rid]
+            self._prompt_lps.pop(s.rid, None)     # the leader computed (and reports) the prompt
             self.kv.fork(leader.rid, s.rid)
             s.req.status = _RUNNING
             s.req.num_computed_tokens = lreq.num_computed_tokens
@@ -515,9 +525,18 @@ class Scheduler:
             computed = seq.start_pos + len(seq.token_ids)
             req.num_computed_tokens = computed
             commit(rid, tokens, computed)
+            plp = self._prompt_logprobs(e, seq, res, computed) if self._prompt_lps else None
             if not seq.sample:
                 if forks and rid in forks and computed == len(tokens) - 1:
                     self._fork(e)
+                if plp is not None:
+                    events.append(RequestEvent(rid, num_prompt_tokens=len(req.prompt_token_ids),
+                                               num_cached_tokens=req.num_cached_tokens, prompt_logprobs=plp))
+                continue
+            if len(tokens) >= e.limit:     # max_tokens 0: the prompt (and its logprobs) only
+                ev = self._finish(e, FinishReason.LENGTH)
+                ev.prompt_logprobs = plp
+                events.append(ev)
                 continue
             tok = sampled.get(rid)
             if tok is None:
@@ -538,8 +557,25 @@ class Scheduler:
                 lp = logprobs.get(rid)
                 if lp is not None:
                     ev.logprobs = [lp]
+            if plp is not None:
+                ev.prompt_logprobs = plp
             events.append(ev)
         return events
+
+    def _prompt_logprobs(self, e: _LiveRequest, seq: ScheduledSeq, res: RunnerOutput,
+                         computed: int) -> list[TokenLogprob] | None:
+        """Gather one chunk of a prompt-logprobs request; its whole list (positions 1..len-1) once
+        the prompt is computed, else None. A chunk recomputed after preemption replaces what it covers."""
+        acc = self._prompt_lps.get(e.rid)
+        if acc is None:
+            return None
+        chunk = res.prompt_logprobs.get(e.rid)
+        if chunk:
+            del acc[seq.start_pos:]        # acc[i] is prompt position i + 1
+            acc.extend(chunk)
+        if computed < len(e.req.prompt_token_ids) - 1:
+            return None
+        return self._prompt_lps.pop(e.rid)
 
     def finish_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
@@ -584,6 +620,7 @@ class Scheduler:
             self._insert_waiting(heir)
         if self._admit_blocked is not None and self._admit_blocked[0] == rid:
             self._admit_blocked = None
+        self._prompt_lps.pop(rid, None)
 
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

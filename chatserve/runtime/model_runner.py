@@ -14,7 +14,7 @@ import torch
 
 import chatserve_kernels
 from chatserve.config import CacheConfig, ModelConfig
-from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
+from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
 from chatserve.core.request import SamplingParams
 from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_threads
 from chatserve.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
@@ -91,6 +91,7 @@ class ModelRunner:
                                             num_blocks=self.num_blocks, kv_cache_dtype=self.kv_cache_dtype)
         self.bytes_per_block = bytes_per_block(self.config, self.block_size, self.dtype, self.kv_cache_dtype)
         self.sampler = Sampler()
+        self._prompt_rows: dict[str, torch.Tensor] = {}   # this step's prompt-logprobs hidden rows
         self.load_seconds = time.perf_counter() - t0
 
     def _set_step_threads(self, num_threads: int | None) -> None:
@@ -166,6 +167,8 @@ class ModelRunner:
             if not seqs:
                 return res
             hidden = self._forward_isolating_errors(seqs, res.errors)    # request_id → [H]
+            if self._prompt_rows:
+                self._prompt_logprobs(seqs, res)
             sampled = [s for s in seqs if s.sample and s.request_id in hidden]
             if sampled:
                 h = torch.stack([hidden[s.request_id] for s in sampled])  # [B, H]
@@ -235,7 +238,45 @@ class ModelRunner:
             end += s.num_tokens
             if s.sample:
                 out[s.request_id] = hidden[end - 1]
+            if s.params.prompt_logprobs is not None:
+                self._keep_prompt_rows(s, hidden[end - s.num_tokens:end])
         return out
+
+    # ── prompt logprobs (params.prompt_logprobs): only the sequences that ask pay for them ──────────
+    PROMPT_LOGPROB_ROWS = 256        # logits rows per log_softmax, bounding memory to rows × vocab floats
+
+    def _keep_prompt_rows(self, s: ScheduledSeq, rows: torch.Tensor) -> None:
+        """Keep the hidden rows of this chunk's positions p that have a next prompt token (p + 1 < len)."""
+        # rows: [num_tokens, H]
+        m = min(s.seq_len, len(s.prompt_token_ids) - 1) - s.start_pos
+        if m > 0:
+            self._prompt_rows[s.request_id] = rows[:m]
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], res: RunnerOutput) -> None:
+        """log_softmax of the raw logits at each kept position → the next prompt token's logprob,
+        vocabulary rank and top-k, into res.prompt_logprobs."""
+        rows, self._prompt_rows = self._prompt_rows, {}
+        for s in seqs:
+            h = rows.get(s.request_id)
+            if h is None or s.request_id in res.errors:
+                continue
+            k = min(int(s.params.prompt_logprobs or 0), self.vocab_size)
+            start = s.start_pos + 1
+            targets = torch.tensor(s.prompt_token_ids[start:start + h.shape[0]], device=h.device)  # [m]
+            out: list[TokenLogprob] = []
+            for a in range(0, h.shape[0], self.PROMPT_LOGPROB_ROWS):
+                lp = torch.log_softmax(self.model.compute_logits(h[a:a + self.PROMPT_LOGPROB_ROWS]).float(), -1)
+                tgt = targets[a:a + lp.shape[0]]                                       # [r]
+                chosen = lp.gather(1, tgt.unsqueeze(1))                                # [r, 1]
+                ranks = ((lp > chosen).sum(-1) + 1).tolist()
+                tv, ti = [], []
+                if k:
+                    top_v, top_i = lp.topk(k, dim=-1)                                  # [r, k]
+                    tv, ti = top_v.tolist(), top_i.tolist()
+                for r, (t, v) in enumerate(zip(tgt.tolist(), chosen.squeeze(1).tolist())):
+                    top = list(zip(ti[r], tv[r])) if k else []
+                    out.append(TokenLogprob(token_id=t, logprob=v, top=top, rank=ranks[r]))
+            res.prompt_logprobs[s.request_id] = out
 
     def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], res: RunnerOutput) -> None:
         try:

@@ -179,23 +179,24 @@ async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = 
             if d.finish_reason == "error":
                 yield engine_error_body(d.error or "generation failed", d.error_code)
                 return
-            if not d.text and not d.logprobs and d.finish_reason is None:
+            if not d.text and not d.logprobs and d.finish_reason is None and d.prompt_logprobs is None:
                 continue
             delta: dict[str, Any] = {"content": d.text} if d.text else {}
             reason = d.finish_reason
             if calls is not None:          # tool calls read from the text (chatserve.tools.stream)
                 delta = calls[d.index].push(d.text, final=reason is not None)
                 reason = calls[d.index].finish_reason(reason)
-                if not delta and not d.logprobs and reason is None:
+                if not delta and not d.logprobs and reason is None and d.prompt_logprobs is None:
                     continue
             if d.index not in started:     # the role goes with the choice's first content, never alone
                 started.add(d.index)
                 delta = ({"role": "assistant", "content": None, **delta} if calls is not None
                          else {"role": "assistant", "content": d.text})
-            yield {**base, "choices": [{"index": d.index, "delta": delta,
-                                        "logprobs": _chat_logprobs(state, d),
-                                        "finish_reason": reason,
-                                        "stop_reason": _stop_reason(d, req.params)}]}
+            choice = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(state, d),
+                      "finish_reason": reason, "stop_reason": _stop_reason(d, req.params)}
+            if d.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state, d.prompt_logprobs, req.prompt_logprobs)
+            yield {**base, "choices": [choice]}
         yield {**base, "choices": [], "usage": usage.to_dict()}
     finally:
         stream.close()
@@ -214,6 +215,48 @@ def _completion_logprobs(state, d, offset: int) -> dict | None:
         out["text_offset"].append(offset)
         offset += len(t)
     return out
+
+
+def vllm_prompt_logprobs(state, lps: list, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: null for the first prompt token, then per position {token id:
+    {logprob, rank, decoded_token}} for the prompt token and the k most likely."""
+    tok = state.tokenizer
+    out: list[dict | None] = [None]
+    for lp in lps:
+        entry = {str(lp.token_id): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": _token_text(tok, lp.token_id)}}
+        for rank, (i, v) in enumerate(lp.top[:k], 1):
+            entry.setdefault(str(i), {"logprob": finite(v), "rank": rank, "decoded_token": _token_text(tok, i)})
+        out.append(entry)
+    return out
+
+
+def echo_logprobs(state, ids: list[int], lps: list, k: int) -> dict:
+    """The legacy completions logprobs of an echoed prompt: every prompt token, its logprob (null for
+    the first) and the k most likely tokens at its position with the prompt token itself (up to k + 1)."""
+    tok = state.tokenizer
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for pos, tid in enumerate(ids):
+        t = _token_text(tok, tid)
+        lp = lps[pos - 1] if 0 < pos <= len(lps) else None
+        out["tokens"].append(t)
+        out["text_offset"].append(offset)
+        offset += len(t)
+        out["token_logprobs"].append(None if lp is None else finite(lp.logprob))
+        if lp is None:
+            out["top_logprobs"].append(None)
+            continue
+        top = {_token_text(tok, i): finite(v) for i, v in lp.top[:k]}
+        top.setdefault(t, finite(lp.logprob))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def _join_logprobs(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    return {key: a[key] + b[key] for key in a}
 
 
 async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
@@ -274,7 +317,7 @@ async def stream_completion(state, req: CompletionRequest, *, owner: str, reques
     usage = _Usage(sum(len(ids) for ids, _ in prompts))
     echo = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
             for ids, text in prompts]
-    if req.params.max_tokens == 0:                      # echo only: nothing to generate
+    if req.params.max_tokens == 0 and req.params.prompt_logprobs is None:   # echo only: no model work
         for p in range(len(prompts)):
             for j in range(n):
                 yield {**base, "choices": [{"index": p * n + j, "text": echo[p], "logprobs": None,
@@ -291,7 +334,7 @@ async def stream_completion(state, req: CompletionRequest, *, owner: str, reques
             if d.finish_reason == "error":
                 yield engine_error_body(d.error or "generation failed", d.error_code)
                 return
-            if not d.text and not d.logprobs and d.finish_reason is None:
+            if not d.text and not d.logprobs and d.finish_reason is None and d.prompt_logprobs is None:
                 continue
             i = p * n + d.index
             text = d.text
@@ -301,9 +344,16 @@ async def stream_completion(state, req: CompletionRequest, *, owner: str, reques
                 offsets[i] = len(echo[p])
             lp = _completion_logprobs(state, d, offsets[i])
             offsets[i] += len(d.text)
-            yield {**base, "choices": [{"index": i, "text": text, "logprobs": lp,
-                                        "finish_reason": d.finish_reason,
-                                        "stop_reason": _stop_reason(d, req.params)}]}
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+                      "stop_reason": _stop_reason(d, req.params)}
+            if d.prompt_logprobs is not None:           # the choice's first chunk (vLLM streams echo so)
+                if req.echo and req.logprobs is not None:
+                    choice["logprobs"] = _join_logprobs(
+                        echo_logprobs(state, prompts[p][0], d.prompt_logprobs, req.logprobs), lp)
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(state, d.prompt_logprobs,
+                                                                     req.prompt_logprobs)
+            yield {**base, "choices": [choice]}
         yield {**base, "choices": [], "usage": usage.to_dict()}
     finally:
         for st in streams:
@@ -318,7 +368,7 @@ def _raise_chunk_error(c: dict) -> None:
 
 async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str]):
     """Fold streamed chunks into per-choice text, finish/stop reason and logprobs, plus head and usage."""
-    texts, reasons, stops, lps = [""] * n, [None] * n, [None] * n, [None] * n
+    texts, reasons, stops, lps, plps = [""] * n, [None] * n, [None] * n, [None] * n, [None] * n
     head: dict[str, Any] = {}
     usage = None
     async for c in chunks:
@@ -333,29 +383,34 @@ async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str
             if ch.get("finish_reason"):
                 reasons[i] = ch["finish_reason"]
                 stops[i] = ch.get("stop_reason")
+            if ch.get("prompt_logprobs") is not None:
+                plps[i] = ch["prompt_logprobs"]
             if ch.get("logprobs"):
                 lps[i] = lps[i] or {}
                 for k, v in ch["logprobs"].items():     # chat: content; completions: tokens, token_logprobs, ...
                     lps[i].setdefault(k, []).extend(v or [])
-    return head, texts, reasons, stops, lps, usage
+    return head, texts, reasons, stops, lps, usage, plps
 
 
 async def collect_chat(chunks: AsyncIterator[dict], req: ChatRequest) -> dict:
     n = req.params.n
     calls = ToolCallFolder(n)
-    head, texts, reasons, stops, lps, usage = await _fold(chunks, n, calls.content)
-    return {"id": head["id"], "object": "chat.completion", "created": head["created"],
-            "model": head["model"], "system_fingerprint": None,
-            "choices": [{"index": i, "message": calls.message(i, texts[i]),
-                         "logprobs": lps[i], "finish_reason": reasons[i], "stop_reason": stops[i]}
-                        for i in range(n)],
-            "usage": usage}
+    head, texts, reasons, stops, lps, usage, plps = await _fold(chunks, n, calls.content)
+    out = {"id": head["id"], "object": "chat.completion", "created": head["created"],
+           "model": head["model"], "system_fingerprint": None,
+           "choices": [{"index": i, "message": calls.message(i, texts[i]),
+                        "logprobs": lps[i], "finish_reason": reasons[i], "stop_reason": stops[i]}
+                       for i in range(n)],
+           "usage": usage}
+    if req.prompt_logprobs is not None:     # vLLM: one top-level list (the n samples share the prompt)
+        out["prompt_logprobs"] = next((x for x in plps if x is not None), None)
+    return out
 
 
 async def collect_completion(chunks: AsyncIterator[dict], req: CompletionRequest) -> dict:
     per_prompt = req.params.n
     total = per_prompt * max(1, len(req.prompts))
-    head, texts, reasons, stops, lps, usage = await _fold(chunks, total, lambda ch: ch["text"])
+    head, texts, reasons, stops, lps, usage, plps = await _fold(chunks, total, lambda ch: ch["text"])
     order = list(range(total))
     if req.best_of:            # per prompt, the req.n samples with the highest cumulative logprob
         order = []
@@ -369,7 +424,9 @@ async def collect_completion(chunks: AsyncIterator[dict], req: CompletionRequest
     return {"id": head.get("id"), "object": "text_completion", "created": head.get("created"),
             "model": head.get("model"), "system_fingerprint": None,
             "choices": [{"index": k, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i],
-                         "stop_reason": stops[i]} for k, i in enumerate(order)],
+                         "stop_reason": stops[i],
+                         **({"prompt_logprobs": plps[i]} if req.prompt_logprobs is not None else {})}
+                        for k, i in enumerate(order)],
             "usage": usage}
 
 

@@ -40,6 +40,7 @@ class ChatRequest(GenerationRequest):
     messages: list[dict] = field(default_factory=list)   # normalized: {"role", "content": str, ...}
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None                   # vLLM's top-level prompt_logprobs
     tools: ToolPlan | None = None                        # tool calls to read back from the output
 
 
@@ -53,6 +54,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     best_of: int | None = None         # generate best_of, return the n with the highest cumulative logprob
     n: int = 1                         # choices returned per prompt (params.n is best_of when that is set)
+    prompt_logprobs: int | None = None  # vLLM's per-choice prompt_logprobs (echo uses `logprobs`)
 
 
 # ---- pydantic → the OpenAI error object ---------------------------------------------------------
@@ -306,10 +308,8 @@ def parse_chat_body(body: dict, state) -> ChatRequest:
 def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
     model = check_model(r.model, state)
     messages = normalize_messages(body["messages"])
-    if r.prompt_logprobs is not None:
-        raise invalid("'prompt_logprobs' is not supported on chat completions; use /v1/completions with "
-                      "echo and logprobs", "prompt_logprobs", "unsupported_parameter")
     stream, include_usage = _stream_flags(r)
+    _check_prompt_logprobs(r.prompt_logprobs, stream)
     if r.top_logprobs is not None and not r.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     params = sampling_params(r, state, n=r.n, logprobs=(r.top_logprobs or 0) if r.logprobs else None)
@@ -322,10 +322,16 @@ def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
                                        state.default_max_tokens)
     _check_min_tokens(params)
     params.structured = constraints.spec
+    params.prompt_logprobs = r.prompt_logprobs
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
                        logprobs=r.logprobs, top_logprobs=r.top_logprobs or 0, user=r.user,
-                       tools=constraints.tools)
+                       tools=constraints.tools, prompt_logprobs=r.prompt_logprobs)
+
+
+def _check_prompt_logprobs(k: int | None, stream: bool) -> None:
+    if k is not None and stream:          # as vLLM: they are a response-level list, not a delta
+        raise invalid("'prompt_logprobs' are not available with stream: true", "prompt_logprobs")
 
 
 def _check_min_tokens(params: SamplingParams) -> None:
@@ -365,14 +371,9 @@ def _prompts(r: s.CompletionRequest, state) -> list[tuple[list[int], str | None]
 
 def _parse_completion(r: s.CompletionRequest, body: dict, state) -> CompletionRequest:
     model = check_model(r.model, state)
-    if r.prompt_logprobs is not None:
-        raise invalid("'prompt_logprobs': use echo with logprobs for the prompt's logprobs",
-                      "prompt_logprobs", "unsupported_parameter")
     prompts = _prompts(r, state)
     stream, include_usage = _stream_flags(r)
-    if r.echo and r.logprobs is not None:
-        raise invalid("'echo' with 'logprobs' (prompt logprobs) is not supported yet", "echo",
-                      "unsupported_parameter")
+    _check_prompt_logprobs(r.prompt_logprobs, stream)
     n = r.n
     best_of = r.best_of
     if best_of is not None:
@@ -397,9 +398,12 @@ def _parse_completion(r: s.CompletionRequest, body: dict, state) -> CompletionRe
                                        state.default_max_tokens) \
         if r.max_tokens != 0 else 0
     _check_min_tokens(params)
+    # the prompt's logprobs, for vLLM's prompt_logprobs and for echo with logprobs (OpenAI's legacy way)
+    wanted = [k for k in (r.prompt_logprobs, r.logprobs if r.echo else None) if k is not None]
+    params.prompt_logprobs = max(wanted) if wanted else None
     ids, text = prompts[0]
     return CompletionRequest(model=model, prompt_ids=ids, params=params, stream=stream,
                              include_usage=include_usage, request_id=new_id("cmpl"), prompt_text=text,
                              logprobs=r.logprobs, prompts=prompts, echo=r.echo,
                              best_of=best_of if best_of and best_of > n else None, n=n,
-                             user=r.user)
+                             user=r.user, prompt_logprobs=r.prompt_logprobs)

@@ -567,3 +567,65 @@ def test_a_short_shared_prefix_is_not_worth_waiting_for():
     s.add_request(req("B", template + list(range(100, 150))))
     out = Driver(s).step()
     assert [p[:2] for p in plan(out)] == [("A", 0), ("B", 0)]
+
+
+# ---- prompt logprobs and max_tokens 0 -----------------------------------------------------------
+def _prompt_lp_step(s: Scheduler) -> tuple[SchedulerOutput, list]:
+    """One step with a scripted runner: token 5 sampled; prompt position p + 1 gets logprob -(p + 1)."""
+    from chatserve.core.outputs import TokenLogprob
+    out = s.schedule()
+    res = RunnerOutput(out.step_id)
+    for q in out.seqs:
+        if q.sample:
+            res.sampled[q.request_id] = 5
+        plen = len(q.prompt_token_ids)
+        if q.params.prompt_logprobs is not None:
+            res.prompt_logprobs[q.request_id] = [
+                TokenLogprob(q.prompt_token_ids[p + 1], -(p + 1.0), rank=1)
+                for p in range(q.start_pos, min(q.seq_len, plen - 1))]
+    events = s.update(out, res)
+    s.kv.check_integrity()
+    return out, events
+
+
+def test_prompt_logprobs_span_chunks_skip_the_prefix_cache_and_max_tokens_0_samples_nothing():
+    s = make(num_blocks=32, block_size=4, budget=4)
+    prompt = list(range(10, 20))
+    s.add_request(req("warm", prompt, max_tokens=1))
+    while s.has_unfinished:
+        _prompt_lp_step(s)
+    s.add_request(req("plain", prompt, max_tokens=1))        # the cache works: a hit of 8 tokens
+    out, _ = _prompt_lp_step(s)
+    assert plan(out) == [("plain", 8, 2, True)]
+    p = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    s.add_request(Request("lp", list(prompt), p, eos_token_ids=frozenset({EOS})))
+    starts, events = [], []
+    while s.has_unfinished:
+        out, evs = _prompt_lp_step(s)
+        starts += [q.start_pos for q in out.seqs]
+        events += evs
+    assert starts == [0, 4, 8]                               # no hit: every position computed, in 3 chunks
+    (ev,) = events
+    assert ev.finished and ev.finish_reason is FinishReason.LENGTH and ev.new_token_ids == []
+    assert [lp.token_id for lp in ev.prompt_logprobs] == prompt[1:]
+    assert [lp.logprob for lp in ev.prompt_logprobs] == [-float(i) for i in range(1, 10)]
+    assert not s._prompt_lps
+
+
+def test_prompt_logprobs_of_an_n_group_come_once_from_the_leader():
+    s = make(num_blocks=32, block_size=4, budget=64)
+    prompt = list(range(10, 17))
+    reqs = [Request(f"g.{i}", list(prompt), SamplingParams(n=2, max_tokens=2, prompt_logprobs=0),
+                    eos_token_ids=frozenset({EOS}), group_id="g", sample_index=i) for i in range(2)]
+    s.add_group(reqs)
+    got: dict[str, list] = {}
+    tokens: dict[str, list] = defaultdict(list)
+    while s.has_unfinished:
+        _, evs = _prompt_lp_step(s)
+        for ev in evs:
+            tokens[ev.request_id] += ev.new_token_ids
+            if ev.prompt_logprobs is not None:
+                assert ev.request_id not in got
+                got[ev.request_id] = ev.prompt_logprobs
+    assert list(got) == ["g.0"] and [lp.token_id for lp in got["g.0"]] == prompt[1:]
+    assert tokens == {"g.0": [5, 5], "g.1": [5, 5]}

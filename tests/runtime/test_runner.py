@@ -35,6 +35,47 @@ def test_attributes_and_budget_sizing(tiny_dirs, runner):
     assert r.num_blocks == 10 and r.kv_caches[0][0].dtype == torch.bfloat16
 
 
+def test_gpu_memory_utilization_sizing_rule():
+    """KV budget = free - total * (1 - utilization): the device share this process may use, less what
+    is already taken (weights, other processes). Verified here by arithmetic only; GPU run pending."""
+    from chatserve.runtime.model_runner import gpu_kv_budget
+    GiB = 2 ** 30
+    assert gpu_kv_budget(60 * GiB, 80 * GiB, 0.9) == 52 * GiB        # 72 GiB usable, 20 GiB already used
+    assert gpu_kv_budget(80 * GiB, 80 * GiB, 1.0) == 80 * GiB
+    for bad in (0.0, -0.1, 1.01):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            gpu_kv_budget(60 * GiB, 80 * GiB, bad)
+    with pytest.raises(ValueError, match="nothing left"):             # others already use over the share
+        gpu_kv_budget(10 * GiB, 80 * GiB, 0.5)
+
+
+def test_gpu_memory_utilization_sizes_the_cache_on_cuda_only(runner, monkeypatch):
+    """The CUDA branch of ModelRunner._num_blocks with torch.cuda.mem_get_info patched (no GPU needed):
+    the free/total it reports, after the weights, decide the block count; on CPU the flag is ignored
+    in favour of --kv-cache-memory, and --num-gpu-blocks-override beats both."""
+    from types import SimpleNamespace
+
+    from chatserve.config import CacheConfig
+    GiB = 2 ** 30
+    seen = []
+
+    def mem_get_info(device):
+        seen.append(device)
+        return 6 * GiB, 8 * GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    per = bytes_per_block(runner.config, 16, torch.float16)
+    cuda = SimpleNamespace(device=torch.device("cuda", 0), config=runner.config, block_size=16,
+                           dtype=torch.float16)
+    cache = CacheConfig(block_size=16, gpu_memory_utilization=0.9, kv_cache_memory=GiB)
+    assert ModelRunner._num_blocks(cuda, cache) == int(6 * GiB - 8 * GiB * 0.1) // per
+    assert seen == [torch.device("cuda", 0)]
+    cpu = SimpleNamespace(**{**vars(cuda), "device": torch.device("cpu")})
+    assert ModelRunner._num_blocks(cpu, cache) == GiB // per and len(seen) == 1
+    assert ModelRunner._num_blocks(cuda, CacheConfig(num_blocks=7, gpu_memory_utilization=0.9)) == 7
+    with pytest.raises(ValueError, match="nothing left"):
+        ModelRunner._num_blocks(cuda, CacheConfig(gpu_memory_utilization=0.2))
+
+
 def test_prefill_then_decode_samples_greedy_argmax(runner, contiguous_forward):
     prompt = [11, 22, 33, 44, 55, 66, 77]
     table = [9, 3]
@@ -171,3 +212,24 @@ def test_quantized_kv_cache_tracks_full_precision(tiny_dirs, runner, contiguous_
     assert torch.equal(a, b)
     ref = contiguous_forward(runner.model, prompt)[-1]
     assert torch.nn.functional.cosine_similarity(a, ref, dim=0) > 0.99
+
+
+def test_prompt_logprobs_only_for_the_sequences_that_ask(runner, contiguous_forward):
+    """A 4-token chunk of a 6-token prompt yields the logprobs of prompt tokens 1..4 (log_softmax of the
+    contiguous forward's logits at positions 0..3); the last chunk adds token 5; others get none."""
+    prompt = [5, 9, 2, 7, 11, 3]
+    ask = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    ref = torch.log_softmax(contiguous_forward(runner.model, prompt), -1)
+    a = ScheduledSeq("a", prompt[:4], 0, [0, 1], False, ask, prompt)
+    b = ScheduledSeq("b", prompt[:4], 0, [2, 3], False, GREEDY, prompt)
+    res = runner.execute(SchedulerOutput(step_id=1, seqs=[a, b]))
+    assert list(res.prompt_logprobs) == ["a"]
+    got = res.prompt_logprobs["a"]
+    assert [lp.token_id for lp in got] == prompt[1:5]
+    for p, lp in enumerate(got):
+        assert abs(lp.logprob - float(ref[p, prompt[p + 1]])) < 1e-4
+        assert lp.rank == int((ref[p] > ref[p, prompt[p + 1]]).sum()) + 1
+        assert [i for i, _ in lp.top] == ref[p].topk(2).indices.tolist()
+    last = runner.execute(SchedulerOutput(step_id=2, seqs=[ScheduledSeq("a", prompt[4:], 4, [0, 1], True,
+                                                                        ask, prompt)]))
+    assert [lp.token_id for lp in last.prompt_logprobs["a"]] == [prompt[5]] and "a" in last.sampled

@@ -135,6 +135,14 @@ class FakeScheduler:
                 self._finish(r, FinishReason.ERROR)
                 events.append(ev)
                 continue
+            if s.start_pos == 0 and r.params.prompt_logprobs is not None:   # token t's logprob: -t / 10
+                ev.prompt_logprobs = [TokenLogprob(t, -t / 10, [(0, -0.1)][:r.params.prompt_logprobs], rank=2)
+                                      for t in r.prompt_token_ids[1:]]
+            if r.params.max_tokens == 0:
+                ev.finished, ev.finish_reason = True, FinishReason.LENGTH
+                self._finish(r, FinishReason.LENGTH)
+                events.append(ev)
+                continue
             tok = res.sampled[s.request_id]
             r.output_token_ids.append(tok)
             ev.new_token_ids = [tok]

@@ -106,7 +106,7 @@ REFUSED = [
     ({"messages": M, "repetition_penalty": 1e-38}, "repetition_penalty"),
     ({"messages": M, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"messages": M, "best_of": 2}, "best_of"),
-    ({"messages": M, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"messages": M, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),   # as vLLM
     ({"messages": M, "continue_final_message": True}, "continue_final_message"),
     ({"messages": M, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"messages": M, "logit_bias": {"x1": 5}}, "logit_bias"),
@@ -153,6 +153,37 @@ def test_echo_with_max_tokens_0_returns_the_prompt(keyed_server):
     r = post(keyed_server, "/v1/completions", {"prompt": ["abc", "de"], "max_tokens": 0, "echo": True})
     assert r.status_code == 200, r.text
     assert [c["text"] for c in r.json()["choices"]] == ["abc", "de"]
+
+
+def test_echo_and_prompt_logprobs_shapes_on_the_fake_engine(keyed_server):
+    """The response shapes (values are checked against transformers in tests/clients/test_prompt_logprobs.py)."""
+    r = post(keyed_server, "/v1/completions", {"prompt": ["abc", "de"], "max_tokens": 0, "echo": True,
+                                               "logprobs": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == ["abc", "de"]
+    lp = choices[0]["logprobs"]
+    assert lp["tokens"] == ["a", "b", "c"] and lp["token_logprobs"] == [None, -0.1, -0.2]
+    assert lp["top_logprobs"] == [None, {"a": -0.1, "b": -0.1}, {"a": -0.1, "c": -0.2}]
+    assert lp["text_offset"] == [0, 1, 2]
+    assert choices[0]["prompt_logprobs"] == [
+        None, {"1": {"logprob": -0.1, "rank": 2, "decoded_token": "b"},
+               "0": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}},
+        {"2": {"logprob": -0.2, "rank": 2, "decoded_token": "c"},
+         "0": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}}]
+    assert r.json()["usage"]["completion_tokens"] == 0
+    with httpx.stream("POST", keyed_server.url + "/v1/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True}) as st:
+        events = [json.loads(line[6:]) for line in st.iter_lines()
+                  if line.startswith("data: {")]
+    (first,) = [e for e in events if e["choices"]]
+    assert first["choices"][0]["text"] == "abc" and first["choices"][0]["finish_reason"] == "length"
+    assert first["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.1, -0.2]
+    chat = post(keyed_server, "/v1/chat/completions", {"messages": M, "max_tokens": 2, "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    plp = chat.json()["prompt_logprobs"]
+    assert plp and plp[0] is None and len(plp) == chat.json()["usage"]["prompt_tokens"]
 
 
 def test_chat_template_options_reach_the_tokenizer(keyed_server):
