@@ -165,7 +165,9 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
                   alone_steps: int = 32) -> dict:
     """Inter-token latency (step time) of `streams` decoding sequences alone, then while a
     prompt_len-token prompt is chunk-prefilled beside them, `cap` prompt tokens per step; the prompt's
-    TTFT is the sum of those steps (it samples in the last)."""
+    TTFT is the sum of those steps (it samples in the last). The *_cpu_* figures are this process's CPU
+    time per step: on a shared, oversubscribed box they stand for what an idle one would take (with one
+    thread; with more they add the threads' times up)."""
     from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
     from chatserve.core.request import SamplingParams
 
@@ -183,16 +185,16 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
         runner.execute(SchedulerOutput(step, [ScheduledSeq(f"s{b}", ctx_prompt, 0, tables[b], True, params)]))
     pos, last = context, [ctx_prompt[-1]] * streams
 
-    def decode_step(extra: list) -> float:
+    def decode_step(extra: list) -> tuple[float, float]:
         nonlocal step, pos, last
         step += 1
         seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params) for b in range(streams)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = runner.execute(SchedulerOutput(step, seqs + extra))
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         pos += 1
         last = [res.sampled[f"s{b}"] for b in range(streams)]
-        return dt
+        return dt, dc
 
     for _ in range(2):
         decode_step([])                                         # warm-up
@@ -202,11 +204,16 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
         piece = prompt[s:s + cap]
         mixed.append(decode_step([ScheduledSeq("long", piece, s, long_table, s + len(piece) == prompt_len,
                                                params)]))
-    a99, m99 = _percentile(alone, 99), _percentile(mixed, 99)
-    return {"cap": cap, "streams": streams, "context": context, "prompt": prompt_len, "steps": len(mixed),
-            "itl_alone_ms_p50": _percentile(alone, 50) * 1e3, "itl_alone_ms_p99": a99 * 1e3,
-            "itl_mixed_ms_p50": _percentile(mixed, 50) * 1e3, "itl_mixed_ms_p99": m99 * 1e3,
-            "itl_p99_ratio": m99 / a99, "prompt_ttft_s": sum(mixed)}
+    res = {"cap": cap, "streams": streams, "context": context, "prompt": prompt_len, "steps": len(mixed)}
+    for i, kind in ((0, ""), (1, "cpu_")):
+        a, m = [x[i] for x in alone], [x[i] for x in mixed]
+        res.update({f"itl_alone_{kind}ms_p50": _percentile(a, 50) * 1e3,
+                    f"itl_alone_{kind}ms_p99": _percentile(a, 99) * 1e3,
+                    f"itl_mixed_{kind}ms_p50": _percentile(m, 50) * 1e3,
+                    f"itl_mixed_{kind}ms_p99": _percentile(m, 99) * 1e3,
+                    f"itl_{kind}p99_ratio": _percentile(m, 99) / max(_percentile(a, 99), 1e-9),
+                    f"prompt_ttft_{kind}s": sum(m)})
+    return res
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -264,7 +271,10 @@ def run(args: argparse.Namespace) -> dict:
                       f"{it['itl_alone_ms_p99']:.1f} ms alone, {it['itl_mixed_ms_p50']:.1f}/"
                       f"{it['itl_mixed_ms_p99']:.1f} ms beside a {it['prompt']}-token prefill (p99 "
                       f"{it['itl_p99_ratio']:.2f}x); the prompt's TTFT {it['prompt_ttft_s']:.2f} s in "
-                      f"{it['steps']} steps", file=sys.stderr, flush=True)
+                      f"{it['steps']} steps; CPU time: ITL p50/p99 {it['itl_alone_cpu_ms_p50']:.1f}/"
+                      f"{it['itl_alone_cpu_ms_p99']:.1f} alone, {it['itl_mixed_cpu_ms_p50']:.1f}/"
+                      f"{it['itl_mixed_cpu_ms_p99']:.1f} beside it (p99 {it['itl_cpu_p99_ratio']:.2f}x), "
+                      f"TTFT {it['prompt_ttft_cpu_s']:.2f} s", file=sys.stderr, flush=True)
         report["results"].append(entry)
         del runner
     return report

@@ -19,6 +19,7 @@ def test_prefill_lengths_chunks_and_interference(tiny_model):
     assert it["cap"] == 16 and it["prompt"] == 50 and it["steps"] == 4      # 16 + 16 + 16 + 2
     assert it["itl_mixed_ms_p99"] >= it["itl_mixed_ms_p50"] > 0 and it["itl_alone_ms_p99"] > 0
     assert it["prompt_ttft_s"] > 0 and it["itl_p99_ratio"] > 0
+    assert it["itl_mixed_cpu_ms_p99"] > 0 and it["prompt_ttft_cpu_s"] > 0 and it["itl_cpu_p99_ratio"] > 0
 
 
 def test_percentile_interpolates_between_ranks():
