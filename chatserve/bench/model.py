@@ -37,10 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--interference", default="",
-                   help="comma list of per-step token budgets: for each, 4 streams decode (over --context "
-                        "tokens) while a --interference-prompt-token prompt is chunk-prefilled beside them "
-                        "in steps of budget - 4 tokens; reports their step time (inter-token latency) "
-                        "during it against decode alone, and the prompt's prefill time")
+                   help="comma list of prefill caps: for each, 4 streams decode (over --context tokens) "
+                        "while a --interference-prompt-token prompt is chunk-prefilled beside them in "
+                        "steps of that many tokens (the scheduler's --prefill-tokens-while-decoding; "
+                        "508 = a 512 budget less the 4 decoders); reports their inter-token latency "
+                        "p50/p99 with and without the prompt, and the prompt's time to first token")
     p.add_argument("--interference-prompt", type=int, default=4000)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -122,9 +123,10 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # Linux: KiB
 
 
-def _prefill(runner, tokens: int, repeats: int, chunk: int = 0) -> dict:
+def _prefill(runner, tokens: int, repeats: int, chunk: int = 0, warmup: bool = True) -> dict:
     """One prompt of `tokens` tokens, in one step or in steps of `chunk`; median of `repeats` after a
-    warm-up. peak_rss_mib: the process's peak resident memory after it (run lengths in rising order:
+    warm-up (`warmup`: the shortest length's warms the kernels for the longer ones). peak_rss_mib: the
+    process's peak resident memory after it (run lengths in rising order:
     the growth from one length to the next is what a longer prefill costs)."""
     from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
     from chatserve.core.request import SamplingParams
@@ -136,7 +138,7 @@ def _prefill(runner, tokens: int, repeats: int, chunk: int = 0) -> dict:
     params = SamplingParams(temperature=0.0)
     times = []
     n = 0
-    for r in range(repeats + 1):
+    for r in range(0 if warmup else 1, repeats + 1):
         t0 = time.perf_counter()
         for s in range(0, tokens, step):
             n += 1
@@ -150,15 +152,29 @@ def _prefill(runner, tokens: int, repeats: int, chunk: int = 0) -> dict:
             "tokens_per_s_best": tokens / min(times), "peak_rss_mib": _peak_rss_mib()}
 
 
-def _interference(runner, budget: int, context: int, prompt_len: int, streams: int = 4) -> dict:
-    """Step times of `streams` decoding sequences alone, then with a prompt_len-token prompt
-    chunk-prefilled beside them (budget - streams tokens per step, as the scheduler fills a step)."""
+def _percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of xs, linear between the closest ranks."""
+    v = sorted(xs)
+    k = (len(v) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def _interference(runner, cap: int, context: int, prompt_len: int, streams: int = 4,
+                  alone_steps: int = 32) -> dict:
+    """Inter-token latency (step time) of `streams` decoding sequences alone, then while a
+    prompt_len-token prompt is chunk-prefilled beside them, `cap` prompt tokens per step; the prompt's
+    TTFT is the sum of those steps (it samples in the last). The *_cpu_* figures are this process's CPU
+    time per step: on a shared, oversubscribed box they stand for what an idle one would take (with one
+    thread; with more they add the threads' times up)."""
     from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
     from chatserve.core.request import SamplingParams
 
     bs = runner.block_size
     params = SamplingParams(temperature=0.0)
-    per = -(-(context + 4 * prompt_len // max(1, budget - streams) + 64) // bs)
+    cap = max(1, cap)
+    per = -(-(context + alone_steps + 2 + -(-prompt_len // cap) + 2) // bs)
     tables = [list(range(b * per, (b + 1) * per)) for b in range(streams)]
     long_table = list(range(streams * per, streams * per + -(-prompt_len // bs)))
     ctx_prompt = [(17 * i + 5) % runner.vocab_size for i in range(context)]
@@ -169,31 +185,35 @@ def _interference(runner, budget: int, context: int, prompt_len: int, streams: i
         runner.execute(SchedulerOutput(step, [ScheduledSeq(f"s{b}", ctx_prompt, 0, tables[b], True, params)]))
     pos, last = context, [ctx_prompt[-1]] * streams
 
-    def decode_step(extra: list) -> float:
+    def decode_step(extra: list) -> tuple[float, float]:
         nonlocal step, pos, last
         step += 1
         seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params) for b in range(streams)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = runner.execute(SchedulerOutput(step, seqs + extra))
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         pos += 1
         last = [res.sampled[f"s{b}"] for b in range(streams)]
-        return dt
+        return dt, dc
 
     for _ in range(2):
         decode_step([])                                         # warm-up
-    alone = [decode_step([]) for _ in range(16)]
-    chunk = max(1, budget - streams)
+    alone = [decode_step([]) for _ in range(alone_steps)]
     mixed = []
-    for s in range(0, prompt_len, chunk):
-        piece = prompt[s:s + chunk]
+    for s in range(0, prompt_len, cap):
+        piece = prompt[s:s + cap]
         mixed.append(decode_step([ScheduledSeq("long", piece, s, long_table, s + len(piece) == prompt_len,
                                                params)]))
-    base = statistics.median(alone)
-    return {"budget": budget, "streams": streams, "context": context, "prompt": prompt_len,
-            "decode_step_ms_median": base * 1e3, "decode_step_ms_max": max(alone) * 1e3,
-            "mixed_step_ms_median": statistics.median(mixed) * 1e3, "mixed_step_ms_max": max(mixed) * 1e3,
-            "itl_ratio_max": max(mixed) / max(alone), "prompt_prefill_s": sum(mixed)}
+    res = {"cap": cap, "streams": streams, "context": context, "prompt": prompt_len, "steps": len(mixed)}
+    for i, kind in ((0, ""), (1, "cpu_")):
+        a, m = [x[i] for x in alone], [x[i] for x in mixed]
+        res.update({f"itl_alone_{kind}ms_p50": _percentile(a, 50) * 1e3,
+                    f"itl_alone_{kind}ms_p99": _percentile(a, 99) * 1e3,
+                    f"itl_mixed_{kind}ms_p50": _percentile(m, 50) * 1e3,
+                    f"itl_mixed_{kind}ms_p99": _percentile(m, 99) * 1e3,
+                    f"itl_{kind}p99_ratio": _percentile(m, 99) / max(_percentile(a, 99), 1e-9),
+                    f"prompt_ttft_{kind}s": sum(m)})
+    return res
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -213,9 +233,9 @@ def run(args: argparse.Namespace) -> dict:
     prefill_lengths = sorted(_parse_list(args.prefill_tokens, int))
     need = max(max(batches) * -(-(args.context + args.steps + 2) // args.block_size),
                -(-max(prefill_lengths) // args.block_size))
-    budgets = _parse_list(args.interference, int)
-    for bud in budgets:
-        per = -(-(args.context + 4 * args.interference_prompt // max(1, bud - 4) + 64) // args.block_size)
+    caps = _parse_list(args.interference, int)
+    for cap in caps:
+        per = -(-(args.context + 36 + -(-args.interference_prompt // max(1, cap))) // args.block_size)
         need = max(need, 4 * per - (-args.interference_prompt // args.block_size))
     report: dict = {"model": os.path.basename(path), "threads": threads, "torch": torch.__version__,
                     "cpu": platform.processor() or platform.machine(), "load_s": load_s, "results": []}
@@ -234,7 +254,7 @@ def run(args: argparse.Namespace) -> dict:
                       file=sys.stderr, flush=True)
         rss0 = _peak_rss_mib()
         for n in prefill_lengths:
-            p = _prefill(runner, n, args.repeats, args.prefill_chunk)
+            p = _prefill(runner, n, args.repeats, args.prefill_chunk, warmup=not entry["prefill"])
             p["vs_shortest"] = p["tokens_per_s"] / (entry["prefill"][0] if entry["prefill"] else p)["tokens_per_s"]
             p["peak_rss_growth_mib"] = p["peak_rss_mib"] - rss0
             entry["prefill"].append(p)
@@ -243,15 +263,18 @@ def run(args: argparse.Namespace) -> dict:
                       f"({p['ms_median']:.0f} ms, {p['vs_shortest']:.2f}x the shortest's tok/s, peak RSS "
                       f"+{p['peak_rss_growth_mib']:.0f} MiB)", file=sys.stderr, flush=True)
         entry["interference"] = []
-        for bud in budgets:
-            it = _interference(runner, bud, args.context, args.interference_prompt)
+        for cap in caps:
+            it = _interference(runner, cap, args.context, args.interference_prompt)
             entry["interference"].append(it)
             if not args.json:
-                print(f"{dtype:12s} budget {bud}: 4 streams' step {it['decode_step_ms_median']:.1f} ms alone "
-                      f"(max {it['decode_step_ms_max']:.1f}), {it['mixed_step_ms_median']:.1f} ms median / "
-                      f"{it['mixed_step_ms_max']:.1f} max beside a {it['prompt']}-token prefill "
-                      f"({it['itl_ratio_max']:.2f}x); the prompt's prefill {it['prompt_prefill_s']:.2f} s",
-                      file=sys.stderr, flush=True)
+                print(f"{dtype:12s} cap {cap}: 4 streams' ITL p50/p99 {it['itl_alone_ms_p50']:.1f}/"
+                      f"{it['itl_alone_ms_p99']:.1f} ms alone, {it['itl_mixed_ms_p50']:.1f}/"
+                      f"{it['itl_mixed_ms_p99']:.1f} ms beside a {it['prompt']}-token prefill (p99 "
+                      f"{it['itl_p99_ratio']:.2f}x); the prompt's TTFT {it['prompt_ttft_s']:.2f} s in "
+                      f"{it['steps']} steps; CPU time: ITL p50/p99 {it['itl_alone_cpu_ms_p50']:.1f}/"
+                      f"{it['itl_alone_cpu_ms_p99']:.1f} alone, {it['itl_mixed_cpu_ms_p50']:.1f}/"
+                      f"{it['itl_mixed_cpu_ms_p99']:.1f} beside it (p99 {it['itl_cpu_p99_ratio']:.2f}x), "
+                      f"TTFT {it['prompt_ttft_cpu_s']:.2f} s", file=sys.stderr, flush=True)
         report["results"].append(entry)
         del runner
     return report

@@ -39,6 +39,8 @@ class Record:
     prompt_tokens: int
     cached_tokens: int | None
     error: str | None = None
+    start_s: float = 0.0                 # when it was sent, since the run started
+    token_times: list[float] = field(default_factory=list)   # choice 0's chunks, since the run started
 
 
 @dataclass
@@ -118,8 +120,11 @@ async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], opts: RunOptions,
 
     async def one(job: Job) -> None:
         history: list[tuple[Any, str]] = []
+        if job.delay_s:
+            await asyncio.sleep(job.delay_s)
         for i, turn in enumerate(job.turns):
             body = build_body(job, i, history, opts, tokenizer)
+            sent = time.perf_counter() - start
             if sem is not None:
                 async with sem:
                     res = await stream_request(client, path, body, chat=opts.endpoint == "chat",
@@ -127,7 +132,7 @@ async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], opts: RunOptions,
             else:
                 res = await stream_request(client, path, body, chat=opts.endpoint == "chat",
                                            expected_n=job.n)
-            records.append(_record(job, i, res))
+            records.append(_record(job, i, res, sent))
             if bar is not None:
                 bar.update(1)
             if res.outcome != COMPLETED:
@@ -149,7 +154,7 @@ async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], opts: RunOptions,
     return records, duration
 
 
-def _record(job: Job, i: int, res: StreamResult) -> Record:
+def _record(job: Job, i: int, res: StreamResult, sent: float = 0.0) -> Record:
     ok = res.outcome == COMPLETED
     err = None
     if not ok:
@@ -157,7 +162,27 @@ def _record(job: Job, i: int, res: StreamResult) -> Record:
             or f"{res.outcome} (HTTP {res.status})"
     prompt = res.prompt_tokens if res.prompt_tokens is not None else job.turns[i].approx_prompt_tokens
     return Record(job.tag, i, ok, res.ttft_s, res.tpot_s(), res.e2e_s, res.itls(),
-                  res.output_tokens if ok else 0, prompt, res.cached_tokens, err)
+                  res.output_tokens if ok else 0, prompt, res.cached_tokens, err, sent,
+                  [sent + t for t in res.token_times.get(0, [])])
+
+
+def interference_summary(records: list[Record]) -> dict[str, Any]:
+    """The interference workload's figures: the streams' ITLs while the "long" prompt is being
+    prefilled (sent → first token) against their ITLs outside that window, and its TTFT."""
+    long = next((r for r in records if r.job == "long" and r.ok and r.ttft_s is not None), None)
+    if long is None:
+        return {"long_ttft_ms": None, "itl_during_ms": _stats_ms([]), "itl_outside_ms": _stats_ms([])}
+    lo, hi = long.start_s, long.start_s + long.ttft_s
+    during, outside = [], []
+    for r in records:
+        if r.job.startswith("stream"):
+            for a, b in zip(r.token_times, r.token_times[1:]):
+                (during if b > lo and a < hi else outside).append(b - a)
+    res = {"long_ttft_ms": long.ttft_s * 1e3, "itl_during_ms": _stats_ms(during),
+           "itl_outside_ms": _stats_ms(outside)}
+    base, hit = res["itl_outside_ms"]["p99"], res["itl_during_ms"]["p99"]
+    res["itl_p99_ratio"] = hit / base if base and hit is not None else None
+    return res
 
 
 def _stats_ms(values: list[float]) -> dict[str, float | None]:
@@ -234,6 +259,9 @@ def make_jobs(args: argparse.Namespace, seed: int, tokenizer: Any) -> list[Job]:
         return workloads.parallel_jobs(src, args.num_prompts, args.n, args.input_len, args.output_len)
     if w == "structured":
         return workloads.structured_jobs(src, args.num_prompts, args.input_len, args.output_len)
+    if w == "interference":
+        return workloads.interference_jobs(src, args.streams, args.input_len, args.output_len,
+                                           args.long_len, args.long_output_len, args.long_delay)
     raise ValueError(w)
 
 
@@ -267,6 +295,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             records, duration = await run_jobs(client, jobs, opts, tokenizer)
             after = await server_metrics.scrape(client)
             res = summarize(records, duration, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot)
+            if args.workload == "interference":
+                res["interference"] = interference_summary(records)
             res.update({"workload": args.workload, "endpoint": args.endpoint, "model": model,
                         "url": args.url, "concurrency": c,
                         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
@@ -335,6 +365,12 @@ def format_report(res: dict[str, Any]) -> str:
         cf = r.get("usage_cached_fraction_turn2plus")
         if cf is not None:
             lines.append(f"cached prompt tokens from turn 2 on: {cf:.1%}")
+        it = r.get("interference")
+        if it and it["long_ttft_ms"] is not None:
+            d, o = it["itl_during_ms"], it["itl_outside_ms"]
+            lines.append(f"long prompt TTFT {it['long_ttft_ms']:.1f} ms; streams' ITL p50/p99 during its "
+                         f"prefill {d['p50'] or 0:.1f}/{d['p99'] or 0:.1f} ms, outside "
+                         f"{o['p50'] or 0:.1f}/{o['p99'] or 0:.1f} ms")
         for e in r.get("errors") or []:
             lines.append(f"  error: {e}")
     return "\n".join(lines)
@@ -346,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "parallel", "structured"),
+    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "parallel", "structured",
+                                          "interference"),
                    default="random")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", default="128", help="tokens, N or MIN:MAX")
@@ -360,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--turn-len", default="64", help="multi-turn: user message tokens")
     p.add_argument("--n", type=int, default=4, help="parallel: samples per prompt")
+    p.add_argument("--streams", type=int, default=4,
+                   help="interference: chats decoding (--input-len in, --output-len out)")
+    p.add_argument("--long-len", type=int, default=4000, help="interference: the long prompt's tokens")
+    p.add_argument("--long-output-len", type=int, default=64, help="interference: the long prompt's max_tokens")
+    p.add_argument("--long-delay", type=float, default=2.0,
+                   help="interference: seconds after the streams start that the long prompt is sent")
     p.add_argument("--concurrency", default=None,
                    help="max requests in flight; a list like 1,4,16 runs once per value")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (default inf)")

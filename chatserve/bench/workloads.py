@@ -51,6 +51,7 @@ class Job:
     n: int = 1
     tag: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    delay_s: float = 0.0                 # sent this long after the run starts (before the arrival process)
 
 
 class PromptSource:
@@ -131,6 +132,17 @@ def parallel_jobs(src: PromptSource, num_prompts: int, n: int, input_len: str,
     jobs = random_jobs(src, num_prompts, input_len, output_len)
     for j in jobs:
         j.n = n
+    return jobs
+
+
+def interference_jobs(src: PromptSource, streams: int, input_len: str, output_len: str, long_len: int,
+                      long_output: int, delay_s: float) -> list[Job]:
+    """`streams` chats decoding (tags "stream<i>") and one long_len-token prompt (tag "long") sent
+    delay_s later, for the streams' inter-token latency while it is prefilled (see serve.py)."""
+    jobs = random_jobs(src, streams, input_len, output_len)
+    for i, j in enumerate(jobs):
+        j.tag = f"stream{i}"
+    jobs.append(Job([Turn(src.make(long_len), long_output, long_len)], tag="long", delay_s=delay_s))
     return jobs
 
 

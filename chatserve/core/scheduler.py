@@ -254,6 +254,7 @@ class Scheduler:
 
         preempted = False
         decoders_left = -1   # decoders after the current one; counted at the first prefill chunk
+        prefill_left = -1    # prompt tokens the step's chunks may still add; set with decoders_left
         # Preemption only removes from the end of `running`, which list iteration tolerates.
         for e in running:
             if budget <= 0:
@@ -273,8 +274,9 @@ class Scheduler:
                 if decoders_left < 0:
                     k = running.index(e)
                     decoders_left = sum(1 for x in running[k + 1:] if self._remaining(x) == 1)
-                n_new = min(rem, budget - decoders_left)
-                if n_new <= 0:   # the budget is spoken for by later decoders
+                    prefill_left = self._prefill_allowance(budget)
+                n_new = min(rem, budget - decoders_left, prefill_left)
+                if n_new <= 0:   # the budget is spoken for by later decoders (or the prefill cap)
                     continue
             ops, n_new, decoders_left, preempted_any = self._grant_slots(e, start, n_new, decoders_left)
             preempted = preempted or preempted_any
@@ -291,9 +293,11 @@ class Scheduler:
             if ops:
                 copy_ops.extend(ops)
             budget -= n_new
+            if rem != 1:
+                prefill_left -= n_new
 
         if not preempted:
-            budget = self._admit(seqs, copy_ops, budget, now)
+            budget = self._admit(seqs, copy_ops, budget, now, prefill_left)
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
@@ -330,19 +334,30 @@ class Scheduler:
             ops = allocate(rid, end)
         return ops, n_new, decoders_left, preempted
 
+    def _prefill_allowance(self, budget: int) -> int:
+        """Prompt tokens one step may compute: `prefill_tokens_while_decoding` while a running request
+        decodes (a long prompt's chunk must not stretch their inter-token latency), else the budget."""
+        cap = self.config.prefill_tokens_while_decoding
+        if 0 < cap < budget and any(self._remaining(x) == 1 for x in self._running):
+            return cap
+        return budget
+
     def _remaining(self, e: _LiveRequest) -> int:
         """Tokens e still has to compute before its next sample (or, for a leader, its fork)."""
         rem = len(e.tokens) - e.req.num_computed_tokens
         return rem - 1 if e.rid in self._forks else rem
 
     def _admit(self, seqs: list[ScheduledSeq], copy_ops: list[CopyOp], budget: int,
-               now: float) -> int:
-        """Admit waiting requests in key order while they fit; returns the budget left."""
+               now: float, prefill_left: int = -1) -> int:
+        """Admit waiting requests in key order while they fit, their prompt chunks within
+        `prefill_left` (-1: not yet known); returns the budget left."""
         kv = self.kv
         max_seqs = self.config.max_num_seqs
         waiting = self._waiting
+        if waiting and prefill_left < 0:
+            prefill_left = self._prefill_allowance(budget)
         i = 0                # waiting[:i] are deferred behind a running prefill of their prefix
-        while i < len(waiting) and budget > 0:
+        while i < len(waiting) and budget > 0 and prefill_left > 0:
             e = waiting[i]
             rid = e.rid
             req = e.req
@@ -364,7 +379,7 @@ class Scheduler:
             else:
                 cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens)
             target = len(tokens) - 1 if pending else len(tokens)
-            n_new = min(target - cached, budget)
+            n_new = min(target - cached, budget, prefill_left)
             ops: list[CopyOp] | None = []
             if n_new > 0:
                 ops = kv.allocate_slots(rid, cached + n_new, reserve_watermark=reserve)
@@ -389,6 +404,7 @@ class Scheduler:
                 seqs.append(self._scheduled(e, cached, n_new, now))
                 copy_ops.extend(ops or ())
                 budget -= n_new
+                prefill_left -= n_new
             else:
                 # The leader's prompt[:-1] is all cached (or empty): fork now, and let each of the n
                 # compute the last prompt token if there is room (else next step, as running work).

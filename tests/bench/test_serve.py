@@ -99,6 +99,29 @@ def test_completions_endpoint_and_failures_reported(capsys, fake):
     assert rc == 3 and bad["failed"] == 2 and "2 finish_reasons" in bad["errors"][0]
 
 
+def test_interference_workload_splits_the_streams_itls_at_the_long_prompt(capsys, fake):
+    r = _run(capsys, fake, "--workload", "interference", "--streams", "3", "--input-len", "8",
+             "--output-len", "100", "--long-len", "50", "--long-output-len", "4", "--long-delay", "0.05")
+    assert r["completed"] == r["num_requests"] == 4
+    lens = sorted(len(b["messages"][-1]["content"].split()) for b in fake.state.bodies)
+    assert lens == [8, 8, 8, 50]
+    it = r["interference"]
+    assert it["long_ttft_ms"] > 0
+    assert it["itl_outside_ms"]["p99"] > 0 and it["itl_during_ms"]["p50"] is not None
+    assert it["itl_p99_ratio"] > 0
+
+
+def test_interference_jobs_delay_only_the_long_prompt():
+    import random
+
+    from chatserve.bench.workloads import interference_jobs
+
+    jobs = interference_jobs(PromptSource(random.Random(0)), 4, "16", "100", 4000, 64, 1.5)
+    assert [j.tag for j in jobs] == ["stream0", "stream1", "stream2", "stream3", "long"]
+    assert [j.delay_s for j in jobs] == [0.0] * 4 + [1.5]
+    assert jobs[-1].turns[0].max_tokens == 64 and jobs[-1].turns[0].approx_prompt_tokens == 4000
+
+
 def test_workload_shapes():
     import random
 

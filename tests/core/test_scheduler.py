@@ -147,6 +147,59 @@ def test_prefill_chunk_leaves_one_token_for_each_later_decoder():
     assert plan(d.step()) == [("A", 27, 3, True), ("B", 5, 1, True)]
 
 
+def test_prefill_cap_applies_only_while_others_decode():
+    s = make(num_blocks=128, budget=64, prefill_tokens_while_decoding=8)
+    s.add_request(req("D1", [1, 2], max_tokens=4))
+    s.add_request(req("D2", [3, 4], max_tokens=4))
+    d = Driver(s)
+    d.step()                                                        # both prompts, one step
+    s.add_request(req("L", list(range(100, 300)), max_tokens=3))   # 200-token prompt
+    plans = [plan(d.step()) for _ in range(3)]                      # D1, D2 sample tokens 2..4
+    for k in range(3):
+        assert plans[k] == [("D1", 2 + k, 1, True), ("D2", 2 + k, 1, True), ("L", 8 * k, 8, False)]
+    assert s.get_request("D1") is None and s.get_request("D2") is None   # finished at 4 tokens
+    out = d.step()                                                  # alone: the whole budget
+    assert plan(out) == [("L", 24, 64, False)]
+    d.run()
+    assert d.final["L"].finish_reason is FinishReason.LENGTH
+    assert d.tokens["L"] == reference(list(range(100, 300)), SamplingParams(max_tokens=3, ignore_eos=True),
+                                      None, 1024)
+
+
+def test_prefill_cap_binds_a_running_prompt_once_a_decoder_joins():
+    s = make(num_blocks=128, budget=64, prefill_tokens_while_decoding=8)
+    s.add_request(req("A", list(range(10, 80)), max_tokens=20))    # 70-token prompt
+    s.add_request(req("L", list(range(100, 300)), max_tokens=2))   # 200-token prompt
+    d = Driver(s)
+    assert plan(d.step()) == [("A", 0, 64, False)]                 # nothing decodes yet
+    assert plan(d.step()) == [("A", 64, 6, True), ("L", 0, 58, False)]
+    # from now on A decodes: L's chunks stay within the cap
+    assert plan(d.step()) == [("A", 70, 1, True), ("L", 58, 8, False)]
+    assert plan(d.step()) == [("A", 71, 1, True), ("L", 66, 8, False)]
+    d.run()
+    assert set(d.final) == {"A", "L"} and len(d.tokens["L"]) == 2 and len(d.tokens["A"]) == 20
+
+
+def test_prefill_cap_is_shared_by_the_prompts_of_one_step():
+    s = make(num_blocks=128, budget=64, prefill_tokens_while_decoding=10)
+    s.add_request(req("D", [1, 2], max_tokens=20))
+    d = Driver(s)
+    d.step()
+    s.add_request(req("A", list(range(100, 106))))                  # 6-token prompt
+    s.add_request(req("B", list(range(200, 230))))                  # 30-token prompt
+    assert plan(d.step()) == [("D", 2, 1, True), ("A", 0, 6, True), ("B", 0, 4, False)]
+    assert plan(d.step()) == [("D", 3, 1, True), ("A", 6, 1, True), ("B", 4, 10, False)]
+
+
+def test_prefill_cap_zero_keeps_the_whole_budget():
+    s = make(budget=10, prefill_tokens_while_decoding=0)
+    s.add_request(req("D", [1, 2], max_tokens=20))
+    d = Driver(s)
+    d.step()
+    s.add_request(req("L", list(range(100, 140))))
+    assert plan(d.step()) == [("D", 2, 1, True), ("L", 0, 9, False)]
+
+
 # ---------------------------------------------------------------------------- prefix cache
 def test_prefix_hits_skip_computed_tokens():
     s = make(block_size=4)
