@@ -41,6 +41,7 @@ class Record:
     error: str | None = None
     start_s: float = 0.0                 # when it was sent, since the run started
     token_times: list[float] = field(default_factory=list)   # choice 0's chunks, since the run started
+    json_ok: bool | None = None          # the reply parses as JSON (requests with a response_format)
 
 
 @dataclass
@@ -161,9 +162,16 @@ def _record(job: Job, i: int, res: StreamResult, sent: float = 0.0) -> Record:
         err = "; ".join(res.problems) or res.transport_error or (res.error or {}).get("message") \
             or f"{res.outcome} (HTTP {res.status})"
     prompt = res.prompt_tokens if res.prompt_tokens is not None else job.turns[i].approx_prompt_tokens
+    json_ok = None
+    if "response_format" in job.extra:
+        try:
+            json.loads(res.texts.get(0, ""))
+            json_ok = ok
+        except ValueError:
+            json_ok = False
     return Record(job.tag, i, ok, res.ttft_s, res.tpot_s(), res.e2e_s, res.itls(),
                   res.output_tokens if ok else 0, prompt, res.cached_tokens, err, sent,
-                  [sent + t for t in res.token_times.get(0, [])])
+                  [sent + t for t in res.token_times.get(0, [])], json_ok)
 
 
 def interference_summary(records: list[Record]) -> dict[str, Any]:
@@ -231,6 +239,9 @@ def summarize(records: list[Record], duration: float, *, slo_ttft_ms: float | No
     res["usage_cached_fraction_turn2plus"] = (
         sum(r.cached_tokens for r in later) / max(1, sum(r.prompt_tokens for r in later))  # type: ignore[misc]
         if later else None)
+    checked = [r for r in records if r.json_ok is not None]
+    if checked:
+        res["json_parsed"] = sum(bool(r.json_ok) for r in checked)
     res["errors"] = [r.error for r in records if not r.ok][:10]
     return res
 
@@ -265,6 +276,34 @@ def make_jobs(args: argparse.Namespace, seed: int, tokenizer: Any) -> list[Job]:
     raise ValueError(w)
 
 
+async def run_structured(client: httpx.AsyncClient, args: argparse.Namespace, opts: RunOptions,
+                         tokenizer: Any, seed: int) -> dict[str, Any]:
+    """The structured workload against itself without the schema, in one run: each round sends the
+    constrained requests, then as many unconstrained ones (other prompts, same lengths) that each
+    generate exactly (ignore_eos) as many tokens as their constrained twin did. Both arms then see the
+    same batch sizes, lengths and load, and the TPOT ratio is the grammar's cost."""
+    arms: dict[str, tuple[list[Record], float]] = {"schema": ([], 0.0), "plain": ([], 0.0)}
+    plain_opts = RunOptions(**{**opts.__dict__, "ignore_eos": True})
+    for r in range(args.rounds):
+        jobs = make_jobs(args, seed + 7919 * r, tokenizer)
+        recs, dur = await run_jobs(client, jobs, opts, tokenizer)
+        produced = {rec.job: rec.output_tokens for rec in recs if rec.ok and rec.output_tokens > 1}
+        twins = make_jobs(args, seed + 7919 * r + 1, tokenizer)
+        for twin in twins:
+            twin.extra.pop("response_format", None)
+            twin.turns[0].max_tokens = produced.get(twin.tag, twin.turns[0].max_tokens)
+        p_recs, p_dur = await run_jobs(client, twins, plain_opts, tokenizer)
+        arms["schema"] = (arms["schema"][0] + recs, arms["schema"][1] + dur)
+        arms["plain"] = (arms["plain"][0] + p_recs, arms["plain"][1] + p_dur)
+    res = summarize(*arms["schema"], slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot)
+    plain = summarize(*arms["plain"])
+    res["unconstrained"] = plain
+    res["tpot_ratio"] = {k: (res["tpot_ms"][k] / plain["tpot_ms"][k]) if res["tpot_ms"][k] and plain["tpot_ms"][k]
+                         else None for k in ("mean", "p50")}
+    res["rounds"] = args.rounds
+    return res
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every run of the command (one per --concurrency value)."""
     tokenizer = workloads.load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -290,13 +329,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             reset = await reset_prefix_cache(client) if args.reset_prefix_cache else None
             if args.reset_prefix_cache and not reset:
                 print("warning: the server has no POST /reset_prefix_cache", file=sys.stderr)
-            jobs = make_jobs(args, args.seed + k, tokenizer)
             before = await server_metrics.scrape(client)
-            records, duration = await run_jobs(client, jobs, opts, tokenizer)
+            if args.workload == "structured":
+                res = await run_structured(client, args, opts, tokenizer, args.seed + k)
+            else:
+                jobs = make_jobs(args, args.seed + k, tokenizer)
+                records, duration = await run_jobs(client, jobs, opts, tokenizer)
+                res = summarize(records, duration, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot)
+                if args.workload == "interference":
+                    res["interference"] = interference_summary(records)
             after = await server_metrics.scrape(client)
-            res = summarize(records, duration, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot)
-            if args.workload == "interference":
-                res["interference"] = interference_summary(records)
             res.update({"workload": args.workload, "endpoint": args.endpoint, "model": model,
                         "url": args.url, "concurrency": c,
                         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
@@ -371,6 +413,17 @@ def format_report(res: dict[str, Any]) -> str:
             lines.append(f"long prompt TTFT {it['long_ttft_ms']:.1f} ms; streams' ITL p50/p99 during its "
                          f"prefill {d['p50'] or 0:.1f}/{d['p99'] or 0:.1f} ms, outside "
                          f"{o['p50'] or 0:.1f}/{o['p99'] or 0:.1f} ms")
+        if r.get("json_parsed") is not None:
+            lines.append(f"replies that parse as JSON: {r['json_parsed']}/{r['completed']}")
+        plain = r.get("unconstrained")
+        if plain is not None:
+            t = plain["tpot_ms"]
+            lines.append(f"unconstrained twins ({plain['completed']}/{plain['num_requests']} ok, "
+                         f"{plain['output_tokens']} tokens): tpot_ms mean "
+                         + ("n/a" if t["p50"] is None else f"{t['mean']:.1f}  p50 {t['p50']:.1f}"))
+            q = r["tpot_ratio"]
+            lines.append("TPOT with / without the schema: "
+                         + ", ".join(f"{k} {v:.3f}" if v else f"{k} n/a" for k, v in q.items()))
         for e in r.get("errors") or []:
             lines.append(f"  error: {e}")
     return "\n".join(lines)
@@ -403,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-output-len", type=int, default=64, help="interference: the long prompt's max_tokens")
     p.add_argument("--long-delay", type=float, default=2.0,
                    help="interference: seconds after the streams start that the long prompt is sent")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="structured: rounds of constrained requests, each followed by its unconstrained twins")
     p.add_argument("--concurrency", default=None,
                    help="max requests in flight; a list like 1,4,16 runs once per value")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (default inf)")

@@ -146,26 +146,39 @@ def interference_jobs(src: PromptSource, streams: int, input_len: str, output_le
     return jobs
 
 
-# The structured workload's schema: a record with bounded fields and an open list, so a reply can run
-# about as long as the random workload's while every token goes through the grammar.
-STRUCTURED_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["title", "rating", "tags", "notes"],
-    "properties": {
-        "title": {"type": "string", "maxLength": 60},
-        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["short", "long", "odd", "plain", "new"]}},
-        "notes": {"type": "array", "items": {"type": "string", "maxLength": 80}},
-    },
-}
+# The structured workload's schema, strict as OpenAI's strict mode wants it (every property required, no
+# others): nested objects, enums and arrays of objects, with bounded strings so a reply ends on its own.
+def _strict(props: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "required": list(props), "properties": props}
+
+
+def _text(n: int) -> dict[str, Any]:
+    return {"type": "string", "maxLength": n}
+
+
+STRUCTURED_SCHEMA: dict[str, Any] = _strict({
+    "title": _text(60),
+    "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+    "genre": {"type": "string", "enum": ["drama", "comedy", "thriller", "documentary", "other"]},
+    "author": _strict({"name": _text(40), "verified": {"type": "boolean"},
+                       "location": _strict({"city": _text(40), "country": _text(40)})}),
+    "sections": {"type": "array", "minItems": 1, "maxItems": 6, "items": _strict({
+        "heading": _text(40), "kind": {"type": "string", "enum": ["pro", "con", "note"]}, "text": _text(160)})},
+    "tags": {"type": "array", "maxItems": 5, "items": {"type": "string", "enum": ["short", "long", "odd", "plain", "new"]}},
+})
+STRUCTURED_ASK = "Review the following as JSON (title, rating, genre, author, sections, tags):"
 
 
 def structured_jobs(src: PromptSource, num_prompts: int, input_len: str, output_len: str,
                     schema: dict[str, Any] | None = None) -> list[Job]:
-    """The random workload's prompts (same seed → same prompts), each answered under a JSON schema
-    (response_format json_schema), for TPOT with and without a grammar."""
+    """Random prompts after a short request for a JSON review, each answered under a strict JSON schema
+    (response_format json_schema); output_len is max_tokens, room for the reply to end on its own."""
     jobs = random_jobs(src, num_prompts, input_len, output_len)
-    rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema or STRUCTURED_SCHEMA}}
+    rf = {"type": "json_schema",
+          "json_schema": {"name": "review", "strict": True, "schema": schema or STRUCTURED_SCHEMA}}
     for j in jobs:
+        turn = j.turns[0]
+        turn.user = f"{STRUCTURED_ASK} {turn.user}" if isinstance(turn.user, str) else turn.user
         j.extra["response_format"] = rf
     return jobs
 

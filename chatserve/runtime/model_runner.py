@@ -166,6 +166,7 @@ class ModelRunner:
                     res.errors[s.request_id] = err
             if not seqs:
                 return res
+            self.sampler.prefetch_masks([s for s in seqs if s.sample], self.config.vocab_size)
             hidden = self._forward_isolating_errors(seqs, res.errors)    # request_id → [H]
             if self._prompt_rows:
                 self._prompt_logprobs(seqs, res)

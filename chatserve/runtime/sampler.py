@@ -67,6 +67,13 @@ class Sampler:
             self._masks = GrammarMasks()
         return self._masks
 
+    def prefetch_masks(self, seqs: list[ScheduledSeq], vocab_size: int) -> None:
+        """Before the forward: start the grammar masks of the constrained rows among `seqs` (the rows
+        that will sample), so they are computed while the forward runs; nothing without such rows."""
+        rows = [s for s in seqs if getattr(s.params, "structured", None) is not None]
+        if rows:
+            self._grammar_masks().prefetch(rows, vocab_size)
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:
         # logits: [B, V] float32, row i ↔ seqs[i]

@@ -2,11 +2,13 @@
 
 Lives beside the sampler (runtime side, torch): a request's matcher is created from its compiled spec
 on first use, caught up with the tokens it already has (a resumed preempted request, a restart), fed
-each sampled token, and dropped when the request ends. Not compilation (compiler.py).
+each sampled token, and dropped when the request ends. The mask can be computed during the forward
+(`prefetch`). Not compilation (compiler.py).
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from chatserve.core.outputs import ScheduledSeq
+from chatserve.runtime.device import available_cores
 
 log = logging.getLogger(__name__)
 
@@ -33,33 +36,73 @@ class _State:
 class GrammarMasks:
     """Matchers by request id; fills one int32 bitmask [R, ceil(V/32)] for the R constrained rows.
 
-    The fill runs on the step thread just before the mask is applied. On CUDA that overlaps the
-    forward, whose kernels are still queued (nothing synchronizes before the sampler). On CPU a
-    helper thread computing it during the forward took a core from the forward's OpenMP team and
-    made steps several times slower on 2 cores (docs/benchmarks.md), so there is none.
+    The mask of step N depends only on tokens accepted before step N, so `prefetch` computes it on a
+    helper thread while step N's forward runs (llguidance releases the GIL while it fills). It does so
+    only when the step leaves a core idle (fewer torch threads than cores: decode steps on CPU, see
+    ModelRunner._set_step_threads); otherwise a helper thread takes a core from the forward's OpenMP
+    team, and the fill runs on the step thread just before the mask is applied (docs/benchmarks.md).
+    On CUDA that inline fill overlaps the forward anyway (nothing synchronizes before the sampler).
     """
+
+    overlap: bool | None = None   # None: when a core is idle; True/False force it (tests, benchmarks)
 
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
+        self._helper: ThreadPoolExecutor | None = None
+        self._pending: tuple[list[str], Future] | None = None   # rows' request ids, their forbidden tokens
 
     def drop(self, request_ids: Sequence[str]) -> None:
+        self._settle()
         for rid in request_ids:
             self._states.pop(rid, None)
+
+    def prefetch(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> None:
+        """Start computing the forbidden tokens of these constrained rows on the helper thread."""
+        self._settle()
+        overlap = self.overlap if self.overlap is not None else torch.get_num_threads() < available_cores()
+        if not overlap or not seqs:
+            return
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        seqs = list(seqs)
+        self._pending = ([s.request_id for s in seqs], self._helper.submit(self._forbidden, seqs, vocab_size))
+
+    def _settle(self) -> tuple[list[str], torch.Tensor] | None:
+        """Wait for the prefetched mask (the helper must be done with the matchers before anyone else)."""
+        if self._pending is None:
+            return None
+        ids, fut = self._pending
+        self._pending = None
+        try:
+            return ids, fut.result()
+        except Exception:  # noqa: BLE001 — recomputed on the step thread, where the error is reported
+            return None
 
     def apply(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
         """Set the logits of tokens the grammar forbids to -inf, in place, for `rows` of the batch."""
         # logits: [B, V] float32; rows: indices of constrained rows
-        bitmask = self._fill([seqs[i] for i in rows], logits.shape[1])   # [R, W] int32
         V = logits.shape[1]
-        # one bit per token, token 32*w + b at bit b of word w (little-endian words → bytes → bits);
-        # the words are inverted first, so the unpacked bits are the forbidden tokens
-        forbid = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :V]
-        forbid_t = torch.from_numpy(forbid.view(np.bool_)).to(logits.device, non_blocking=True)  # [R, V]
+        want = [seqs[i].request_id for i in rows]
+        done = self._settle()
+        if done is not None and set(want) <= set(done[0]):
+            pos = {rid: k for k, rid in enumerate(done[0])}
+            forbid_t = done[1] if want == done[0] else done[1][[pos[rid] for rid in want]]
+        else:
+            forbid_t = self._forbidden([seqs[i] for i in rows], V)
+        forbid_t = forbid_t.to(logits.device, non_blocking=True)                 # [R, V] bool
         if len(rows) == logits.shape[0]:
             logits.masked_fill_(forbid_t, float("-inf"))
         else:
             for r, i in enumerate(rows):
                 logits[i].masked_fill_(forbid_t[r], float("-inf"))
+
+    def _forbidden(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
+        """[R, V] bool, True where row r's grammar forbids the token (CPU)."""
+        bitmask = self._fill(seqs, vocab_size)   # [R, W] int32
+        # one bit per token, token 32*w + b at bit b of word w (little-endian words → bytes → bits);
+        # the words are inverted first, so the unpacked bits are the forbidden tokens
+        forbid = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(forbid[:, :vocab_size].view(np.bool_))
 
     def _fill(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
         matchers = [self._state(s, vocab_size).matcher for s in seqs]

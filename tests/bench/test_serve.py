@@ -155,3 +155,19 @@ def test_token_id_prompts_are_exact(monkeypatch, capsys, fake):
     p0, p1 = (b["prompt"] for b in fake.state.bodies)
     assert len(p0) == 17 and all(isinstance(x, int) for x in p0)
     assert p1[:17] == p0 and len(p1) == 17 + 3 + 17  # history + reply re-encoded + new turn
+
+
+def test_structured_workload_pairs_each_reply_with_an_unconstrained_twin(capsys, fake):
+    r = _run(capsys, fake, "--workload", "structured", "--num-prompts", "4", "--output-len", "5:9",
+             "--concurrency", "2", "--rounds", "2")
+    constrained = [b for b in fake.state.bodies if "response_format" in b]
+    twins = [b for b in fake.state.bodies if "response_format" not in b]
+    assert len(constrained) == len(twins) == 8
+    rf = constrained[0]["response_format"]["json_schema"]
+    assert rf["strict"] is True and rf["schema"]["properties"]["author"]["type"] == "object"
+    assert all(b["ignore_eos"] for b in twins) and not any(b.get("ignore_eos") for b in constrained)
+    # each twin generates what its constrained request produced (the fake produces max_tokens)
+    assert sorted(b["max_tokens"] for b in twins) == sorted(b["max_tokens"] for b in constrained)
+    assert r["unconstrained"]["output_tokens"] == r["output_tokens"] > 0 and r["rounds"] == 2
+    assert r["json_parsed"] == 0                 # the fake's words are not JSON
+    assert r["tpot_ratio"]["p50"] > 0

@@ -95,3 +95,32 @@ def test_lost_state_is_rebuilt_from_the_output_so_far(tok, compiler):
     logits = torch.zeros(1, tok.vocab_size)
     masks.apply(logits, [_seq("r", spec, prefix)], [0])
     assert set((logits[0] == 0).nonzero().squeeze(1).tolist()) == allowed
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mask_prefetched_during_the_forward_samples_the_same_tokens(tok, compiler, overlap):
+    """Seeded sampling at temperature 1 over random logits: masks computed on the helper thread before
+    the step (prefetch, as the runner does during the forward) give the tokens the inline fill gives,
+    also when a prefetched row drops out of the step (its forward failed) or a row was not prefetched."""
+    spec = _spec(compiler)
+
+    def run(prefetch: bool) -> list[list[int]]:
+        sampler = Sampler()
+        sampler._grammar_masks().overlap = overlap if prefetch else False
+        outs: list[list[int]] = [[], [], []]
+        g = torch.Generator().manual_seed(1)
+        for step in range(40):
+            seqs = [_seq(f"r{i}", spec, outs[i], temperature=1.0) for i in range(3)]
+            for i, s in enumerate(seqs):
+                s.seed = 7 + i
+            sampler.prefetch_masks(seqs[:2] if step % 3 == 0 else seqs, tok.vocab_size)
+            step_seqs = seqs[1:] if step % 5 == 0 else seqs        # r0's forward "failed" this step
+            logits = torch.randn(len(step_seqs), tok.vocab_size, generator=g)
+            ids, _ = sampler(logits, step_seqs)
+            for s, t in zip(step_seqs, ids):
+                outs[int(s.request_id[1:])].append(t)
+        sampler.drop(["r0", "r1", "r2"])
+        return outs
+
+    inline, fetched = run(False), run(True)
+    assert inline[0] and inline == fetched
