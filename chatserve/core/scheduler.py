@@ -82,7 +82,9 @@ class Scheduler:
 
     Per step:
       1. running requests, in key order: decoders get 1 token, requests still prefilling get a chunk
-         of what is left of the budget after one token is kept for each later decoder. If
+         of what is left of the budget after one token is kept for each later decoder; while any
+         request decodes, the step's prompt chunks add at most `prefill_tokens_while_decoding`
+         tokens in all (admissions included), so a long prompt does not stretch their ITL. If
          `allocate_slots` fails, the chunk shrinks to what fits, else the last running request is
          preempted (repeatedly; finally the request itself).
       2. if nothing was preempted: waiting requests are admitted in key order (head-of-line; never by
