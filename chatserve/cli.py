@@ -20,11 +20,13 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
     "serve": "OpenAI-API serving benchmark",
     "load": "load + cancellation + stream validation",
     "sessions": "session-aware caching: turn N+1 hits under load",
+    "build-model": "random-weight checkpoint of a real shape (Llama-3.2-1B)",
 }
 BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_HELP}
+BENCH["build-model"] = "chatserve.bench.checkpoint:main"
 
 USAGE = """usage: chatserve {serve,chat,generate} [options]
-       chatserve bench {memory,scheduler,model,kernels,serve,load,sessions} [options]
+       chatserve bench {memory,scheduler,model,kernels,serve,load,sessions,build-model} [options]
        chatserve --version
 Run `chatserve COMMAND --help` for a command's options."""
 BENCH_USAGE = ("usage: chatserve bench {" + ",".join(BENCH) + "} [options]\n"

@@ -59,7 +59,10 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
     if tables.dtype != torch.int32 or not tables.is_contiguous():
         tables = tables.to(torch.int32).contiguous()
-    qsl, lens = qsl.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous()
+    if qsl.dtype != torch.int32 or not qsl.is_contiguous():      # checked here: a no-op .to() is
+        qsl = qsl.to(torch.int32).contiguous()                   # still a dispatch per layer
+    if lens.dtype != torch.int32 or not lens.is_contiguous():
+        lens = lens.to(torch.int32).contiguous()
     _, hq, D = q.shape
     _, bs, hkv, _ = k_cache.shape
     rc = fn(_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),

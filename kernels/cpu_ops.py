@@ -52,6 +52,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     T, heads, D = x.shape
     assert x.stride(2) == 1 and x.stride(1) == D and D <= 512 and D % 2 == 0
     assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype
-    pos = positions.to(torch.int64).contiguous()
+    pos = positions
+    if pos.dtype != torch.int64 or not pos.is_contiguous():       # a no-op .to() still dispatches
+        pos = pos.to(torch.int64).contiguous()
     _lib().chatserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
                           pos.data_ptr(), T, heads, D, torch.get_num_threads())

@@ -6,6 +6,7 @@ Not a serving benchmark (no scheduler, HTTP or detokenizer: see `bench scheduler
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -21,6 +22,12 @@ def _parse_list(s: str, cast=str) -> list:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatserve bench model", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M Q4_1)")
+    p.add_argument("--shape", default=None,
+                   help="instead of --model: a random-weight checkpoint of this shape (llama-3.2-1b), "
+                        "built into the chatserve cache on first use (`chatserve bench build-model`)")
+    p.add_argument("--bandwidth-mib", type=int, default=2048,
+                   help="size of the buffer whose sum measures the memory read bandwidth, for the "
+                        "floor beside the batch-1 step (0: skip)")
     p.add_argument("--dtypes", default="float32+int4,bfloat16+int4",
                    help="comma list of auto | float32 | bfloat16 | float16, each optionally +int8, "
                         "+int4 or +auto (weight-only quantized matmuls for steps of few rows)")
@@ -49,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of timings: greedy outputs of each --dtypes variant against fp32 dense "
                         "weights, over the 20 chat prompts of `bench kernels --quality`")
     p.add_argument("--max-tokens", type=int, default=32, help="for --agreement")
+    p.add_argument("--profile", type=int, default=0,
+                   help="instead of timings: torch.profiler over this many batch-1 decode steps of the "
+                        "first --dtypes variant; prints ops per step, op time against wall time, top ops")
     return p
 
 
@@ -80,7 +90,27 @@ def agreement(path: str, variants: list[str], max_tokens: int) -> dict:
     return report
 
 
-def _decode(runner, batch: int, context: int, steps: int) -> dict:
+def profile_decode(runner, context: int, steps: int, top: int = 25) -> dict:
+    """One stream's decode steps under torch.profiler: aten ops per step, their self CPU time per step
+    against the step's wall time (the rest is Python and dispatch), and the op table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _decode(runner, 1, context, 4)                                     # warm-up (and the prefill)
+    prof = profile(activities=[ProfilerActivity.CPU])
+    d = _decode(runner, 1, context, steps, warmup=0, timed=prof)
+    ev = prof.key_averages()
+    ops = [e for e in ev if e.key.startswith("aten::")]
+    self_ms = sum(e.self_cpu_time_total for e in ev) / 1e3 / steps
+    table = ev.table(sort_by="self_cpu_time_total", row_limit=top)
+    return {"steps": steps, "wall_ms_per_step": d["step_ms_median"],
+            "aten_ops_per_step": sum(e.count for e in ops) / steps,
+            "top_level_calls_per_step": sum(e.count for e in ev) / steps,
+            "op_self_ms_per_step": self_ms, "table": table}
+
+
+def _decode(runner, batch: int, context: int, steps: int, warmup: int = 2, timed=None) -> dict:
+    """`steps` decode steps of `batch` sequences after a `context`-token prefill each; timed: a
+    context manager entered around the decode steps only (a profiler)."""
     from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
     from chatserve.core.request import SamplingParams
 
@@ -101,20 +131,50 @@ def _decode(runner, batch: int, context: int, steps: int) -> dict:
                 f"s{b}", chunk, s, tables[b], s + len(chunk) == context, params)]))
     last = [prompt[-1]] * batch
     times = []
-    for i in range(steps + 2):
+    with timed or contextlib.nullcontext():
+        _decode_steps(runner, batch, context, steps, warmup, step, tables, last, params, times)
+    return _decode_result(batch, context, times)
+
+
+def _decode_steps(runner, batch: int, context: int, steps: int, warmup: int, step: int,
+                  tables: list[list[int]], last: list[int], params, times: list[float]) -> None:
+    """The decode loop of _decode: appends each step's seconds (after `warmup` steps) to `times`."""
+    from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
+
+    for i in range(steps + warmup):
         pos = context + i
         out = SchedulerOutput(step + i + 1, [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params)
                                              for b in range(batch)])
         t0 = time.perf_counter()
         res = runner.execute(out)
         dt = time.perf_counter() - t0
-        if i >= 2:                      # two warm-up steps
+        if i >= warmup:
             times.append(dt)
         last = [res.sampled[f"s{b}"] for b in range(batch)]
+
+
+def _decode_result(batch: int, context: int, times: list[float]) -> dict:
     med = statistics.median(times)
     return {"batch": batch, "context": context, "step_ms_median": med * 1e3,
             "step_ms_min": min(times) * 1e3, "tokens_per_s": batch / med,
             "tokens_per_s_best": batch / min(times)}
+
+
+def read_bandwidth(mib: int, repeats: int = 5) -> float:
+    """Bytes/s of a torch sum over a `mib`-MiB float32 buffer (far bigger than the last-level cache),
+    best of `repeats`: what a memory-bound decode step can read at most."""
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()                                                       # first touch, untimed
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _peak_rss_mib() -> float:
@@ -224,33 +284,46 @@ def run(args: argparse.Namespace) -> dict:
     from chatserve.runtime.model_runner import ModelRunner
     from chatserve.runtime.weights import load_weights
 
-    path = ModelConfig(model=args.model).resolved_model()
     threads = set_num_threads(args.threads)
+    path = _model_path(args)
     batches = _parse_list(args.batches, int)
     t0 = time.perf_counter()
-    weights = load_weights(path, "float32", progress=not args.json)
+    # a shaped checkpoint is bf16 on disk: read as such (exact), each variant converts its own copy
+    weights = load_weights(path, "bfloat16" if args.shape else "float32", progress=not args.json)
     load_s = time.perf_counter() - t0
     prefill_lengths = sorted(_parse_list(args.prefill_tokens, int))
     need = max(max(batches) * -(-(args.context + args.steps + 2) // args.block_size),
-               -(-max(prefill_lengths) // args.block_size))
+               -(-max(prefill_lengths, default=0) // args.block_size))
     caps = _parse_list(args.interference, int)
     for cap in caps:
         per = -(-(args.context + 36 + -(-args.interference_prompt // max(1, cap))) // args.block_size)
         need = max(need, 4 * per - (-args.interference_prompt // args.block_size))
     report: dict = {"model": os.path.basename(path), "threads": threads, "torch": torch.__version__,
                     "cpu": platform.processor() or platform.machine(), "load_s": load_s, "results": []}
+    bandwidth = read_bandwidth(args.bandwidth_mib) if args.bandwidth_mib > 0 else None
+    report["read_bandwidth_gb_s"] = bandwidth / 1e9 if bandwidth else None
+    if bandwidth and not args.json:
+        print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over {args.bandwidth_mib} MiB, best of 5)",
+              file=sys.stderr, flush=True)
     for dtype in _parse_list(args.dtypes):
         base, _, quant = dtype.partition("+")
         runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
                              num_blocks=need, num_threads=threads, weights=weights, progress=False,
                              weight_quant=quant or None)
-        entry: dict = {"dtype": dtype, "decode": [], "prefill": []}
+        entry: dict = {"dtype": dtype, "resolved_dtype": str(runner.dtype).replace("torch.", ""),
+                       "weight_quant": runner.weight_quant, "decode": [], "prefill": []}
         for b in batches:
-            entry["decode"].append(_decode(runner, b, args.context, args.steps))
+            d = _decode(runner, b, args.context, args.steps)
+            if bandwidth:
+                d["weight_bytes_per_step"] = runner.model.decode_weight_bytes(b)
+                d["floor_ms"] = d["weight_bytes_per_step"] / bandwidth * 1e3
+                d["vs_floor"] = d["step_ms_median"] / d["floor_ms"]
+            entry["decode"].append(d)
             if not args.json:
-                d = entry["decode"][-1]
+                floor = (f"; floor {d['floor_ms']:.1f} ms = {d['weight_bytes_per_step'] / 1e6:.0f} MB of weights "
+                         f"/ bandwidth, step {d['vs_floor']:.2f}x it" if bandwidth else "")
                 print(f"{dtype:12s} decode batch {b:3d}: {d['tokens_per_s']:8.1f} tok/s "
-                      f"(step {d['step_ms_median']:.1f} ms median, best {d['tokens_per_s_best']:.1f} tok/s)",
+                      f"(step {d['step_ms_median']:.1f} ms median, best {d['tokens_per_s_best']:.1f} tok/s{floor})",
                       file=sys.stderr, flush=True)
         rss0 = _peak_rss_mib()
         for n in prefill_lengths:
@@ -280,11 +353,22 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def _model_path(args: argparse.Namespace) -> str:
+    if args.shape:
+        from chatserve.bench.checkpoint import build_checkpoint, default_dir
+
+        if args.model:
+            raise SystemExit("chatserve bench model: give --model or --shape, not both")
+        return str(build_checkpoint(default_dir(args.shape), args.shape, progress=not args.json))
+    from chatserve.config import ModelConfig
+
+    return ModelConfig(model=args.model).resolved_model()
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.agreement:
-        from chatserve.config import ModelConfig
-        rep = agreement(ModelConfig(model=args.model).resolved_model(), _parse_list(args.dtypes), args.max_tokens)
+        rep = agreement(_model_path(args), _parse_list(args.dtypes), args.max_tokens)
         if args.json:
             print(json.dumps(rep, indent=2))
         else:
@@ -293,6 +377,8 @@ def main(argv: list[str]) -> int:
                       f"{rep['prompts']} greedy outputs identical to float32 dense, mean matching prefix "
                       f"{r['mean_matching_prefix']:.1f} of {rep['max_tokens']} tokens")
         return 0
+    if args.profile:
+        return _profile_main(args)
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -302,8 +388,29 @@ def main(argv: list[str]) -> int:
         print(f"{'dtype':14s}{'batch':>6s}{'tok/s':>10s}{'step ms':>10s}")
         for e in report["results"]:
             for d in e["decode"]:
-                print(f"{e['dtype']:14s}{d['batch']:6d}{d['tokens_per_s']:10.1f}{d['step_ms_median']:10.1f}")
+                floor = f"  (floor {d['floor_ms']:.1f} ms, {d['vs_floor']:.2f}x)" if "floor_ms" in d else ""
+                print(f"{e['dtype']:14s}{d['batch']:6d}{d['tokens_per_s']:10.1f}{d['step_ms_median']:10.1f}{floor}")
             for p in e["prefill"]:
                 print(f"{e['dtype']:14s}{'pf' + str(p['tokens']):>6s}{p['tokens_per_s']:10.1f}{p['ms_median']:10.1f}"
                       f"  ({p['vs_shortest']:.2f}x, peak RSS +{p['peak_rss_growth_mib']:.0f} MiB)")
+    return 0
+
+
+def _profile_main(args: argparse.Namespace) -> int:
+    from chatserve.runtime.device import set_num_threads
+    from chatserve.runtime.model_runner import ModelRunner
+
+    threads = set_num_threads(args.threads)
+    base, _, quant = _parse_list(args.dtypes)[0].partition("+")
+    runner = ModelRunner(_model_path(args), dtype=base, device=args.device, block_size=args.block_size,
+                         num_blocks=-(-(args.context + args.profile + 16) // args.block_size) * 2,
+                         num_threads=threads, progress=False, weight_quant=quant or None)
+    p = profile_decode(runner, args.context, args.profile)
+    if args.json:
+        print(json.dumps({k: v for k, v in p.items()}, indent=2))
+        return 0
+    print(p["table"])
+    print(f"{runner.config.num_layers} layers, {base}+{quant or 'dense'}: {p['aten_ops_per_step']:.0f} aten ops "
+          f"({p['top_level_calls_per_step']:.0f} profiled calls) per step; op self time "
+          f"{p['op_self_ms_per_step']:.2f} ms of {p['wall_ms_per_step']:.2f} ms wall (median step)")
     return 0

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -246,6 +247,13 @@ def summarize(records: list[Record], duration: float, *, slo_ttft_ms: float | No
     return res
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used (all its threads), from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")     # utime + stime
+
+
 async def reset_prefix_cache(client: httpx.AsyncClient) -> bool:
     """POST /reset_prefix_cache (chatserve, and vLLM in dev mode); False if the server lacks it."""
     try:
@@ -330,6 +338,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.reset_prefix_cache and not reset:
                 print("warning: the server has no POST /reset_prefix_cache", file=sys.stderr)
             before = await server_metrics.scrape(client)
+            cpu0 = process_cpu_s(args.server_pid) if args.server_pid else None
             if args.workload == "structured":
                 res = await run_structured(client, args, opts, tokenizer, args.seed + k)
             else:
@@ -338,7 +347,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 res = summarize(records, duration, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot)
                 if args.workload == "interference":
                     res["interference"] = interference_summary(records)
+            cpu1 = process_cpu_s(args.server_pid) if args.server_pid else None
             after = await server_metrics.scrape(client)
+            if cpu0 is not None and cpu1 is not None:
+                res["server_cpu_s"] = cpu1 - cpu0
+                res["server_cpu_ms_per_token"] = (cpu1 - cpu0) * 1e3 / max(1, res["output_tokens"])
             res.update({"workload": args.workload, "endpoint": args.endpoint, "model": model,
                         "url": args.url, "concurrency": c,
                         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
@@ -404,6 +417,9 @@ def format_report(res: dict[str, Any]) -> str:
                              f"p90 {s['p90']:9.1f}  p99 {s['p99']:9.1f}")
         hr = r.get("prefix_cache_hit_rate")
         lines.append("prefix cache hit rate: " + ("n/a" if hr is None else f"{hr:.1%}"))
+        if r.get("server_cpu_ms_per_token") is not None:
+            lines.append(f"server CPU: {r['server_cpu_s']:.2f} s, {r['server_cpu_ms_per_token']:.3f} ms "
+                         f"per streamed token")
         cf = r.get("usage_cached_fraction_turn2plus")
         if cf is not None:
             lines.append(f"cached prompt tokens from turn 2 on: {cf:.1%}")
@@ -479,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream-usage", action="store_true",
                    help="do not send stream_options (servers that reject it); tokens are then counted per chunk")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="a local server's process id: report its CPU time per streamed token over each run")
     return p
 
 

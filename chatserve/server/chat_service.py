@@ -13,6 +13,7 @@ import math
 import time
 from typing import Any, AsyncIterator, Callable
 
+import orjson
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -446,7 +447,13 @@ def _finite_copy(obj: Any) -> Any:
 
 
 def dumps(obj: Any) -> str:
-    """Compact JSON that is always valid: a non-finite number (which JSON cannot represent) becomes null."""
+    """Compact JSON that is always valid: a non-finite number (which JSON cannot represent) becomes null.
+    orjson writes every chunk (it maps NaN/Infinity to null itself); the json module is the fallback
+    for what orjson refuses (integers beyond 64 bits, non-str keys)."""
+    try:
+        return orjson.dumps(obj).decode()
+    except TypeError:                    # orjson.JSONEncodeError
+        pass
     try:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except ValueError:

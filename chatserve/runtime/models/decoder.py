@@ -225,6 +225,16 @@ class DecoderModel:
 
     __call__ = forward
 
+    def decode_weight_bytes(self, rows: int = 1) -> int:
+        """Weight bytes a forward + LM head over `rows` tokens reads (matrices, norms, embedding rows):
+        the numerator of the memory-bandwidth floor of a decode step."""
+        lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)]
+        norms = [self.norm] + [n for ly in self.layers for n in (ly.input_norm, ly.q_norm, ly.k_norm,
+                                                                ly.post_attn_norm, ly.pre_ffn_norm,
+                                                                ly.post_ffn_norm) if n is not None]
+        embed_rows = rows * self.embed.shape[1] * self.embed.element_size()
+        return sum(m.bytes_read(rows) for m in lins) + sum(n.numel() * n.element_size() for n in norms) + embed_rows
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, H] (already normed by forward) → logits [B, V] in float32."""
         logits = self.lm_head(hidden).float()

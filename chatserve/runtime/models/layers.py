@@ -48,7 +48,7 @@ class Linear:
     quantized kernels win only up to M = 4 (layers M=8: int4 189 vs 134 µs; LM head M=8: int8 1.79 vs
     1.22 ms, M=4: 0.83 vs 1.06), so small_m drops to PACKED_SMALL_M."""
 
-    __slots__ = ("w", "b", "wq", "scales", "small_m", "kind", "act", "packed")
+    __slots__ = ("w", "wt", "b", "wq", "scales", "small_m", "kind", "act", "packed")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
                  small_m: int = 8) -> None:
@@ -79,6 +79,18 @@ class Linear:
             self.scales = torch.stack([sc, lo + 8.0 * sc], -1).transpose(0, 1).contiguous().to(self.act)
         if self.packed is not None:
             self.w = None        # the packed copy replaces it (no second copy of the weights)
+        # Wᵀ as a view: mm/addmm on it is what F.linear runs, without its 5-8 dispatcher ops per call
+        self.wt = None if self.w is None else self.w.t()
+
+    def bytes_read(self, rows: int) -> int:
+        """Weight bytes one call on `rows` rows reads: the quantized copy and its scales, or the dense W."""
+        bias = 0 if self.b is None else self.b.numel() * self.b.element_size()
+        if self.wq is not None and rows <= self.small_m:
+            return (self.wq.numel() * self.wq.element_size()
+                    + self.scales.numel() * self.scales.element_size() + bias)
+        if self.packed is not None:
+            return self.packed.size(0) * self.packed.size(1) * 2 + bias
+        return self.w.numel() * self.w.element_size() + bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] → [T, N]
@@ -94,7 +106,9 @@ class Linear:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
             y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], "")
             return y if y.dtype == x.dtype else y.to(x.dtype)
-        return F.linear(x, self.w, self.b)
+        if x.dim() != 2:
+            return F.linear(x, self.w, self.b)
+        return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
 
 
 # ---------------------------------------------------------------------------------------------
