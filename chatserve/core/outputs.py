@@ -34,6 +34,9 @@ class ScheduledSeq:
     prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalties (not copied)
     output_token_ids: list[int] = field(default_factory=list)  # for penalties and seeded generators
     seed: int | None = None     # the per-sequence seed (params.seed + sample_index), None = unseeded
+    # Speculative decoding: token_ids = [last token] + draft_token_ids. The runner returns logits-checked
+    # tokens for every position (RunnerOutput.accepted); empty = an ordinary step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,9 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)             # request_id → token (sample=True seqs)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)   # only where params.logprobs is set
     errors: dict[str, str] = field(default_factory=dict)              # request_id → message: ends it with ERROR
+    # seqs with draft_token_ids: the drafts the model agrees with, then its own next token (1..k+1
+    # tokens; sampled[request_id] holds that last one too)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
