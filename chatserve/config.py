@@ -236,7 +236,7 @@ class SchedulerConfig:
     max_waiting_requests: int = option(256, "admission control: beyond this many waiting, 503 + Retry-After")
     max_waiting_tokens: int = option(262_144, "admission control on queued prompt tokens")
     max_model_len: int | None = option(None, "context length cap", shown_default="the model's")
-    # speculative decoding by prompt lookup (chatserve/core/ngram_proposer.py; docs/speculative.md)
+    # speculative decoding by prompt lookup (chatserve/core/ngram_proposer.py, docs/speculative.md)
     speculative_ngram: bool = option(
         False, "speculative decoding by prompt lookup: draft a greedy sequence's next tokens from an "
         "earlier occurrence of its last n-gram in its prompt + output, verified in one step")

@@ -234,6 +234,8 @@ def make_jobs(args: argparse.Namespace, seed: int, tokenizer: Any) -> list[Job]:
         return workloads.parallel_jobs(src, args.num_prompts, args.n, args.input_len, args.output_len)
     if w == "structured":
         return workloads.structured_jobs(src, args.num_prompts, args.input_len, args.output_len)
+    if w == "editing":
+        return workloads.editing_jobs(src, args.num_prompts, args.input_len, args.output_len)
     raise ValueError(w)
 
 
@@ -346,8 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "parallel", "structured"),
-                   default="random")
+    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "parallel", "structured",
+                                          "editing"),
+                   default="random", help="editing: fix the typos in a given text of --input-len words")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", default="128", help="tokens, N or MIN:MAX")
     p.add_argument("--output-len", default="128", help="tokens, N or MIN:MAX")

@@ -556,8 +556,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ speculative decoding
     def _drafting_step(self) -> bool:
-        """Whether this step drafts: speculation is on and the batch is small enough that a step costs
-        about the same for 1 or 1 + k tokens per sequence (docs/speculative.md has the measurement)."""
+        """Whether this step drafts: speculation is on and few enough sequences run that the drafts'
+        extra tokens cost less than the steps they save (docs/speculative.md, docs/benchmarks.md)."""
         return (self._proposer is not None
                 and len(self._running) <= self.config.speculative_disable_by_batch_size)
 

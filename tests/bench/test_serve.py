@@ -132,3 +132,17 @@ def test_token_id_prompts_are_exact(monkeypatch, capsys, fake):
     p0, p1 = (b["prompt"] for b in fake.state.bodies)
     assert len(p0) == 17 and all(isinstance(x, int) for x in p0)
     assert p1[:17] == p0 and len(p1) == 17 + 3 + 17  # history + reply re-encoded + new turn
+
+
+def test_editing_workload_sends_a_text_with_typos_to_fix(capsys, fake):
+    from chatserve.bench.workloads import EDIT_INSTRUCTION, WORDS
+
+    r = _run(capsys, fake, "--workload", "editing", "--num-prompts", "6", "--input-len", "40",
+             "--output-len", "5", "--seed", "2")
+    assert r["completed"] == 6 and r["workload"] == "editing"
+    texts = [b["messages"][-1]["content"] for b in fake.state.bodies]
+    assert len(texts) == 6 and all(t.startswith(EDIT_INSTRUCTION) for t in texts)
+    words = [w for t in texts for w in t[len(EDIT_INSTRUCTION):].split()]
+    assert len(words) == 240
+    typos = [w for w in words if w not in WORDS]
+    assert 0 < len(typos) < len(words) * 0.3        # about 15 % misspelt, the rest verbatim
