@@ -239,6 +239,16 @@ class SchedulerConfig:
     max_waiting_requests: int = option(256, "admission control: beyond this many waiting, 503 + Retry-After")
     max_waiting_tokens: int = option(262_144, "admission control on queued prompt tokens")
     max_model_len: int | None = option(None, "context length cap", shown_default="the model's")
+    # speculative decoding by prompt lookup (chatserve/core/ngram_proposer.py, docs/speculative.md)
+    speculative_ngram: bool = option(
+        False, "speculative decoding by prompt lookup: draft a greedy sequence's next tokens from an "
+        "earlier occurrence of its last n-gram in its prompt + output, verified in one step")
+    num_speculative_tokens: int = option(4, "--speculative-ngram: draft tokens per sequence and step")
+    ngram_prompt_lookup_max: int = option(4, "--speculative-ngram: longest n-gram matched")
+    ngram_prompt_lookup_min: int = option(2, "--speculative-ngram: shortest n-gram matched")
+    speculative_disable_by_batch_size: int = option(
+        1, "--speculative-ngram: draft only in steps where at most this many sequences run (above it "
+        "a step is compute-bound and verifying drafts costs more than it saves)")
 
 
 @dataclass(frozen=True)

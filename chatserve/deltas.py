@@ -88,3 +88,6 @@ class EngineStats:
     step_errors: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)   # finish reason → count
     active_requests: int = 0     # client requests with a live stream
+    spec_num_drafts: int = 0     # speculative decoding: sequences verified with drafts
+    spec_num_draft_tokens: int = 0     # draft tokens verified
+    spec_num_accepted_tokens: int = 0  # draft tokens accepted

@@ -370,10 +370,14 @@ class AsyncEngine:
             self._finish_seq(seq, d, "error", now, error=ev.error)
             return
         if ev.new_token_ids:
-            self._observe_tokens(seq, len(ev.new_token_ids), now)
-            d.token_ids = list(ev.new_token_ids)
-            d.logprobs = list(ev.logprobs)
-            d.text = seq.detok.push(list(ev.new_token_ids))
+            ids = list(ev.new_token_ids)
+            if len(ids) > 1 and seq.request.params.stop:
+                d.text, ids = self._push_until_stop(seq.detok, ids)
+            else:
+                d.text = seq.detok.push(ids)
+            self._observe_tokens(seq, len(ids), now)
+            d.token_ids = ids
+            d.logprobs = list(ev.logprobs[:len(ids)])
         if seq.detok.stopped:
             d.stop_reason = seq.detok.stop_str
             if not ev.finished:
@@ -385,6 +389,17 @@ class AsyncEngine:
             self._finish_seq(seq, d, reason, now)
         elif d.text or d.token_ids:
             self._put(g, d)
+
+    @staticmethod
+    def _push_until_stop(detok: Detokenizer, ids: list[int]) -> tuple[str, list[int]]:
+        """Several tokens of one step (speculative decoding) through the detokenizer one at a time, so a
+        stop string ends the output at the token that completed it: (text, the tokens kept)."""
+        parts = []
+        for i, t in enumerate(ids):
+            parts.append(detok.push([t]))
+            if detok.stopped:
+                return "".join(parts), ids[:i + 1]
+        return "".join(parts), ids
 
     def _observe_tokens(self, seq: _SampleState, k: int, now: float) -> None:
         seq.num_output += k
@@ -473,6 +488,9 @@ class AsyncEngine:
             s.running = int(self.scheduler.num_running)
             s.waiting = int(self.scheduler.num_waiting)
             s.preemptions = int(self.scheduler.num_preemptions)
+            s.spec_num_drafts = int(self.scheduler.spec_num_drafts)
+            s.spec_num_draft_tokens = int(self.scheduler.spec_num_draft_tokens)
+            s.spec_num_accepted_tokens = int(self.scheduler.spec_num_accepted_tokens)
         if self.kv is not None:
             k = self.kv.stats()
             s.kv_usage = float(k.usage)

@@ -281,6 +281,8 @@ def make_jobs(args: argparse.Namespace, seed: int, tokenizer: Any) -> list[Job]:
     if w == "interference":
         return workloads.interference_jobs(src, args.streams, args.input_len, args.output_len,
                                            args.long_len, args.long_output_len, args.long_delay)
+    if w == "editing":
+        return workloads.editing_jobs(src, args.num_prompts, args.input_len, args.output_len)
     raise ValueError(w)
 
 
@@ -452,8 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "parallel", "structured",
-                                          "interference"),
-                   default="random")
+                                          "interference", "editing"),
+                   default="random", help="editing: fix the typos in a given text of --input-len words")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", default="128", help="tokens, N or MIN:MAX")
     p.add_argument("--output-len", default="128", help="tokens, N or MIN:MAX")

@@ -1,4 +1,5 @@
-"""Benchmark workloads: random, shared-prefix, multi-turn, parallel and structured, as lists of `Job`s.
+"""Benchmark workloads: random, shared-prefix, multi-turn, parallel, structured and editing, as lists of
+`Job`s.
 
 Prompts are random common words (about one token each, so lengths are approximate) or, with a
 tokenizer, exact token-id lists. This module builds requests; it sends nothing (see serve.py).
@@ -180,6 +181,34 @@ def structured_jobs(src: PromptSource, num_prompts: int, input_len: str, output_
         turn = j.turns[0]
         turn.user = f"{STRUCTURED_ASK} {turn.user}" if isinstance(turn.user, str) else turn.user
         j.extra["response_format"] = rf
+    return jobs
+
+
+EDIT_INSTRUCTION = "Fix the typos in this text. Reply with the corrected text only.\n\n"
+
+
+def misspell(rng: random.Random, word: str) -> str:
+    """The word with two neighbouring letters swapped (words under 3 letters stay as they are)."""
+    if len(word) < 3:
+        return word
+    i = rng.randrange(len(word) - 1)
+    return word[:i] + word[i + 1] + word[i] + word[i + 2:]
+
+
+def editing_jobs(src: PromptSource, num_prompts: int, input_len: str, output_len: str,
+                 typo_rate: float = 0.15) -> list[Job]:
+    """Requests to return a given text with its typos fixed: about input_len words, typo_rate of them
+    misspelt. The answer repeats most of the prompt, which is where prompt-lookup speculative decoding
+    (--speculative-ngram) drafts well. Always text (the chat template frames the instruction)."""
+    ilo, ihi = parse_range(input_len)
+    olo, ohi = parse_range(output_len)
+    rng = src.rng
+    jobs = []
+    for i in range(num_prompts):
+        n = rng.randint(ilo, ihi)
+        words = [rng.choice(WORDS) for _ in range(n)]
+        text = " ".join(misspell(rng, w) if rng.random() < typo_rate else w for w in words)
+        jobs.append(Job([Turn(EDIT_INSTRUCTION + text, rng.randint(olo, ohi), n + 16)], tag=f"e{i}"))
     return jobs
 
 

@@ -291,6 +291,21 @@ class KVCacheManager:
         if self.sliding_window is not None:
             self._drop_out_of_window(seq, self.sliding_window)
 
+    def trim(self, seq_id: str, num_tokens: int) -> int:
+        """Give back the blocks wholly past the first num_tokens slots, and the write grant past them
+        (slots a speculative step granted to drafts that were rejected). Never drops a computed
+        position: num_tokens is raised to computed. Those blocks hold no hash (they lie past computed),
+        so they return to the clean free queue. Returns the number of blocks released."""
+        seq = self._seqs[seq_id]
+        keep = -(-max(num_tokens, seq.computed) // self.block_size)
+        extra = seq.table[keep:]
+        if not extra:
+            return 0
+        del seq.table[keep:]
+        seq.granted = min(seq.granted, keep * self.block_size)
+        self.pool.release(reversed(extra), False)
+        return len(extra)
+
     def _hash_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int], num_computed: int) -> None:
         bs = self.block_size
         full = num_computed // bs

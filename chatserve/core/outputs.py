@@ -34,6 +34,9 @@ class ScheduledSeq:
     prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalties (not copied)
     output_token_ids: list[int] = field(default_factory=list)  # for penalties and seeded generators
     seed: int | None = None     # the per-sequence seed (params.seed + sample_index), None = unseeded
+    # Speculative decoding: token_ids = [last token] + draft_token_ids. The runner returns logits-checked
+    # tokens for every position (RunnerOutput.accepted); empty = an ordinary step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +78,9 @@ class RunnerOutput:
     # params.prompt_logprobs seqs only: the logprob of prompt token p + 1 under the logits at each
     # position p of this chunk that has a next prompt token (entry i ↔ prompt position start_pos + 1 + i)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # seqs with draft_token_ids: the drafts the model agrees with, then its own next token (1..k+1
+    # tokens; sampled[request_id] holds that last one too)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -46,6 +46,9 @@ class SchedulerLike(Protocol):
     """Queues, admission and the step plan (core/scheduler.py, or a scripted fake in tests)."""
 
     num_preemptions: int
+    spec_num_drafts: int            # speculative decoding totals (0 when it is off)
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
 
     @property
     def num_running(self) -> int: ...

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from chatserve.config import SchedulerConfig
 from chatserve.core.errors import ErrorCode
+from chatserve.core.ngram_proposer import NgramProposer, can_draft
 from chatserve.core.outputs import (
     CopyOp,
     RequestEvent,
@@ -129,6 +130,12 @@ class Scheduler:
         self._admit_blocked: tuple[str, int, bool] | None = None
         self._t_schedule: float | None = None
         self._tokens_per_s: float | None = None     # EMA, for Retry-After estimates
+        # speculative decoding (--speculative-ngram): the drafter, and totals for /metrics
+        self._proposer = NgramProposer(config.num_speculative_tokens, config.ngram_prompt_lookup_max,
+                                       config.ngram_prompt_lookup_min) if config.speculative_ngram else None
+        self.spec_num_drafts = 0            # sequences verified with drafts
+        self.spec_num_draft_tokens = 0      # draft tokens verified
+        self.spec_num_accepted_tokens = 0   # draft tokens the model agreed with
 
     # ------------------------------------------------------------------ queries
     @property
@@ -257,6 +264,7 @@ class Scheduler:
         preempted = False
         decoders_left = -1   # decoders after the current one; counted at the first prefill chunk
         prefill_left = -1    # prompt tokens the step's chunks may still add; set with decoders_left
+        drafting = self._drafting_step()
         # Preemption only removes from the end of `running`, which list iteration tolerates.
         for e in running:
             if budget <= 0:
@@ -297,6 +305,8 @@ class Scheduler:
             budget -= n_new
             if rem != 1:
                 prefill_left -= n_new
+            if drafting and rem == 1 and not (forks and rid in forks):
+                budget -= self._add_drafts(e, seqs[-1], copy_ops, budget - max(decoders_left, 0))
 
         if not preempted:
             budget = self._admit(seqs, copy_ops, budget, now, prefill_left)
@@ -539,6 +549,9 @@ class Scheduler:
             if errors and rid in errors:
                 events.append(self._finish(e, FinishReason.ERROR, errors[rid]))
                 continue
+            if seq.draft_token_ids:
+                events.append(self._update_drafted(e, seq, res))
+                continue
             tokens = e.tokens
             computed = seq.start_pos + len(seq.token_ids)
             req.num_computed_tokens = computed
@@ -594,6 +607,79 @@ class Scheduler:
         if computed < len(e.req.prompt_token_ids) - 1:
             return None
         return self._prompt_lps.pop(e.rid)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _drafting_step(self) -> bool:
+        """Whether this step drafts: speculation is on and few enough sequences run that the drafts'
+        extra tokens cost less than the steps they save (docs/speculative.md, docs/benchmarks.md)."""
+        return (self._proposer is not None
+                and len(self._running) <= self.config.speculative_disable_by_batch_size)
+
+    def _add_drafts(self, e: _LiveRequest, seq: ScheduledSeq, copy_ops: list[CopyOp], room: int) -> int:
+        """Extend e's decode `seq` by prompt-lookup drafts, if its sampling allows them, they fit in
+        `room` budget tokens and their KV slots are free without preempting anyone (and above the
+        watermark). Returns the number of drafts added."""
+        req = e.req
+        tokens = e.tokens
+        # Never draft past max_tokens / the context: k drafts + the bonus token must fit under the limit.
+        room = min(room, e.limit - len(tokens) - 1)
+        if room <= 0 or not can_draft(req.params, len(req.output_token_ids)):
+            return 0
+        assert self._proposer is not None
+        drafts = self._proposer.propose(tokens, room)
+        if not drafts:
+            return 0
+        ops = self.kv.allocate_slots(e.rid, len(tokens) + len(drafts), reserve_watermark=True)
+        if ops is None:
+            return 0
+        copy_ops.extend(ops)
+        seq.token_ids = seq.token_ids + drafts
+        seq.block_table = self.kv.get_block_table(e.rid)
+        seq.draft_token_ids = drafts
+        return len(drafts)
+
+    def _update_drafted(self, e: _LiveRequest, seq: ScheduledSeq, res: RunnerOutput) -> RequestEvent:
+        """Apply a verified speculative step: append the accepted tokens one by one under the stop rules
+        (nothing past a stop or the length limit is emitted), commit only their K/V, and give back the
+        blocks granted to rejected drafts."""
+        rid = e.rid
+        req = e.req
+        drafts = seq.draft_token_ids
+        got = res.accepted.get(rid)
+        if got is None and rid in res.sampled:
+            got = [res.sampled[rid]]           # a runner that did not verify: the plain next token
+        if not got or len(got) > len(drafts) + 1 or got[:-1] != drafts[:len(got) - 1]:
+            return self._finish(e, FinishReason.ERROR, "the runner returned no valid tokens for the drafts")
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += len(got) - 1
+        tokens = e.tokens
+        emitted: list[int] = []
+        reason = None
+        for tok in got:
+            emitted.append(tok)
+            if tok in e.stop_ids:
+                reason = FinishReason.STOP
+                break
+            if len(tokens) + len(emitted) >= e.limit:
+                reason = FinishReason.LENGTH
+                break
+        req.output_token_ids.extend(emitted)
+        tokens.extend(emitted)
+        # K/V hold the last token and the accepted drafts; the last emitted token has none yet.
+        computed = seq.start_pos + len(emitted)
+        req.num_computed_tokens = computed
+        self.kv.commit(rid, tokens, computed)
+        if reason is not None:
+            ev = self._finish(e, reason)
+            ev.new_token_ids = emitted
+        else:
+            self.kv.trim(rid, len(tokens))
+            ev = RequestEvent(rid, emitted, [], False, None, len(req.prompt_token_ids), req.num_cached_tokens)
+        lp = res.logprobs.get(rid) if len(emitted) == 1 else None
+        if lp is not None:
+            ev.logprobs = [lp]
+        return ev
 
     def finish_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT

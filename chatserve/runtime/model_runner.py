@@ -14,6 +14,7 @@ import torch
 
 import chatserve_kernels
 from chatserve.config import CacheConfig, ModelConfig
+from chatserve.core.ngram_proposer import can_draft
 from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
 from chatserve.core.request import SamplingParams
 from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_threads
@@ -167,10 +168,14 @@ class ModelRunner:
             if not seqs:
                 return res
             self.sampler.prefetch_masks([s for s in seqs if s.sample], self.config.vocab_size)
-            hidden = self._forward_isolating_errors(seqs, res.errors)    # request_id → [H]
+            hidden = self._forward_isolating_errors(seqs, res.errors)    # request_id → [H] ([k+1, H] drafted)
             if self._prompt_rows:
                 self._prompt_logprobs(seqs, res)
             sampled = [s for s in seqs if s.sample and s.request_id in hidden]
+            drafted = [s for s in sampled if s.draft_token_ids]
+            if drafted:
+                self._verify(hidden, drafted, res)
+                sampled = [s for s in sampled if not s.draft_token_ids]
             if sampled:
                 h = torch.stack([hidden[s.request_id] for s in sampled])  # [B, H]
                 logits = self.model.compute_logits(h)                    # [B, V] float32
@@ -238,7 +243,8 @@ class ModelRunner:
         for s in seqs:
             end += s.num_tokens
             if s.sample:
-                out[s.request_id] = hidden[end - 1]
+                k = len(s.draft_token_ids)
+                out[s.request_id] = hidden[end - 1 - k:end] if k else hidden[end - 1]
             if s.params.prompt_logprobs is not None:
                 self._keep_prompt_rows(s, hidden[end - s.num_tokens:end])
         return out
@@ -278,6 +284,30 @@ class ModelRunner:
                     top = list(zip(ti[r], tv[r])) if k else []
                     out.append(TokenLogprob(token_id=t, logprob=v, top=top, rank=ranks[r]))
             res.prompt_logprobs[s.request_id] = out
+
+    def _verify(self, hidden: dict[str, torch.Tensor], seqs: list[ScheduledSeq], res: RunnerOutput) -> None:
+        """Speculative decoding: the model's greedy token at every position of each drafted sequence;
+        its drafts are accepted up to the first disagreement, and the model's token there (the bonus
+        token when all agree) ends the run. A row the plain argmax cannot decide (can_draft is false:
+        the scheduler never drafts those) is sampled as an ordinary step from its first position."""
+        rows = torch.cat([hidden[s.request_id] for s in seqs])         # [R, H], R = Σ (k_i + 1)
+        logits = self.model.compute_logits(rows)                       # [R, V] float32
+        best = logits.argmax(dim=-1).tolist()
+        at = 0
+        for s in seqs:
+            drafts = s.draft_token_ids
+            rid = s.request_id
+            if can_draft(s.params, len(s.output_token_ids)):
+                j = 0
+                while j < len(drafts) and best[at + j] == drafts[j]:
+                    j += 1
+                res.accepted[rid] = drafts[:j] + [best[at + j]]
+                res.sampled[rid] = best[at + j]
+            else:
+                self._sample(logits[at:at + 1], [s], res)
+                if rid in res.sampled:
+                    res.accepted[rid] = [res.sampled[rid]]
+            at += len(drafts) + 1
 
     def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], res: RunnerOutput) -> None:
         try:

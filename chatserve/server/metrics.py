@@ -73,6 +73,15 @@ class _EngineCollector:
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("engine_step_errors", "Engine steps that failed.", s.step_errors)
+        yield counter("spec_decode_num_drafts", "Speculative decoding: sequence steps verified with drafts.",
+                      s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                      s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      s.spec_num_accepted_tokens)
+        yield gauge("spec_decode_draft_acceptance_rate", "Speculative decoding: accepted / verified draft "
+                    "tokens since start (0 before any draft).",
+                    s.spec_num_accepted_tokens / s.spec_num_draft_tokens if s.spec_num_draft_tokens else 0.0)
         fin = CounterMetricFamily("chatserve:request_success", "Finished sequences by reason.",
                                   labels=["model_name", "finished_reason"])
         for reason, count in sorted(s.requests_finished.items()):

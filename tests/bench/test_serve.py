@@ -171,3 +171,17 @@ def test_structured_workload_pairs_each_reply_with_an_unconstrained_twin(capsys,
     assert r["unconstrained"]["output_tokens"] == r["output_tokens"] > 0 and r["rounds"] == 2
     assert r["json_parsed"] == 0                 # the fake's words are not JSON
     assert r["tpot_ratio"]["p50"] > 0
+
+
+def test_editing_workload_sends_a_text_with_typos_to_fix(capsys, fake):
+    from chatserve.bench.workloads import EDIT_INSTRUCTION, WORDS
+
+    r = _run(capsys, fake, "--workload", "editing", "--num-prompts", "6", "--input-len", "40",
+             "--output-len", "5", "--seed", "2")
+    assert r["completed"] == 6 and r["workload"] == "editing"
+    texts = [b["messages"][-1]["content"] for b in fake.state.bodies]
+    assert len(texts) == 6 and all(t.startswith(EDIT_INSTRUCTION) for t in texts)
+    words = [w for t in texts for w in t[len(EDIT_INSTRUCTION):].split()]
+    assert len(words) == 240
+    typos = [w for w in words if w not in WORDS]
+    assert 0 < len(typos) < len(words) * 0.3        # about 15 % misspelt, the rest verbatim

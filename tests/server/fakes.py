@@ -69,6 +69,7 @@ class FakeScheduler:
         self.running: list[Request] = []
         self.reqs: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self._step = 0
         self._freed: list[str] = []
 
