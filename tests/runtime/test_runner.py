@@ -125,12 +125,15 @@ def test_sampler_interface(runner, monkeypatch):
         def drop(self, ids):
             calls["dropped"] = list(ids)
 
+        def prefetch_masks(self, seqs, vocab_size):
+            calls["prefetched"] = [s.request_id for s in seqs]
+
     monkeypatch.setattr(runner, "sampler", Recorder())
     res = runner.execute(SchedulerOutput(1, [seq("x", [1, 2], 0, [10], sample=False),
                                              seq("y", [3], 0, [11]), seq("z", [4, 5], 0, [12])],
                                          finished_ids=["gone"]))
-    assert calls == {"dropped": ["gone"], "shape": (2, runner.vocab_size), "dtype": torch.float32,
-                     "ids": ["y", "z"]}
+    assert calls == {"dropped": ["gone"], "prefetched": ["y", "z"], "shape": (2, runner.vocab_size),
+                     "dtype": torch.float32, "ids": ["y", "z"]}
     assert res.sampled == {"y": 7, "z": 7}
 
 
@@ -142,6 +145,9 @@ def test_sampler_failure_isolated_to_its_row(runner, monkeypatch):
             return [1] * len(seqs), [None] * len(seqs)
 
         def drop(self, ids):
+            pass
+
+        def prefetch_masks(self, seqs, vocab_size):
             pass
 
     monkeypatch.setattr(runner, "sampler", Picky())
