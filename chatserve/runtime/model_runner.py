@@ -21,7 +21,8 @@ from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_thre
 from chatserve.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from chatserve.runtime.models import build_model
 from chatserve.runtime.sampler import Sampler
-from chatserve.runtime.weights import ArchConfig, LoadedWeights, load_weights, torch_dtype
+from chatserve.runtime.arch_config import ArchConfig
+from chatserve.runtime.weights import LoadedWeights, load_weights, torch_dtype
 
 log = logging.getLogger(__name__)
 

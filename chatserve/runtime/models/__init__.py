@@ -9,7 +9,7 @@ from chatserve.runtime.models.gemma import GemmaModel
 from chatserve.runtime.models.llama import LlamaModel
 from chatserve.runtime.models.phi3 import Phi3Model
 from chatserve.runtime.models.qwen3 import Qwen3Model
-from chatserve.runtime.weights import ArchConfig, UnsupportedModelError
+from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 
 FAMILIES: dict[str, type[DecoderModel]] = {
     "llama": LlamaModel,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, StepInfo,
                                              pick_ops)
 from chatserve.runtime.models.rope import rope_tables
-from chatserve.runtime.weights import ArchConfig, UnsupportedModelError
+from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 from chatserve_kernels import AttentionMetadata
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)

@@ -2,7 +2,7 @@
 dynamic NTK, YaRN (with its attention factor), llama3, LongRoPE, and GGUF's stored frequency factors.
 
 One table row per position (cos and sign-folded sin), so a per-position frequency (dynamic NTK) costs
-nothing at run time. Not the rotation itself (layers.Rotary) and not config parsing (weights.py).
+nothing at run time. Not the rotation itself (layers.Rotary) and not config parsing (arch_config.py).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from chatserve.runtime.weights import ArchConfig, UnsupportedModelError
+from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 
 
 def _base_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
