@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,16", help="rows per step, a list")
     p.add_argument("--steps", type=int, default=64, help="decode steps per mode and round")
     p.add_argument("--rounds", type=int, default=3, help="times the three modes are alternated")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the server's auto)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -138,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     from chatserve.text import Tokenizer
 
     batches = [int(x) for x in args.batch.split(",")]
-    runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=max(batches) * (-(-(64 + args.steps + 1) // 16))),
-                         progress=False)
+    blocks = max(batches) * -(-(64 + args.steps + 1) // 16)
+    runner = ModelRunner(ModelConfig(num_threads=args.num_threads), CacheConfig(num_blocks=blocks), progress=False)
     runner.warm_up()
     tok = Tokenizer.from_model(runner.model_path)
     eos = set(tok.eos_token_ids)

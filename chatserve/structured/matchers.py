@@ -22,6 +22,11 @@ from chatserve.runtime.device import available_cores
 log = logging.getLogger(__name__)
 
 
+def _row_key(s: ScheduledSeq) -> tuple[str, int]:
+    """A prefetched mask serves a row only at the same request and output length it was computed for."""
+    return s.request_id, len(s.output_token_ids)
+
+
 def constrained_rows(seqs: Sequence[ScheduledSeq]) -> list[int]:
     """Rows whose request carries an output constraint (usually none: then nothing else runs)."""
     return [i for i, s in enumerate(seqs) if getattr(s.params, "structured", None) is not None]
@@ -49,7 +54,7 @@ class GrammarMasks:
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
         self._helper: ThreadPoolExecutor | None = None
-        self._pending: tuple[list[str], Future] | None = None   # rows' request ids, their forbidden tokens
+        self._pending: tuple[list[tuple[str, int]], Future] | None = None   # rows, their forbidden tokens
 
     def drop(self, request_ids: Sequence[str]) -> None:
         self._settle()
@@ -65,9 +70,9 @@ class GrammarMasks:
         if self._helper is None:
             self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         seqs = list(seqs)
-        self._pending = ([s.request_id for s in seqs], self._helper.submit(self._forbidden, seqs, vocab_size))
+        self._pending = ([_row_key(s) for s in seqs], self._helper.submit(self._forbidden, seqs, vocab_size))
 
-    def _settle(self) -> tuple[list[str], torch.Tensor] | None:
+    def _settle(self) -> tuple[list[tuple[str, int]], torch.Tensor] | None:
         """Wait for the prefetched mask (the helper must be done with the matchers before anyone else)."""
         if self._pending is None:
             return None
@@ -82,11 +87,11 @@ class GrammarMasks:
         """Set the logits of tokens the grammar forbids to -inf, in place, for `rows` of the batch."""
         # logits: [B, V] float32; rows: indices of constrained rows
         V = logits.shape[1]
-        want = [seqs[i].request_id for i in rows]
+        want = [_row_key(seqs[i]) for i in rows]
         done = self._settle()
         if done is not None and set(want) <= set(done[0]):
-            pos = {rid: k for k, rid in enumerate(done[0])}
-            forbid_t = done[1] if want == done[0] else done[1][[pos[rid] for rid in want]]
+            pos = {key: k for k, key in enumerate(done[0])}
+            forbid_t = done[1] if want == done[0] else done[1][[pos[key] for key in want]]
         else:
             forbid_t = self._forbidden([seqs[i] for i in rows], V)
         forbid_t = forbid_t.to(logits.device, non_blocking=True)                 # [R, V] bool
