@@ -14,7 +14,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 import orjson
-from sse_starlette.sse import EventSourceResponse, SendTimeoutError, ServerSentEvent
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -468,14 +468,20 @@ class FiniteJSONResponse(JSONResponse):
         return dumps(content).encode("utf-8")
 
 
-def _ping_event() -> ServerSentEvent:
-    return ServerSentEvent(comment="ping", sep=SSE_SEP)
+# The keep-alive is an empty event: a blank line every reader ignores. A `: ping` comment is valid SSE, but
+# vLLM's benchmark client strips each network read before buffering it, so a comment that arrives alone
+# loses its "\n\n" and swallows every event after it; whitespace alone survives that and the naive readers.
+SSE_KEEPALIVE = b"\n\n"
+
+
+def _ping_event() -> bytes:
+    return SSE_KEEPALIVE
 
 
 class ChunkStreamResponse(Response):
     """An SSE response over chunk dicts. An APIError raised at admission (within FIRST_CHUNK_GRACE_S)
     is answered as a plain JSON error with its status; otherwise the 200 headers and a keep-alive
-    comment go out at once, so a long prefill never looks like a dead connection, and later errors
+    (an empty event) go out at once, so a long prefill never looks like a dead connection, and later errors
     arrive as an in-stream error event. Every event is framed with bare LF."""
 
     def __init__(self, chunks: AsyncIterator[dict], *, send_timeout: float | None,

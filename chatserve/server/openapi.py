@@ -148,8 +148,8 @@ def _operation(op: Op, refs: dict) -> dict:
         content.update(_json(_ref(refs, op.ok, "serialization")))
     if op.sse is not None:
         content["text/event-stream"] = {
-            "schema": {"type": "string", "description": "`data: {json}` events framed with bare LF, `: ping` "
-                       "comments, `data: [DONE]` last; each event's JSON is an " + op.sse.__name__},
+            "schema": {"type": "string", "description": "`data: {json}` events framed with bare LF, empty "
+                       "keep-alive events, `data: [DONE]` last; each event's JSON is an " + op.sse.__name__},
             "x-event-schema": _ref(refs, op.sse, "serialization")}
     if op.other_media:
         content[op.other_media] = {"schema": {"type": "object"} if op.other_media.endswith("json")
