@@ -234,8 +234,9 @@ class SchedulerConfig:
     max_num_seqs: int = option(64, "sequences running at once")
     max_num_batched_tokens: int = option(512, "token budget per step (chunked prefill splits longer prompts)")
     prefill_tokens_while_decoding: int = option(
-        28, "prompt tokens a step may compute while other requests decode, so a long prompt does not "
-        "stretch their inter-token latency (alone it gets the whole budget); 0 = the whole budget")
+        0, "prompt tokens a step may compute while other requests decode, so a long prompt does not "
+        "stretch their inter-token latency (alone it gets the whole budget); 0 = the whole budget. "
+        "A cap trades TTFT for ITL: docs/benchmarks.md")
     max_waiting_requests: int = option(256, "admission control: beyond this many waiting, 503 + Retry-After")
     max_waiting_tokens: int = option(262_144, "admission control on queued prompt tokens")
     max_model_len: int | None = option(None, "context length cap", shown_default="the model's")
