@@ -70,7 +70,7 @@ class Sampler:
     def prefetch_masks(self, seqs: list[ScheduledSeq], vocab_size: int) -> None:
         """Before the forward: start the grammar masks of the constrained rows among `seqs` (the rows
         that will sample), so they are computed while the forward runs; nothing without such rows."""
-        rows = [s for s in seqs if getattr(s.params, "structured", None) is not None]
+        rows = [s for s in seqs if s.params.structured is not None]
         if rows:
             self._grammar_masks().prefetch(rows, vocab_size)
 
