@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from chatserve.config import SchedulerConfig
 from chatserve.core.admission import AdmissionError, check_fits, check_group  # AdmissionError: re-exported
 from chatserve.core.errors import ErrorCode
+from chatserve.core.fork_groups import ForkGroups
 from chatserve.core.live_request import LiveRequest
 from chatserve.core.outputs import (CopyOp, RequestEvent, RunnerOutput, ScheduledSeq, SchedulerOutput,
                                     TokenLogprob)
@@ -79,9 +80,8 @@ class Scheduler:
         self._entries: dict[str, LiveRequest] = {}       # every unfinished request (any status)
         self._waiting: list[LiveRequest] = []            # WAITING / PREEMPTED, sorted by key
         self._running: list[LiveRequest] = []            # RUNNING, sorted by key
-        self._forks: dict[str, list[LiveRequest]] = {}   # leader id → siblings WAITING_FOR_FORK
-        self._leader_of: dict[str, str] = {}        # sibling id → leader id (until the fork)
-        self._num_pending = 0                       # siblings waiting for a fork
+        self._groups = ForkGroups()                       # n > 1 siblings WAITING_FOR_FORK
+        self._forks = self._groups.siblings               # leader id → those siblings
         self._waiting_tokens = 0                    # tokens to compute for the waiting queue
         self._finished_ids: list[str] = []          # for the next SchedulerOutput
         self._prompt_lps = PromptLogprobs()          # chunk by chunk, until the prompt is computed
@@ -114,7 +114,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + self._num_pending
+        return len(self._waiting) + self._groups.num_pending
 
     @property
     def has_unfinished(self) -> bool:
@@ -181,10 +181,8 @@ class Scheduler:
                 self._insert_waiting(e)
             else:
                 r.status = _FORK
-                self._leader_of[e.rid] = leader.request_id
         if len(reqs) > 1:
-            self._forks[leader.request_id] = entries[1:]
-            self._num_pending += len(reqs) - 1
+            self._groups.add(leader.request_id, entries[1:])
         if leader.params.prompt_logprobs is not None:
             for r in reqs:
                 self._prompt_lps.track(r.request_id)
@@ -458,13 +456,9 @@ class Scheduler:
 
     def _fork(self, leader: LiveRequest) -> list[LiveRequest]:
         """Siblings of `leader` start sharing its blocks (it has computed prompt[:-1])."""
-        sibs = self._forks.pop(leader.rid, None)
-        if not sibs:
-            return []
-        self._num_pending -= len(sibs)
+        sibs = self._groups.release(leader.rid)
         lreq = leader.req
         for s in sibs:
-            del self._leader_of[s.rid]
             self._prompt_lps.drop(s.rid)          # the leader computed (and reports) the prompt
             self.kv.fork(leader.rid, s.rid)
             s.req.status = _RUNNING
@@ -608,13 +602,11 @@ class Scheduler:
             self._remove_sorted(self._waiting, e)
             self._waiting_tokens -= len(e.tokens)
         elif status is _FORK:
-            lid = self._leader_of.pop(rid)
-            sibs = self._forks[lid]
-            del sibs[next(k for k, s in enumerate(sibs) if s is e)]
-            self._num_pending -= 1
-            if not sibs:
-                del self._forks[lid]
-        self._hand_over(rid)
+            self._groups.remove(e)
+        heir = self._groups.hand_over(rid)   # a leader that ends before the fork hands the group on
+        if heir is not None:
+            heir.req.status = _WAITING
+            self._insert_waiting(heir)
         if self._admit_blocked is not None and self._admit_blocked[0] == rid:
             self._admit_blocked = None
         self._prompt_lps.drop(rid)
@@ -632,21 +624,6 @@ class Scheduler:
             num_cached_tokens=max(0, req.num_cached_tokens),
             error=error,
         )
-
-    def _hand_over(self, rid: str) -> None:
-        """A leader that ends before the fork hands the group to its next sibling."""
-        sibs = self._forks.pop(rid, None)
-        if not sibs:
-            return
-        heir, rest = sibs[0], sibs[1:]
-        self._num_pending -= 1
-        del self._leader_of[heir.rid]
-        if rest:
-            self._forks[heir.rid] = rest
-            for s in rest:
-                self._leader_of[s.rid] = heir.rid
-        heir.req.status = _WAITING
-        self._insert_waiting(heir)
 
     # ------------------------------------------------------------------ sorted queues
     def _insert_waiting(self, e: LiveRequest) -> None:
