@@ -1,14 +1,21 @@
-"""Admission checks: a group of samples of one prompt is refused at the door when it is malformed
-(ValueError: a caller's bug) or can never run (`AdmissionError` with its `ErrorCode`).
-
-Pure functions over plain ints; the waiting-queue bound (503) is the scheduler's, which alone knows the queue.
+"""Admission rules: a group of samples of one prompt is refused at the door when it is malformed
+(ValueError: a caller's bug) or can never run (`AdmissionError` with its `ErrorCode`), and a queued
+request waits while a running request prefills its long prefix. Pure functions over plain data.
 """
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable
+from typing import TYPE_CHECKING
 
 from chatserve.core.errors import ErrorCode
 from chatserve.core.request import Request
+
+if TYPE_CHECKING:  # used only through its attributes
+    from chatserve.core.live_request import LiveRequest
+
+# A waiting request waits for a running prefill of its prefix only when that saves at least this
+# many tokens of prefill (~ one step of compute); a block or two of shared template is not worth a step.
+PREFIX_WAIT_MIN_TOKENS = 128
 
 
 class AdmissionError(Exception):
@@ -63,3 +70,24 @@ def check_fits(prompt_len: int, max_tokens: int, n: int, *, max_model_len: int, 
         )
     if n > max_num_seqs:
         raise AdmissionError(ErrorCode.INVALID_VALUE, f"n={n} exceeds max_num_seqs={max_num_seqs}")
+
+
+def prefix_in_flight(tokens: list[int], cache_salt: str | None, running: Iterable[LiveRequest],
+                     block_size: int) -> bool:
+    """A running request is still prefilling at least PREFIX_WAIT_MIN_TOKENS tokens of full blocks that
+    `tokens` starts with: admitting them now would compute those twice (e.g. n chats sent at once with
+    one long system prompt), so the request waits a step or two and then finds them in the prefix cache."""
+    bs = block_size
+    usable = (len(tokens) - 1) // bs * bs           # the full blocks (the last token is always computed)
+    for o in running:
+        prompt = o.req.prompt_token_ids
+        start = o.req.num_computed_tokens // bs * bs   # o's first block not yet in the cache
+        limit = min(usable, len(prompt) // bs * bs)
+        if start + PREFIX_WAIT_MIN_TOKENS > limit or o.req.cache_salt != cache_salt:
+            continue
+        shared = start                                  # blocks o is about to compute that can be used
+        while shared < limit and tokens[shared:shared + bs] == prompt[shared:shared + bs]:
+            shared += bs
+        if shared - start >= PREFIX_WAIT_MIN_TOKENS and tokens[:start] == prompt[:start]:
+            return True
+    return False

@@ -6,21 +6,20 @@ admission, preemption under KV pressure, n > 1 forking and admission control. It
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import time
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from chatserve.config import SchedulerConfig
-from chatserve.core.admission import AdmissionError, check_fits, check_group  # AdmissionError: re-exported
+# AdmissionError is re-exported: callers catch it from here
+from chatserve.core.admission import AdmissionError, check_fits, check_group, prefix_in_flight
 from chatserve.core.errors import ErrorCode
-from chatserve.core.fork_groups import ForkGroups
 from chatserve.core.live_request import LiveRequest
 from chatserve.core.outputs import (CopyOp, RequestEvent, RunnerOutput, ScheduledSeq, SchedulerOutput,
                                     TokenLogprob)
 from chatserve.core.prompt_logprobs import PromptLogprobs
 from chatserve.core.request import FinishReason, Request, RequestStatus
+from chatserve.core.request_queues import RequestQueues
 from chatserve.core.speculator import Speculator
 
 if TYPE_CHECKING:  # the manager is only used through its methods
@@ -31,10 +30,6 @@ _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
 _FORK = RequestStatus.WAITING_FOR_FORK
 
-_key = attrgetter("key")
-# A waiting request waits for a running prefill of its prefix only when that saves at least this
-# many tokens of prefill (~ one step of compute); a block or two of shared template is not worth a step.
-PREFIX_WAIT_MIN_TOKENS = 128
 
 
 class Scheduler:
@@ -54,8 +49,8 @@ class Scheduler:
          preempted (repeatedly; finally the request itself).
       2. if nothing was preempted: waiting requests are admitted in key order (head-of-line; never by
          preempting) while the budget, `max_num_seqs` and the KV watermark allow. One exception: a
-         request whose prompt starts with >= PREFIX_WAIT_MIN_TOKENS tokens that a running request is
-         still prefilling waits until they are cached (later requests may pass it meanwhile).
+         request whose prompt starts with >= PREFIX_WAIT_MIN_TOKENS (admission.py) tokens that a
+         running request is still prefilling waits until they are cached (later ones may pass it).
 
     n > 1: the group's sibling 0 (the "leader") prefills prompt[:-1]; at that point siblings 1..n-1
     fork from it (sharing every block), and all n compute the last prompt token themselves (the
@@ -77,12 +72,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_preemptions = 0
 
-        self._entries: dict[str, LiveRequest] = {}       # every unfinished request (any status)
-        self._waiting: list[LiveRequest] = []            # WAITING / PREEMPTED, sorted by key
-        self._running: list[LiveRequest] = []            # RUNNING, sorted by key
-        self._groups = ForkGroups()                       # n > 1 siblings WAITING_FOR_FORK
-        self._forks = self._groups.siblings               # leader id → those siblings
-        self._waiting_tokens = 0                    # tokens to compute for the waiting queue
+        self._queues = q = RequestQueues()
+        # the queues' parts, read on every step: id → request, WAITING / PREEMPTED and RUNNING (each
+        # sorted by key), leader id → its siblings WAITING_FOR_FORK
+        self._entries, self._waiting, self._running = q.entries, q.waiting, q.running
+        self._forks = q.groups.siblings
         self._finished_ids: list[str] = []          # for the next SchedulerOutput
         self._prompt_lps = PromptLogprobs()          # chunk by chunk, until the prompt is computed
         self._counter = itertools.count()
@@ -114,7 +108,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + self._groups.num_pending
+        return self._queues.num_waiting
 
     @property
     def has_unfinished(self) -> bool:
@@ -126,20 +120,8 @@ class Scheduler:
         return None if e is None else e.req
 
     def progress(self, request_id: str) -> dict | None:
-        """Where a request's prompt stands: {"phase": "queued", "queue_position": 1-based} while it
-        waits, {"phase": "prefill", "prefill_done", "prefill_total", "cached_tokens"} while its prompt
-        is being computed, None once it decodes (or is unknown). O(waiting) while queued."""
-        e = self._entries.get(request_id)
-        if e is None:
-            return None
-        if e in self._waiting:
-            return {"phase": "queued", "queue_position": self._waiting.index(e) + 1}
-        req = e.req
-        total = len(req.prompt_token_ids)
-        if req.num_computed_tokens >= total:
-            return None
-        return {"phase": "prefill", "prefill_done": req.num_computed_tokens, "prefill_total": total,
-                "cached_tokens": max(0, req.num_cached_tokens)}
+        """Where a request's prompt stands (queued, prefill, None once it decodes): RequestQueues.progress."""
+        return self._queues.progress(request_id)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, req: Request) -> None:
@@ -156,10 +138,10 @@ class Scheduler:
         # An empty queue always accepts, so no request is refused forever by a small bound.
         queued = self.num_waiting
         if queued and (queued + n > self.config.max_waiting_requests
-                       or self._waiting_tokens + plen > self.config.max_waiting_tokens):
+                       or self._queues.waiting_tokens + plen > self.config.max_waiting_tokens):
             raise AdmissionError(
                 ErrorCode.SERVER_OVERLOADED,
-                f"server busy: {queued} requests / {self._waiting_tokens} prompt tokens waiting",
+                f"server busy: {queued} requests / {self._queues.waiting_tokens} prompt tokens waiting",
                 retry_after=self.retry_after(),
             )
         self._enqueue(reqs)
@@ -178,11 +160,11 @@ class Scheduler:
             entries.append(e)
             if i == 0:
                 r.status = _WAITING
-                self._insert_waiting(e)
+                self._queues.insert_waiting(e)
             else:
                 r.status = _FORK
         if len(reqs) > 1:
-            self._groups.add(leader.request_id, entries[1:])
+            self._queues.groups.add(leader.request_id, entries[1:])
         if leader.params.prompt_logprobs is not None:
             for r in reqs:
                 self._prompt_lps.track(r.request_id)
@@ -190,7 +172,7 @@ class Scheduler:
     def retry_after(self) -> float:
         if not self._tokens_per_s:
             return 1.0
-        return float(min(60.0, max(1.0, self._waiting_tokens / self._tokens_per_s)))
+        return float(min(60.0, max(1.0, self._queues.waiting_tokens / self._tokens_per_s)))
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -325,7 +307,7 @@ class Scheduler:
             req = e.req
             pending = self._forks.get(rid)
             need_seats = 1 + (len(pending) if pending else 0)
-            if len(self._running) + self._reserved_seats() + need_seats > max_seqs:
+            if len(self._running) + self._queues.reserved_seats() + need_seats > max_seqs:
                 break
             reserve = bool(self._running)   # an idle cache never refuses its only request
             free_now = kv.num_free_blocks
@@ -333,8 +315,9 @@ class Scheduler:
             if free_now == 0 or self._admit_blocked == (rid, free_now, reserve):
                 break
             tokens = e.tokens
-            if self._prefix_in_flight(e):
-                i += 1
+            if (kv.enable_prefix_caching and rid not in self._prompt_lps
+                    and prefix_in_flight(tokens, req.cache_salt, self._running, kv.block_size)):
+                i += 1       # it waits for those blocks; a later request may pass it meanwhile
                 continue
             # its prompt logprobs need every position's logits: no prefix-cache hit
             cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens,
@@ -347,13 +330,12 @@ class Scheduler:
                 self._admit_blocked = (rid, free_now, reserve)
                 break
             self._admit_blocked = None
-            waiting.pop(i)
-            self._waiting_tokens -= len(tokens)
+            self._queues.pop_waiting(i)
             req.status = _RUNNING
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
-            self._insert_running(e)
+            self._queues.insert_running(e)
             if n_new > 0:
                 seqs.append(self._scheduled(e, cached, n_new, now))
                 copy_ops.extend(ops)
@@ -396,28 +378,6 @@ class Scheduler:
             budget -= 1
         return budget
 
-    def _prefix_in_flight(self, e: LiveRequest) -> bool:
-        """A running request is still prefilling full blocks that e's prompt starts with: admitting e
-        now would compute them twice (e.g. n chats sent at once with one long system prompt), so e
-        waits a step or two and then finds them in the prefix cache."""
-        if not self.kv.enable_prefix_caching or e.rid in self._prompt_lps:
-            return False
-        bs = self.kv.block_size
-        tokens = e.tokens
-        usable = (len(tokens) - 1) // bs * bs           # e's full blocks (it computes its last token)
-        for o in self._running:
-            prompt = o.req.prompt_token_ids
-            start = o.req.num_computed_tokens // bs * bs   # o's first block not yet in the cache
-            limit = min(usable, len(prompt) // bs * bs)
-            if start + PREFIX_WAIT_MIN_TOKENS > limit or o.req.cache_salt != e.req.cache_salt:
-                continue
-            shared = start                                  # blocks o is about to compute that e can use
-            while shared < limit and tokens[shared:shared + bs] == prompt[shared:shared + bs]:
-                shared += bs
-            if shared - start >= PREFIX_WAIT_MIN_TOKENS and tokens[:start] == prompt[:start]:
-                return True
-        return False
-
     def _largest_fit(self, rid: str, start: int, n_new: int, *, reserve: bool) -> int:
         """Largest k < n_new whose slots can be allocated now (0 if none): binary search."""
         kv = self.kv
@@ -429,13 +389,6 @@ class Scheduler:
             else:
                 hi = mid - 1
         return lo
-
-    def _reserved_seats(self) -> int:
-        """Sequence slots held for siblings of running leaders (they join at the fork)."""
-        if not self._forks:
-            return 0
-        ents = self._entries
-        return sum(len(s) for lid, s in self._forks.items() if ents[lid].req.status is _RUNNING)
 
     def _scheduled(self, e: LiveRequest, start: int, n_new: int, now: float) -> ScheduledSeq:
         req = e.req
@@ -456,7 +409,7 @@ class Scheduler:
 
     def _fork(self, leader: LiveRequest) -> list[LiveRequest]:
         """Siblings of `leader` start sharing its blocks (it has computed prompt[:-1])."""
-        sibs = self._groups.release(leader.rid)
+        sibs = self._queues.groups.release(leader.rid)
         lreq = leader.req
         for s in sibs:
             self._prompt_lps.drop(s.rid)          # the leader computed (and reports) the prompt
@@ -464,19 +417,19 @@ class Scheduler:
             s.req.status = _RUNNING
             s.req.num_computed_tokens = lreq.num_computed_tokens
             s.req.num_cached_tokens = lreq.num_cached_tokens
-            self._insert_running(s)
+            self._queues.insert_running(s)
         return sibs
 
     def _preempt(self, e: LiveRequest) -> None:
         """Free all of e's blocks and requeue it; it recomputes prompt + outputs later."""
         self.kv.free(e.rid)
-        self._remove_sorted(self._running, e)
+        self._queues.remove_running(e)
         req = e.req
         req.status = _PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._insert_waiting(e)
+        self._queues.insert_waiting(e)
 
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestEvent]:
@@ -594,19 +547,9 @@ class Scheduler:
     def _finish(self, e: LiveRequest, reason: FinishReason, error: str | None = None) -> RequestEvent:
         rid = e.rid
         req = e.req
-        status = req.status
-        if status is _RUNNING:
+        if req.status is _RUNNING:
             self.kv.free(rid, keep_warm=req.keep_warm)
-            self._remove_sorted(self._running, e)
-        elif status is _WAITING or status is _PREEMPTED:
-            self._remove_sorted(self._waiting, e)
-            self._waiting_tokens -= len(e.tokens)
-        elif status is _FORK:
-            self._groups.remove(e)
-        heir = self._groups.hand_over(rid)   # a leader that ends before the fork hands the group on
-        if heir is not None:
-            heir.req.status = _WAITING
-            self._insert_waiting(heir)
+        self._queues.remove(e)
         if self._admit_blocked is not None and self._admit_blocked[0] == rid:
             self._admit_blocked = None
         self._prompt_lps.drop(rid)
@@ -615,7 +558,6 @@ class Scheduler:
         req.finish_reason = reason
         if req.first_scheduled_time is not None:
             self._finished_ids.append(rid)
-        del self._entries[rid]
         return RequestEvent(
             request_id=rid,
             finished=True,
@@ -624,21 +566,3 @@ class Scheduler:
             num_cached_tokens=max(0, req.num_cached_tokens),
             error=error,
         )
-
-    # ------------------------------------------------------------------ sorted queues
-    def _insert_waiting(self, e: LiveRequest) -> None:
-        bisect.insort(self._waiting, e, key=_key)
-        self._waiting_tokens += len(e.tokens)
-
-    def _insert_running(self, e: LiveRequest) -> None:
-        bisect.insort(self._running, e, key=_key)
-
-    @staticmethod
-    def _remove_sorted(queue: list[LiveRequest], e: LiveRequest) -> None:
-        if queue and queue[-1] is e:
-            queue.pop()
-            return
-        i = bisect.bisect_left(queue, e.key, key=_key)
-        while queue[i] is not e:   # keys are unique: this never loops more than once
-            i += 1
-        del queue[i]
