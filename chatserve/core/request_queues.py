@@ -33,6 +33,18 @@ class RequestQueues:
     def num_waiting(self) -> int:
         return len(self.waiting) + self.groups.num_pending
 
+    def add(self, group: list[LiveRequest]) -> None:
+        """A new group of samples of one prompt: its leader waits, its siblings wait for its fork."""
+        for e in group:
+            self.entries[e.rid] = e
+        leader, siblings = group[0], group[1:]
+        leader.req.status = _WAITING
+        self.insert_waiting(leader)
+        for s in siblings:
+            s.req.status = _FORK
+        if siblings:
+            self.groups.add(leader.rid, siblings)
+
     def insert_waiting(self, e: LiveRequest) -> None:
         bisect.insort(self.waiting, e, key=_key)
         self.waiting_tokens += len(e.tokens)

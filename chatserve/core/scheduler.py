@@ -26,9 +26,7 @@ if TYPE_CHECKING:  # the manager is only used through its methods
     from chatserve.core.kv_cache_manager import KVCacheManager
 
 _RUNNING = RequestStatus.RUNNING
-_WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
-_FORK = RequestStatus.WAITING_FOR_FORK
 
 
 
@@ -148,24 +146,15 @@ class Scheduler:
 
     def _enqueue(self, reqs: list[Request]) -> None:
         """The group's leader joins the waiting queue; its siblings wait for its fork."""
-        leader = reqs[0]
         base = next(self._counter) * 1024
         entries = []
         for i, r in enumerate(reqs):
             r.max_model_len = self.max_model_len
             r.num_computed_tokens = 0
             r.finish_reason = None
-            e = LiveRequest(r, (r.priority, r.arrival_time, base + i), self.max_model_len)
-            self._entries[e.rid] = e
-            entries.append(e)
-            if i == 0:
-                r.status = _WAITING
-                self._queues.insert_waiting(e)
-            else:
-                r.status = _FORK
-        if len(reqs) > 1:
-            self._queues.groups.add(leader.request_id, entries[1:])
-        if leader.params.prompt_logprobs is not None:
+            entries.append(LiveRequest(r, (r.priority, r.arrival_time, base + i), self.max_model_len))
+        self._queues.add(entries)
+        if reqs[0].params.prompt_logprobs is not None:
             for r in reqs:
                 self._prompt_lps.track(r.request_id)
 
@@ -186,13 +175,8 @@ class Scheduler:
             budget = self._admit(seqs, copy_ops, budget, now, prefill_left)
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            step_id=self._step_id,
-            seqs=seqs,
-            copy_ops=copy_ops,
-            finished_ids=finished,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-        )
+        return SchedulerOutput(self._step_id, seqs, copy_ops, finished,
+                               num_batched_tokens=self.config.max_num_batched_tokens - budget)
 
     def _schedule_running(self, seqs: list[ScheduledSeq], copy_ops: list[CopyOp], now: float
                           ) -> tuple[int, int, bool]:
@@ -258,15 +242,12 @@ class Scheduler:
         of `running` until they fit. Returns (copy ops, or None when e itself must yield; the tokens
         granted; decoders still behind e; whether anything was preempted)."""
         allocate, running, rid = self.kv.allocate_slots, self._running, e.rid
-        end = start + n_new
-        ops = allocate(rid, end)
+        ops, granted = allocate(rid, start + n_new), n_new
         preempted = False
         while ops is None:
             if n_new > 1:
-                fit = self._largest_fit(rid, start, n_new, reserve=False)
-                if fit:
-                    n_new = fit
-                    ops = allocate(rid, start + n_new)
+                ops, granted = self._shrink_to_fit(rid, start, n_new, reserve=False)
+                if ops is not None:
                     break
             victim = running[-1]
             if victim is e:
@@ -275,8 +256,8 @@ class Scheduler:
                 decoders_left -= 1
             self._preempt(victim)
             preempted = True
-            ops = allocate(rid, end)
-        return ops, n_new, decoders_left, preempted
+            ops, granted = allocate(rid, start + n_new), n_new
+        return ops, granted, decoders_left, preempted
 
     def _prefill_allowance(self, budget: int) -> int:
         """Prompt tokens one step may compute: `prefill_tokens_while_decoding` while a running request
@@ -323,8 +304,10 @@ class Scheduler:
             cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens,
                                 match_prefix=rid not in self._prompt_lps)
             target = len(tokens) - 1 if pending else len(tokens)
-            ops, n_new = self._first_chunk_slots(rid, cached, min(target - cached, budget, prefill_left),
-                                                 reserve)
+            n_new = min(target - cached, budget, prefill_left)
+            ops = kv.allocate_slots(rid, cached + n_new, reserve_watermark=reserve) if n_new > 0 else []
+            if ops is None and n_new > 1:
+                ops, n_new = self._shrink_to_fit(rid, cached, n_new, reserve=reserve)
             if ops is None:
                 kv.free(rid)
                 self._admit_blocked = (rid, free_now, reserve)
@@ -345,21 +328,6 @@ class Scheduler:
                 budget = self._fork_at_admission(e, seqs, copy_ops, budget, now, reserve)
         return budget
 
-    def _first_chunk_slots(self, rid: str, cached: int, n_new: int, reserve: bool
-                           ) -> tuple[list[CopyOp] | None, int]:
-        """KV slots for an admitted request's first n_new tokens, the chunk shrunk to what fits:
-        (copy ops, tokens granted), or (None, 0) when not even one token fits."""
-        if n_new <= 0:
-            return [], n_new
-        kv = self.kv
-        ops = kv.allocate_slots(rid, cached + n_new, reserve_watermark=reserve)
-        if ops is None and n_new > 1:
-            fit = self._largest_fit(rid, cached, n_new, reserve=reserve)
-            if fit:
-                n_new = fit
-                ops = kv.allocate_slots(rid, cached + n_new, reserve_watermark=reserve)
-        return ops, (n_new if ops is not None else 0)
-
     def _fork_at_admission(self, leader: LiveRequest, seqs: list[ScheduledSeq], copy_ops: list[CopyOp],
                            budget: int, now: float, reserve: bool) -> int:
         """The leader's prompt[:-1] is all cached (or empty): fork now, and let each of the n compute
@@ -378,8 +346,10 @@ class Scheduler:
             budget -= 1
         return budget
 
-    def _largest_fit(self, rid: str, start: int, n_new: int, *, reserve: bool) -> int:
-        """Largest k < n_new whose slots can be allocated now (0 if none): binary search."""
+    def _shrink_to_fit(self, rid: str, start: int, n_new: int, *, reserve: bool
+                       ) -> tuple[list[CopyOp] | None, int]:
+        """After n_new tokens from `start` did not fit: slots for the largest k < n_new that does
+        (binary search), as (copy ops, k), or (None, 0) when not even one token fits."""
         kv = self.kv
         lo, hi = 0, n_new - 1
         while lo < hi:
@@ -388,24 +358,17 @@ class Scheduler:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        ops = kv.allocate_slots(rid, start + lo, reserve_watermark=reserve) if lo else None
+        return (ops, lo) if ops is not None else (None, 0)
 
     def _scheduled(self, e: LiveRequest, start: int, n_new: int, now: float) -> ScheduledSeq:
         req = e.req
         end = start + n_new
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-        return ScheduledSeq(
-            request_id=e.rid,
-            token_ids=e.tokens[start:end],
-            start_pos=start,
-            block_table=self.kv.get_block_table(e.rid),
-            sample=end == len(e.tokens),
-            params=req.params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            seed=e.seed,
-        )
+        return ScheduledSeq(e.rid, e.tokens[start:end], start, self.kv.get_block_table(e.rid),
+                            end == len(e.tokens), req.params, req.prompt_token_ids, req.output_token_ids,
+                            e.seed)
 
     def _fork(self, leader: LiveRequest) -> list[LiveRequest]:
         """Siblings of `leader` start sharing its blocks (it has computed prompt[:-1])."""
