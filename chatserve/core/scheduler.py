@@ -29,7 +29,6 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
-
 class Scheduler:
     """Waiting → running → finished, one `schedule()`/`update()` pair per model step.
 
@@ -495,9 +494,7 @@ class Scheduler:
             ev.logprobs = [lp]
         return ev
 
-    def finish_request(
-        self, request_id: str, reason: FinishReason = FinishReason.ABORT
-    ) -> RequestEvent | None:
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestEvent | None:
         """End one request now (abort, stop string): its blocks are freed in this call.
 
         Returns its final event, or None if it is unknown or already finished. Siblings live on.
@@ -508,6 +505,7 @@ class Scheduler:
         return self._finish(e, reason)
 
     def _finish(self, e: LiveRequest, reason: FinishReason, error: str | None = None) -> RequestEvent:
+        """End e wherever it is (running, waiting, waiting for a fork): free its blocks, its final event."""
         rid = e.rid
         req = e.req
         if req.status is _RUNNING:
@@ -521,11 +519,6 @@ class Scheduler:
         req.finish_reason = reason
         if req.first_scheduled_time is not None:
             self._finished_ids.append(rid)
-        return RequestEvent(
-            request_id=rid,
-            finished=True,
-            finish_reason=reason,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            error=error,
-        )
+        return RequestEvent(rid, finished=True, finish_reason=reason, error=error,
+                            num_prompt_tokens=len(req.prompt_token_ids),
+                            num_cached_tokens=max(0, req.num_cached_tokens))
