@@ -401,7 +401,7 @@ class Scheduler:
         self._measure_rate(out)
         commit = self.kv.commit
         entries = self._entries
-        prompt_lps = self._prompt_lps
+        prompt_lps = self._prompt_lps if len(self._prompt_lps) else None   # (none are added meanwhile)
         errors = res.errors
         sampled = res.sampled
         logprobs = res.logprobs
@@ -424,7 +424,7 @@ class Scheduler:
             computed = seq.start_pos + len(seq.token_ids)
             req.num_computed_tokens = computed
             commit(rid, tokens, computed)
-            plp = prompt_lps.gather(seq, res, computed) if prompt_lps else None
+            plp = None if prompt_lps is None else prompt_lps.gather(seq, res, computed)
             if not seq.sample:
                 ev = self._update_chunk(e, computed, plp)
                 if ev is not None:
