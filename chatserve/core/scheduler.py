@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: decides which tokens of which sequences run in each model step.
 
-It owns the waiting/running queues, the per-step token budget (chunked prefill), prefix-cache hits at
-admission, preemption under KV pressure, n > 1 forking and admission control. It is not the runner:
-`schedule()` emits a SchedulerOutput, `update()` consumes the RunnerOutput; pure Python, no torch.
+It owns the per-step policy over its queues (request_queues.py): the token budget (chunked prefill),
+prefix-cache hits at admission, preemption under KV pressure, n > 1 forking and admission control. It
+is not the runner: `schedule()` emits a SchedulerOutput, `update()` consumes the RunnerOutput; no torch.
 """
 from __future__ import annotations
 
