@@ -1,4 +1,5 @@
-/* Fused elementwise ops of a decoder layer for the CPU: residual add + RMSNorm and RoPE, each one
+/* Fused elementwise ops of a decoder layer for the CPU: residual add + RMSNorm and RoPE (and, for the
+ * decode chain of cpu_decode.py, SiLU·mul and the K/V row store), each one
  * ctypes call instead of 4-8 small torch ops (and their dispatch and temporaries). Rounding follows the torch code they replace step by
  * step (bf16 results rounded where torch rounds them), so both paths agree to the last bit or so.
  *
@@ -98,4 +99,37 @@ void chatserve_rope(int dtype, void *x, int64_t x_st, const void *cos_t, const v
                     const int64_t *pos, int64_t T, int64_t heads, int64_t D, int nthreads) {
     if (dtype == 0) rope_f32(x, x_st, cos_t, sin_t, pos, T, heads, D, nthreads);
     else rope_bf16(x, x_st, cos_t, sin_t, pos, T, heads, D, nthreads);
+}
+
+/* out[T, I] = store(store(silu(g)) * u) for gu[T, 2I] = [gate | up], as torch's F.silu then a multiply. */
+#define SILU_MUL(TY, S)                                                                             \
+    static void silu_mul_##S(const TY *gu, TY *out, int64_t T, int64_t I, int nthreads) {          \
+        _Pragma("omp parallel for num_threads(threads_for(T * I, nthreads)) schedule(static)")     \
+        for (int64_t t = 0; t < T; t++) {                                                          \
+            const TY *g = gu + t * 2 * I, *u = g + I;                                               \
+            TY *o = out + t * I;                                                                    \
+            _Pragma("omp simd")                                                                     \
+            for (int64_t i = 0; i < I; i++) {                                                       \
+                const float x = LD_##S(g, i);                                                       \
+                ST_##S(o, i, RND_##S(x / (1.0f + expf(-x))) * LD_##S(u, i));                        \
+            }                                                                                       \
+        }                                                                                           \
+    }
+SILU_MUL(float, f32)
+SILU_MUL(uint16_t, bf16)
+
+void chatserve_silu_mul(int dtype, const void *gu, void *out, int64_t T, int64_t I, int nthreads) {
+    if (dtype == 0) silu_mul_f32(gu, out, T, I, nthreads);
+    else silu_mul_bf16(gu, out, T, I, nthreads);
+}
+
+/* K and V rows of T tokens (row_bytes each, src row stride src_st bytes) into the paged caches at
+ * slots[T] (a slot = block * block_size + offset; the cache rows are row_bytes apart). */
+void chatserve_store_rows(const char *k, const char *v, int64_t src_st, char *k_cache, char *v_cache,
+                          const int64_t *slots, int64_t T, int64_t row_bytes) {
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row_bytes, k + t * src_st, (size_t)row_bytes);
+        memcpy(v_cache + slots[t] * row_bytes, v + t * src_st, (size_t)row_bytes);
+    }
 }

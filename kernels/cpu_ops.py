@@ -1,6 +1,7 @@
 """Fused elementwise ops of a decoder layer on CPU (cpu_ops.c via ctypes): residual add + RMSNorm and
-RoPE, each one call instead of 4-8 torch ops (SiLU·mul stays with torch, whose vectorized exp wins).
-The model uses them where usable() says so and keeps its torch code otherwise; that code is the oracle.
+RoPE, each one call instead of 4-8 torch ops; SiLU·mul and the K/V row store serve the decode chain
+(cpu_decode.py), the model's torch path keeps torch's. The model uses them where usable() says so and
+keeps its torch code otherwise; that code is the oracle.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def _lib():
         return None
     lib.chatserve_add_rms_norm.argtypes = [_i32, _vp, _vp, _vp, _vp, _i64, _i64, _f32, _i32]
     lib.chatserve_rope.argtypes = [_i32, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i32]
-    for fn in (lib.chatserve_add_rms_norm, lib.chatserve_rope):
+    lib.chatserve_silu_mul.argtypes = [_i32, _vp, _vp, _i64, _i64, _i32]
+    lib.chatserve_store_rows.argtypes = [_vp, _vp, _i64, _vp, _vp, _vp, _i64, _i64]
+    for fn in (lib.chatserve_add_rms_norm, lib.chatserve_rope, lib.chatserve_silu_mul, lib.chatserve_store_rows):
         fn.restype = None
     return lib
 

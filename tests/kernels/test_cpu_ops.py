@@ -93,3 +93,29 @@ def test_fused_forward_rejects_positions_beyond_the_rope_tables(tmp_path):
     meta = AttentionMetadata.build([1], [40], [[0, 1, 2]], 16)
     with pytest.raises(IndexError):
         model.forward(torch.tensor([5]), torch.tensor([39]), caches, meta)
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+def test_silu_mul_matches_torch(dt):
+    g = torch.Generator().manual_seed(1)
+    gu = (torch.randn(3, 2 * 96, generator=g) * 4).to(dt)
+    out = torch.empty(3, 96, dtype=dt)
+    cpu_ops._lib().chatserve_silu_mul(cpu_ops._DTYPES[dt], gu.data_ptr(), out.data_ptr(), 3, 96, 1)
+    gate, up = gu.chunk(2, -1)
+    ref = torch.nn.functional.silu(gate) * up
+    tol = 1e-6 if dt == torch.float32 else 1e-2
+    assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_lib
+def test_store_rows_writes_each_slot_and_skips_minus_one():
+    k_cache, v_cache = torch.zeros(4, 2, 3, 8), torch.zeros(4, 2, 3, 8)      # [blocks, block_size, hkv, d]
+    src = torch.arange(3 * 64, dtype=torch.float32).reshape(3, 64)        # rows: [k (24) | v (24) | pad]
+    slots = torch.tensor([5, -1, 0])
+    cpu_ops._lib().chatserve_store_rows(src.data_ptr(), src.data_ptr() + 24 * 4, 64 * 4, k_cache.data_ptr(),
+                                        v_cache.data_ptr(), slots.data_ptr(), 3, 24 * 4)
+    flat_k, flat_v = k_cache.view(8, 24), v_cache.view(8, 24)
+    assert torch.equal(flat_k[5], src[0, :24]) and torch.equal(flat_v[5], src[0, 24:48])
+    assert torch.equal(flat_k[0], src[2, :24]) and torch.equal(flat_v[0], src[2, 24:48])
+    assert int((flat_k != 0).any(-1).sum()) == 2                          # the -1 row wrote nothing

@@ -114,7 +114,10 @@ def test_int8_weight_only_linear_close_to_dense():
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     x = torch.randn(3, 64, generator=g)
     lin = Linear(w, b, "int8", small_m=4)
-    assert lin.wq.dtype == torch.int8 and lin.wq.shape == (96, 64)
+    if lin.qw is not None:                                            # the VNNI kernel: 8-bit codes
+        assert (lin.qw.bits, lin.qw.n, lin.qw.k) == (8, 96, 64)
+    else:                                                             # torch's int8 kernel
+        assert lin.wq.dtype == torch.int8 and lin.wq.shape == (96, 64)
     dense = torch.nn.functional.linear(x, w, b)
     assert rel_err(lin(x), dense) < 2e-2                              # int8 path (3 rows <= 4)
     assert torch.equal(lin(x.repeat(2, 1)), torch.nn.functional.linear(x.repeat(2, 1), w, b))  # dense
@@ -128,7 +131,11 @@ def test_int4_weight_only_linear_close_to_dense():
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     x = torch.randn(3, 64, generator=g)
     lin = Linear(w, b, "int4", small_m=4)
-    assert lin.kind == "int4" and lin.scales.shape == (2, 96, 2)      # [K/32 groups, N, (scale, zero)]
+    assert lin.kind == "int4"
+    if lin.qw is not None:                                            # the VNNI kernel's packed codes
+        assert (lin.qw.bits, lin.qw.n, lin.qw.k) == (4, 96, 64)
+    else:                                                             # [K/32 groups, N, (scale, zero)]
+        assert lin.scales.shape == (2, 96, 2)
     dense = torch.nn.functional.linear(x, w, b)
     assert rel_err(lin(x), dense) < 0.15                              # 16 levels per group of 32
     # a weight already on a 16-level grid per group (as GGUF Q4_1 is) comes back near-exactly
@@ -136,7 +143,7 @@ def test_int4_weight_only_linear_close_to_dense():
     grid = lo + 0.05 * torch.randint(0, 16, (96, 2, 32), generator=g)
     grid[..., 0], grid[..., 1] = lo[..., 0], lo[..., 0] + 0.75      # codes 0 and 15 in every group
     wg = grid.reshape(96, 64)
-    assert rel_err(Linear(wg, None, "int4", small_m=4)(x), x @ wg.t()) < 1e-2   # bf16 activations
+    assert rel_err(Linear(wg, None, "int4", small_m=4)(x), x @ wg.t()) < 1e-2   # bf16 or int8 activations
     assert torch.equal(lin(x.repeat(2, 1)), torch.nn.functional.linear(x.repeat(2, 1), w, b))  # dense
     assert Linear(torch.randn(8, 48), None, "int4").kind == "int8"    # K % 32 != 0 falls back
 

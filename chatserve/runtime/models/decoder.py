@@ -17,7 +17,7 @@ from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Line
                                              pick_ops)
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
-from chatserve_kernels import AttentionMetadata
+from chatserve_kernels import AttentionMetadata, cpu_decode
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
 HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -147,6 +147,28 @@ class DecoderModel:
                 attention=Attention(scale, window, config.attn_logit_softcap)))
         r.check_all_taken()
         self._rotaries = list(rotaries.values())
+        self.chain = self._decode_chain(fused_ops)
+
+    def _decode_chain(self, fused_ops: bool) -> cpu_decode.DecodeChain | None:
+        """The C chain for few-row decode steps, where every layer is the plain pre-norm SwiGLU one with
+        packed quantized matrices (else None: the torch path runs every step)."""
+        c = self.config
+        if not (fused_ops and cpu_decode.usable(self.dtype) and c.hidden_act == "silu"
+                and len(self._rotaries) == 1 and self._rotaries[0].rot == c.head_dim):
+            return None
+        layers = []
+        for ly in self.layers:
+            lins = (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)
+            plain = (ly.q_norm is None and ly.k_norm is None and ly.post_attn_norm is None
+                     and ly.post_ffn_norm is None and not ly.attention.window and not ly.attention.softcap)
+            if not plain or any(m.qw is None or m.b is not None or m.small_m != ly.qkv.small_m for m in lins):
+                return None
+            layers.append(cpu_decode.ChainLayer(ly.input_norm, ly.qkv.qw, ly.o.qw, ly.pre_ffn_norm,
+                                                ly.mlp.gate_up.qw, ly.mlp.down.qw))
+        rot = self._rotaries[0]
+        return cpu_decode.DecodeChain(layers, self.norm, c.rms_norm_eps, c.num_heads, c.num_kv_heads,
+                                      c.head_dim, self.layers[0].attention.scale, rot.cos, rot.sin,
+                                      self.dtype, self.layers[0].qkv.small_m)
 
     # ── what a family names differently ──────────────────────────────────────────────────────
     def read_attention(self, r: WeightReader, a: str) -> tuple:
@@ -195,6 +217,8 @@ class DecoderModel:
         x = F.embedding(input_ids, self.embed)                            # [T, H]
         if self.normalizer is not None:
             x = x * self.normalizer
+        if self.chain is not None and self.chain.takes(x, meta, kv_caches):
+            return self.chain.run(x, positions, meta, kv_caches)
         step = StepInfo(meta, positions, bool((meta.slot_mapping >= 0).all()) if T else True)
         for rot in self._rotaries:
             rot.begin_step(positions)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import chatserve_kernels
-from chatserve_kernels import AttentionMetadata, cpu_ops
+from chatserve_kernels import AttentionMetadata, cpu_ops, cpu_qmatmul
 
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
 WEIGHT_QUANTS = (None, "int8", "int4")
@@ -48,7 +48,7 @@ class Linear:
     quantized kernels win only up to M = 4 (layers M=8: int4 189 vs 134 µs; LM head M=8: int8 1.79 vs
     1.22 ms, M=4: 0.83 vs 1.06), so small_m drops to PACKED_SMALL_M."""
 
-    __slots__ = ("w", "wt", "b", "wq", "scales", "small_m", "kind", "act", "packed")
+    __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
                  small_m: int = 8) -> None:
@@ -57,14 +57,17 @@ class Linear:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
         self.w, self.b, self.small_m, self.kind = w, b, small_m, weight_quant
         self.act = torch.bfloat16      # both kernels take fp32 too, but 3-6× slower (a generic path)
-        self.wq = self.scales = self.packed = None
+        self.wq = self.scales = self.packed = self.qw = None
         N, K = w.shape
         if w.dtype == torch.bfloat16 and w.device.type == "cpu" and _onednn_bf16():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
             self.small_m = min(small_m, PACKED_SMALL_M)
         if weight_quant == "int4" and (K % INT4_GROUP or w.device.type != "cpu"):
             self.kind = weight_quant = "int8"          # the int4 kernel needs K % 32 == 0 and a CPU
-        if weight_quant == "int8":
+        if weight_quant and w.device.type == "cpu" and K % INT4_GROUP == 0 and cpu_qmatmul.available():
+            bits = 4 if weight_quant == "int4" else 8
+            self.qw = cpu_qmatmul.pack(*cpu_qmatmul.quantize(w, bits), bits)
+        elif weight_quant == "int8":
             wf = w.float()
             scales = wf.abs().amax(1).clamp_min(1e-8) / 127.0                     # [N]
             self.wq = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
@@ -85,6 +88,8 @@ class Linear:
     def bytes_read(self, rows: int) -> int:
         """Weight bytes one call on `rows` rows reads: the quantized copy and its scales, or the dense W."""
         bias = 0 if self.b is None else self.b.numel() * self.b.element_size()
+        if self.qw is not None and rows <= self.small_m:
+            return self.qw.nbytes() + bias
         if self.wq is not None and rows <= self.small_m:
             return (self.wq.numel() * self.wq.element_size()
                     + self.scales.numel() * self.scales.element_size() + bias)
@@ -94,6 +99,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] → [T, N]
+        if self.qw is not None and x.shape[0] <= self.small_m and x.dim() == 2:
+            y = cpu_qmatmul.matmul(x if x.dtype in (torch.float32, torch.bfloat16) else x.float(), self.qw)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
+            return y if self.b is None else y + self.b
         if self.wq is not None and x.shape[0] <= self.small_m:
             xa = x if x.dtype == self.act else x.to(self.act)
             if self.kind == "int8":

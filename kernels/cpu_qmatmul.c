@@ -1,0 +1,223 @@
+/* Weight-only quantized matmul for the few-row (decode) steps on the CPU: y[M, N] = x[M, K] · Wᵀ, with W
+ * stored as 4- or 8-bit codes in groups of 32 along K (value = lo + code · scale, per row and group), in one
+ * pass over the packed weights.
+ *   4-bit: x in bf16 (as torch's int4 kernel takes it), codes turned into the bf16 number 128 + code by one
+ *          bit operation, dot products by AVX-512 BF16 (vdpbf16ps); the 128 · scale · Σx is folded into lo.
+ *   8-bit: x quantized to int8 per group of 32, dot products exact in integers by AVX-512 VNNI (vpdpbusd).
+ *          Used for the LM head, where it tracks float32 as closely as bf16 activations do.
+ *
+ * Layout (built by cpu_qmatmul.py): rows in tiles of 16 (a zmm lane per row), and per (tile, group):
+ *   8-bit: 8 chunks of 64 bytes; byte 4·r + i of chunk j is row r's code at k = 4·j + i;
+ *   4-bit: 8 chunks of 32 bytes; byte 2·r + e of chunk j holds row r's codes at k = 2·j + e (low nibble)
+ *          and k = 16 + 2·j + e (high nibble).
+ * Scales and lows: [tiles, G, 16] fp32. Built at first use by cpu_build.py with -march=native; without
+ * AVX-512 VNNI and BF16 chatserve_qmm_tile() returns 0 and the caller keeps torch's kernels.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define QMM_TILE 16
+#else
+#define QMM_TILE 0
+#endif
+
+#define GROUP 32
+
+int chatserve_qmm_tile(void) { return QMM_TILE; }
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c = {(uint32_t)x << 16};
+    return c.f;
+}
+
+/* x [M, K] (fp32, or bf16 when bf16 != 0) → codes xq [M, K] int8, scale sx [M, G] and exact sum xs [M, G]
+ * per group of 32, round half away from zero. */
+static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, int8_t *xq, float *sx, float *xs) {
+    const int64_t G = K / GROUP;
+    float v[GROUP];
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t base = m * K + g * GROUP;
+            float amax = 0.f, sum = 0.f;
+            for (int i = 0; i < GROUP; i++) {
+                v[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
+                amax = fmaxf(amax, fabsf(v[i]));
+                sum += v[i];
+            }
+            const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < GROUP; i++)
+                xq[base + i] = (int8_t)lroundf(v[i] * inv);
+            sx[m * G + g] = s;
+            xs[m * G + g] = sum;
+        }
+    }
+}
+
+/* x [M, K] → bf16 copy xb [M, K] (round to nearest even; a bf16 x is copied) and the sum of those bf16
+ * values per group of 32, xs [M, G]. */
+static void bf16_rows(const void *x, int bf16, int64_t M, int64_t K, uint16_t *xb, float *xs) {
+    const int64_t G = K / GROUP;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t base = m * K + g * GROUP;
+            float sum = 0.f;
+            for (int i = 0; i < GROUP; i++) {
+                uint16_t b;
+                if (bf16) {
+                    b = ((const uint16_t *)x)[base + i];
+                } else {
+                    union { float f; uint32_t u; } c = {((const float *)x)[base + i]};
+                    b = (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+                }
+                xb[base + i] = b;
+                sum += bf16_to_f32(b);
+            }
+            xs[m * G + g] = sum;
+        }
+}
+
+#if QMM_TILE
+static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask16 keep) {
+    if (!bf16) {
+        _mm512_mask_storeu_ps((float *)out + off, keep, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v);                  /* round to nearest even, as torch does */
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)out + off, keep, _mm512_cvtepi32_epi16(r));
+}
+
+/* Tiles [t0, t1) for MB rows of x: the accumulators stay in registers across the K loop, and each row's
+ * dot products run in NC = 4/MB independent chains so that the dot instructions' latency is hidden. */
+#define TILE_HEAD(MB, GB)                                                                                  \
+        for (int64_t t = t0; t < t1; t++) {                                                                \
+            const uint8_t *wt = w + t * G * (GB);                                                          \
+            __m512 acc[MB], accl[MB];                                                                      \
+            for (int m = 0; m < MB; m++) acc[m] = accl[m] = _mm512_setzero_ps();                           \
+            for (int64_t g = 0; g < G; g++) {                                                              \
+                const uint8_t *wg = wt + g * (GB);
+#define TILE_TAIL(MB, NC, SUM)                                                                             \
+                const __m512 s = _mm512_loadu_ps(sc + (t * G + g) * 16);                                   \
+                const __m512 l = _mm512_loadu_ps(lo + (t * G + g) * 16);                                   \
+                for (int m = 0; m < MB; m++) {                                                             \
+                    __m512 sum = SUM(ia[m][0]);                                                            \
+                    for (int c = 1; c < NC; c++) sum = _mm512_add_ps(sum, SUM(ia[m][c]));                  \
+                    acc[m] = _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(XSCALE(m, g))), acc[m]); \
+                    accl[m] = _mm512_fmadd_ps(l, _mm512_set1_ps(xs[m * G + g]), accl[m]);                  \
+                }                                                                                          \
+            }                                                                                              \
+            const int64_t left = N - t * 16;                                                               \
+            const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);         \
+            for (int m = 0; m < MB; m++)                                                                   \
+                store_row(out, bf16, m * N + t * 16, _mm512_add_ps(acc[m], accl[m]), keep);                \
+        }
+
+/* 8-bit codes × int8 x (xq [MB, K], scales sx [MB, G]): exact integer dots, then scaled per group. */
+#define CVT_I32(v) _mm512_cvtepi32_ps(v)
+#define XSCALE(m, g) sx[(m) * G + (g)]
+#define QMM_TILES_I8(MB, NC)                                                                               \
+    static void qmm_i8_##MB(const uint8_t *w, const float *sc, const float *lo, int64_t G, int64_t K,      \
+                            const int8_t *xq, const float *sx, const float *xs, int64_t t0, int64_t t1,    \
+                            int64_t N, void *out, int bf16) {                                              \
+        TILE_HEAD(MB, 512)                                                                                 \
+                __m512i ia[MB][NC];                                                                        \
+                for (int m = 0; m < MB; m++)                                                               \
+                    for (int c = 0; c < NC; c++) ia[m][c] = _mm512_setzero_si512();                        \
+                for (int j = 0; j < 8; j++) {                                                              \
+                    const __m512i v = _mm512_loadu_si512(wg + j * 64);                                     \
+                    for (int m = 0; m < MB; m++) {                                                         \
+                        const int32_t *q = (const int32_t *)(xq + m * K + g * GROUP) + j;                  \
+                        ia[m][j % NC] = _mm512_dpbusd_epi32(ia[m][j % NC], v, _mm512_set1_epi32(q[0]));    \
+                    }                                                                                      \
+                }                                                                                          \
+        TILE_TAIL(MB, NC, CVT_I32)                                                                         \
+    }
+QMM_TILES_I8(1, 4)
+QMM_TILES_I8(2, 2)
+QMM_TILES_I8(4, 1)
+#undef XSCALE
+
+/* 4-bit codes × bf16 x (xb [MB, K]): (code | 0x4300) is the bf16 number 128 + code; lo holds lo − 128·scale. */
+#define SAME(v) (v)
+#define XSCALE(m, g) 1.0f
+#define QMM_TILES_BF16(MB, NC)                                                                             \
+    static void qmm_bf16_##MB(const uint8_t *w, const float *sc, const float *lo, int64_t G, int64_t K,    \
+                              const uint16_t *xb, const float *xs, int64_t t0, int64_t t1, int64_t N,      \
+                              void *out, int bf16) {                                                       \
+        const __m512i nib = _mm512_set1_epi16(0x000F), base = _mm512_set1_epi16(0x4300);                   \
+        TILE_HEAD(MB, 256)                                                                                 \
+                __m512 ia[MB][NC];                                                                         \
+                for (int m = 0; m < MB; m++)                                                               \
+                    for (int c = 0; c < NC; c++) ia[m][c] = _mm512_setzero_ps();                           \
+                for (int j = 0; j < 8; j++) {                                                              \
+                    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + j * 32))); \
+                    const __m512i a = _mm512_ternarylogic_epi32(v, nib, base, 0xEA);     /* (v & nib) | base */ \
+                    const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, base, 0xEA);  \
+                    for (int m = 0; m < MB; m++) {                                                         \
+                        const int32_t *q = (const int32_t *)(xb + m * K + g * GROUP);                      \
+                        __m512 *r = &ia[m][(2 * j) % NC];                                                  \
+                        *r = _mm512_dpbf16_ps(*r, (__m512bh)a, (__m512bh)_mm512_set1_epi32(q[j]));         \
+                        r = &ia[m][(2 * j + 1) % NC];                                                      \
+                        *r = _mm512_dpbf16_ps(*r, (__m512bh)b, (__m512bh)_mm512_set1_epi32(q[8 + j]));     \
+                    }                                                                                      \
+                }                                                                                          \
+        TILE_TAIL(MB, NC, SAME)                                                                            \
+    }
+QMM_TILES_BF16(1, 4)
+QMM_TILES_BF16(2, 2)
+QMM_TILES_BF16(4, 1)
+#undef XSCALE
+#endif
+
+
+
+/* y[M, N] (fp32, or bf16 when bf16 != 0) = x[M, K] · Wᵀ for packed W (see the top). K % 32 == 0.
+ * Returns 0, or -1 when this build has no VNNI kernel or the scratch could not be allocated. */
+int chatserve_qmm(const uint8_t *w, const float *sc, const float *lo, int bits, int64_t N, int64_t K,
+                  const void *x, int64_t M, void *y, int bf16, int nthreads) {
+#if QMM_TILE
+    const int64_t G = K / GROUP, tiles = (N + 15) / 16;
+    int8_t *xq = malloc((size_t)(M * K) * (bits == 4 ? 2 : 1));      /* int8 codes, or the bf16 copy */
+    float *sx = malloc(sizeof(float) * (size_t)(M * G)), *xs = malloc(sizeof(float) * (size_t)(M * G));
+    if (!xq || !sx || !xs) {
+        free(xq); free(sx); free(xs);
+        return -1;
+    }
+    if (bits == 4) bf16_rows(x, bf16, M, K, (uint16_t *)xq, xs);
+    else quantize_rows(x, bf16, M, K, xq, sx, xs);
+    const int nt = nthreads > 1 && tiles >= 8 ? nthreads : 1;
+    const size_t ybytes = bf16 ? 2 : 4;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t part = 0; part < nt; part++) {
+        const int64_t t0 = tiles * part / nt, t1 = tiles * (part + 1) / nt;
+        for (int64_t m = 0; m < M;) {        /* rows of x in blocks of 4, 2, 1: the weights stream once a block */
+            const int64_t mb = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+            const float *u = xs + m * G;
+            char *o = (char *)y + (size_t)(m * N) * ybytes;
+            if (bits == 4) {
+                const uint16_t *b = (const uint16_t *)xq + m * K;
+                if (mb == 4) qmm_bf16_4(w, sc, lo, G, K, b, u, t0, t1, N, o, bf16);
+                else if (mb == 2) qmm_bf16_2(w, sc, lo, G, K, b, u, t0, t1, N, o, bf16);
+                else qmm_bf16_1(w, sc, lo, G, K, b, u, t0, t1, N, o, bf16);
+            } else {
+                const int8_t *q = xq + m * K;
+                const float *s = sx + m * G;
+                if (mb == 4) qmm_i8_4(w, sc, lo, G, K, q, s, u, t0, t1, N, o, bf16);
+                else if (mb == 2) qmm_i8_2(w, sc, lo, G, K, q, s, u, t0, t1, N, o, bf16);
+                else qmm_i8_1(w, sc, lo, G, K, q, s, u, t0, t1, N, o, bf16);
+            }
+            m += mb;
+        }
+    }
+    free(xq); free(sx); free(xs);
+    return 0;
+#else
+    (void)w; (void)sc; (void)lo; (void)bits; (void)N; (void)K; (void)x; (void)M; (void)y; (void)bf16;
+    (void)nthreads; (void)quantize_rows; (void)bf16_rows;
+    return -1;
+#endif
+}

@@ -1,0 +1,109 @@
+"""Weight-only 4/8-bit matmul for few-row CPU steps (cpu_qmatmul.c via ctypes; AVX-512 BF16 for 4-bit
+codes, VNNI for 8-bit): packs a matrix once into the kernel's tiled layout and multiplies bf16/fp32 rows
+by it. `dequantize` is the plain-torch twin of the packed weights (the test oracle); without those
+instructions `available()` is False.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from chatserve_kernels import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_qmatmul.c")
+GROUP = 32
+TILE = 16
+_i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    lib = cpu_build.load(SOURCE)
+    if lib is None or lib.chatserve_qmm_tile() != TILE:
+        return None
+    lib.chatserve_qmm.argtypes = [_vp, _vp, _vp, _i32, _i64, _i64, _vp, _i64, _vp, _i32, _i32]
+    lib.chatserve_qmm.restype = _i32
+    return lib
+
+
+def available() -> bool:
+    """The VNNI kernel is built for this CPU (and not switched off with CHATSERVE_CPU_KERNELS=0)."""
+    return _lib() is not None
+
+
+@dataclass
+class PackedWeight:
+    """W [N, K] as codes in the kernel's layout: value = lo + code · scale per (row, group of 32)."""
+    codes: torch.Tensor     # uint8 [tiles, G, 8, 64 (8-bit) or 32 (4-bit)]
+    scale: torch.Tensor     # float32 [tiles, G, 16]
+    lo: torch.Tensor        # float32 [tiles, G, 16]; for 4 bits lo − 128 · scale
+    bits: int
+    n: int
+    k: int
+
+    @functools.cached_property
+    def ptrs(self) -> tuple[int, int, int]:
+        """Data pointers of codes, scale and lo (fixed for the weight's life): the C call's arguments."""
+        return self.codes.data_ptr(), self.scale.data_ptr(), self.lo.data_ptr()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.lo))
+
+
+def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max asymmetric codes per group of 32 along K: w [N, K] → (codes [N, K] int32, scale, lo [N, G])."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    top = (1 << bits) - 1
+    scale = ((hi - lo) / top).clamp_min(1e-8)
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top).to(torch.int32)
+    return codes.reshape(N, K), scale, lo
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) -> PackedWeight:
+    """codes [N, K] (0 .. 2**bits - 1), scale and lo [N, K/32] → the tiled layout of cpu_qmatmul.c."""
+    assert bits in (4, 8)
+    N, K = codes.shape
+    G = K // GROUP
+    assert K % GROUP == 0 and scale.shape == lo.shape == (N, G)
+    tiles = -(-N // TILE)
+    pad = tiles * TILE - N
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad)).reshape(tiles, TILE, G, GROUP)
+    if bits == 8:         # chunk j, byte 4·r + i: k = 4·j + i
+        c = c.reshape(tiles, TILE, G, 8, 4).permute(0, 2, 3, 1, 4)                # [tiles, G, 8, row, 4]
+    else:                 # chunk j, byte 2·r + e: k = 2·j + e (low nibble) and 16 + 2·j + e (high)
+        c = c.reshape(tiles, TILE, G, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)          # [tiles, G, j, row, e, half]
+        c = c[..., 0] | (c[..., 1] << 4)
+        lo = lo - 128.0 * scale          # the kernel multiplies by 128 + code (see cpu_qmatmul.c)
+    codes_t = c.reshape(tiles, G, 8, -1).contiguous()
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
+        return t.reshape(tiles, TILE, G).transpose(1, 2).contiguous()           # [tiles, G, 16]
+    return PackedWeight(codes_t, tiled(scale), tiled(lo), bits, N, K)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The torch twin: codes [N, K], scale and lo [N, G] → W [N, K] float32."""
+    N, K = codes.shape
+    g = codes.float().reshape(N, K // GROUP, GROUP)
+    return (lo[..., None] + g * scale[..., None]).reshape(N, K)
+
+
+def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] of x's dtype. x enters as bf16 for 4-bit weights (as
+    torch's int4 kernel takes it) and as int8 codes per group of 32 for 8-bit ones."""
+    assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.n, dtype=x.dtype)
+    rc = _lib().chatserve_qmm(w.codes.data_ptr(), w.scale.data_ptr(), w.lo.data_ptr(), w.bits, w.n, w.k,
+                              x.data_ptr(), x.shape[0], y.data_ptr(), int(x.dtype == torch.bfloat16),
+                              torch.get_num_threads())
+    if rc:
+        raise MemoryError("cpu_qmatmul: scratch allocation failed")
+    return y

@@ -1,0 +1,45 @@
+"""cpu_qmatmul (AVX-512 VNNI) against its torch twin: packed 4/8-bit weights times fp32/bf16 rows, every
+row-block path (1, 2, 4 rows and their mixes), a row count that is not a tile multiple."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatserve_kernels import cpu_qmatmul as Q
+
+pytestmark = pytest.mark.skipif(not Q.available(), reason="no AVX-512 VNNI kernel on this CPU")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k", [(37, 64), (96, 160), (16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_dequantized_matmul(bits, n, k, dtype):
+    g = torch.Generator().manual_seed(n * k + bits)
+    codes, scale, lo = Q.quantize(torch.randn(n, k, generator=g), bits)
+    assert int(codes.min()) >= 0 and int(codes.max()) == (1 << bits) - 1
+    packed = Q.pack(codes, scale, lo, bits)
+    w = Q.dequantize(codes, scale, lo)
+    for m in (1, 2, 3, 4, 7, 9):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        y = Q.matmul(x, packed)
+        assert y.shape == (m, n) and y.dtype == dtype
+        ref = x.float() @ w.t()
+        # the only approximation is x's int8 codes per group of 32 (≤ 0.5/127 of the group's max each),
+        # which multiply code · scale (the low times the exact group sum of x is exact)
+        step = (x.float().abs().reshape(m, -1, 32).amax(-1) / 254).repeat_interleave(32, -1)
+        bound = step @ Q.dequantize(codes, scale, torch.zeros_like(lo)).t()
+        tol = bound + (ref.abs() * 2 ** -7 if dtype == torch.bfloat16 else 1e-4)
+        assert bool(((y.float() - ref).abs() <= tol + 1e-5).all()), (m, float((y.float() - ref).abs().max()))
+
+
+def test_quantize_round_trips_a_grouped_4bit_matrix():
+    """Codes that came from groups of 32 with a min and a step (GGUF Q4_1) are rebuilt exactly."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (32, 64), generator=g)
+    scale = torch.rand(32, 2, generator=g) + 0.1
+    lo = torch.randn(32, 2, generator=g)
+    codes[:, 0], codes[:, 1], codes[:, 32], codes[:, 33] = 0, 15, 0, 15    # each group spans 0..15
+    w = Q.dequantize(codes, scale, lo)
+    c2, s2, l2 = Q.quantize(w, 4)
+    assert torch.equal(c2, codes.to(torch.int32))
+    assert torch.allclose(Q.dequantize(c2, s2, l2), w, atol=1e-5)
