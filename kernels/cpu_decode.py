@@ -115,6 +115,6 @@ class DecodeChain:
 
 
 def _mm(qmm, w: PackedWeight, x_ptr: int, M: int, y_ptr: int, bf16: int, nt: int) -> None:
-    codes, scale, lo = w.ptrs
-    if qmm(codes, scale, lo, w.bits, w.n, w.k, x_ptr, M, y_ptr, bf16, nt):
+    codes, scale_lo = w.ptrs
+    if qmm(codes, scale_lo, w.bits, w.n, w.k, x_ptr, M, y_ptr, bf16, nt):
         raise MemoryError("cpu_qmatmul: scratch allocation failed")

@@ -2,7 +2,7 @@
  * stored as 4- or 8-bit codes in groups of 32 along K (value = lo + code · scale, per row and group), in one
  * pass over the packed weights.
  *   4-bit: x in bf16 (as torch's int4 kernel takes it), codes turned into the bf16 number 128 + code by one
- *          bit operation, dot products by AVX-512 BF16 (vdpbf16ps); the 128 · scale · Σx is folded into lo.
+ *          bit operation, dot products by AVX-512 BF16 (vdpbf16ps); 128 · scale · Σx comes off with the low.
  *   8-bit: x quantized to int8 per group of 32, dot products exact in integers by AVX-512 VNNI (vpdpbusd).
  *          Used for the LM head, where it tracks float32 as closely as bf16 activations do.
  *
@@ -10,7 +10,7 @@
  *   8-bit: 8 chunks of 64 bytes; byte 4·r + i of chunk j is row r's code at k = 4·j + i;
  *   4-bit: 8 chunks of 32 bytes; byte 2·r + e of chunk j holds row r's codes at k = 2·j + e (low nibble)
  *          and k = 16 + 2·j + e (high nibble).
- * Scales and lows: [tiles, G, 16] fp32. Built at first use by cpu_build.py with -march=native; without
+ * Scales and lows: [tiles, G, 32] fp16, the 16 rows' scales then their lows (GGUF Q4_1 keeps both in fp16). Built at first use by cpu_build.py with -march=native; without
  * AVX-512 VNNI and BF16 chatserve_qmm_tile() returns 0 and the caller keeps torch's kernels.
  */
 #include <math.h>
@@ -101,8 +101,9 @@ static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask
             for (int64_t g = 0; g < G; g++) {                                                              \
                 const uint8_t *wg = wt + g * (GB);
 #define TILE_TAIL(MB, NC, SUM)                                                                             \
-                const __m512 s = _mm512_loadu_ps(sc + (t * G + g) * 16);                                   \
-                const __m512 l = _mm512_loadu_ps(lo + (t * G + g) * 16);                                   \
+                const __m512i slv = _mm512_loadu_si512(sl + (t * G + g) * 32);                             \
+                const __m512 s = _mm512_cvtph_ps(_mm512_castsi512_si256(slv));                             \
+                const __m512 l = LOW(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(slv, 1)), s);               \
                 for (int m = 0; m < MB; m++) {                                                             \
                     __m512 sum = SUM(ia[m][0]);                                                            \
                     for (int c = 1; c < NC; c++) sum = _mm512_add_ps(sum, SUM(ia[m][c]));                  \
@@ -119,8 +120,9 @@ static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask
 /* 8-bit codes × int8 x (xq [MB, K], scales sx [MB, G]): exact integer dots, then scaled per group. */
 #define CVT_I32(v) _mm512_cvtepi32_ps(v)
 #define XSCALE(m, g) sx[(m) * G + (g)]
+#define LOW(l, s) (l)
 #define QMM_TILES_I8(MB, NC)                                                                               \
-    static void qmm_i8_##MB(const uint8_t *w, const float *sc, const float *lo, int64_t G, int64_t K,      \
+    static void qmm_i8_##MB(const uint8_t *w, const uint16_t *sl, int64_t G, int64_t K,      \
                             const int8_t *xq, const float *sx, const float *xs, int64_t t0, int64_t t1,    \
                             int64_t N, void *out, int bf16) {                                              \
         TILE_HEAD(MB, 512)                                                                                 \
@@ -140,12 +142,15 @@ QMM_TILES_I8(1, 4)
 QMM_TILES_I8(2, 2)
 QMM_TILES_I8(4, 1)
 #undef XSCALE
+#undef LOW
 
-/* 4-bit codes × bf16 x (xb [MB, K]): (code | 0x4300) is the bf16 number 128 + code; lo holds lo − 128·scale. */
+/* 4-bit codes × bf16 x (xb [MB, K]): (code | 0x4300) is the bf16 number 128 + code, so the low
+ * taken with the sum of x is lo − 128 · scale. */
 #define SAME(v) (v)
 #define XSCALE(m, g) 1.0f
+#define LOW(l, s) _mm512_fmadd_ps((s), _mm512_set1_ps(-128.0f), (l))
 #define QMM_TILES_BF16(MB, NC)                                                                             \
-    static void qmm_bf16_##MB(const uint8_t *w, const float *sc, const float *lo, int64_t G, int64_t K,    \
+    static void qmm_bf16_##MB(const uint8_t *w, const uint16_t *sl, int64_t G, int64_t K,    \
                               const uint16_t *xb, const float *xs, int64_t t0, int64_t t1, int64_t N,      \
                               void *out, int bf16) {                                                       \
         const __m512i nib = _mm512_set1_epi16(0x000F), base = _mm512_set1_epi16(0x4300);                   \
@@ -171,13 +176,14 @@ QMM_TILES_BF16(1, 4)
 QMM_TILES_BF16(2, 2)
 QMM_TILES_BF16(4, 1)
 #undef XSCALE
+#undef LOW
 #endif
 
 
 
 /* y[M, N] (fp32, or bf16 when bf16 != 0) = x[M, K] · Wᵀ for packed W (see the top). K % 32 == 0.
  * Returns 0, or -1 when this build has no VNNI kernel or the scratch could not be allocated. */
-int chatserve_qmm(const uint8_t *w, const float *sc, const float *lo, int bits, int64_t N, int64_t K,
+int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int64_t K,
                   const void *x, int64_t M, void *y, int bf16, int nthreads) {
 #if QMM_TILE
     const int64_t G = K / GROUP, tiles = (N + 15) / 16;
@@ -200,15 +206,15 @@ int chatserve_qmm(const uint8_t *w, const float *sc, const float *lo, int bits, 
             char *o = (char *)y + (size_t)(m * N) * ybytes;
             if (bits == 4) {
                 const uint16_t *b = (const uint16_t *)xq + m * K;
-                if (mb == 4) qmm_bf16_4(w, sc, lo, G, K, b, u, t0, t1, N, o, bf16);
-                else if (mb == 2) qmm_bf16_2(w, sc, lo, G, K, b, u, t0, t1, N, o, bf16);
-                else qmm_bf16_1(w, sc, lo, G, K, b, u, t0, t1, N, o, bf16);
+                if (mb == 4) qmm_bf16_4(w, sl, G, K, b, u, t0, t1, N, o, bf16);
+                else if (mb == 2) qmm_bf16_2(w, sl, G, K, b, u, t0, t1, N, o, bf16);
+                else qmm_bf16_1(w, sl, G, K, b, u, t0, t1, N, o, bf16);
             } else {
                 const int8_t *q = xq + m * K;
                 const float *s = sx + m * G;
-                if (mb == 4) qmm_i8_4(w, sc, lo, G, K, q, s, u, t0, t1, N, o, bf16);
-                else if (mb == 2) qmm_i8_2(w, sc, lo, G, K, q, s, u, t0, t1, N, o, bf16);
-                else qmm_i8_1(w, sc, lo, G, K, q, s, u, t0, t1, N, o, bf16);
+                if (mb == 4) qmm_i8_4(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
+                else if (mb == 2) qmm_i8_2(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
+                else qmm_i8_1(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
             }
             m += mb;
         }
@@ -216,7 +222,7 @@ int chatserve_qmm(const uint8_t *w, const float *sc, const float *lo, int bits, 
     free(xq); free(sx); free(xs);
     return 0;
 #else
-    (void)w; (void)sc; (void)lo; (void)bits; (void)N; (void)K; (void)x; (void)M; (void)y; (void)bf16;
+    (void)w; (void)sl; (void)bits; (void)N; (void)K; (void)x; (void)M; (void)y; (void)bf16;
     (void)nthreads; (void)quantize_rows; (void)bf16_rows;
     return -1;
 #endif

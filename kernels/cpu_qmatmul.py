@@ -25,7 +25,7 @@ def _lib():
     lib = cpu_build.load(SOURCE)
     if lib is None or lib.chatserve_qmm_tile() != TILE:
         return None
-    lib.chatserve_qmm.argtypes = [_vp, _vp, _vp, _i32, _i64, _i64, _vp, _i64, _vp, _i32, _i32]
+    lib.chatserve_qmm.argtypes = [_vp, _vp, _i32, _i64, _i64, _vp, _i64, _vp, _i32, _i32]
     lib.chatserve_qmm.restype = _i32
     return lib
 
@@ -39,34 +39,38 @@ def available() -> bool:
 class PackedWeight:
     """W [N, K] as codes in the kernel's layout: value = lo + code · scale per (row, group of 32)."""
     codes: torch.Tensor     # uint8 [tiles, G, 8, 64 (8-bit) or 32 (4-bit)]
-    scale: torch.Tensor     # float32 [tiles, G, 16]
-    lo: torch.Tensor        # float32 [tiles, G, 16]; for 4 bits lo − 128 · scale
+    scale_lo: torch.Tensor  # float16 [tiles, G, 32]: the tile's 16 scales, then its 16 lows
     bits: int
     n: int
     k: int
 
     @functools.cached_property
-    def ptrs(self) -> tuple[int, int, int]:
-        """Data pointers of codes, scale and lo (fixed for the weight's life): the C call's arguments."""
-        return self.codes.data_ptr(), self.scale.data_ptr(), self.lo.data_ptr()
+    def ptrs(self) -> tuple[int, int]:
+        """Data pointers of codes and scale_lo (fixed for the weight's life): the C call's arguments."""
+        return self.codes.data_ptr(), self.scale_lo.data_ptr()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.lo))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale_lo))
+
+
+FP16_MAX = 65504.0
 
 
 def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Min/max asymmetric codes per group of 32 along K: w [N, K] → (codes [N, K] int32, scale, lo [N, G])."""
+    """Min/max asymmetric codes per group of 32 along K: w [N, K] → (codes [N, K] int32, scale, lo [N, G]),
+    scale and lo rounded to fp16 (as the kernel stores them) before the codes are chosen."""
     N, K = w.shape
     g = w.float().reshape(N, K // GROUP, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
     top = (1 << bits) - 1
-    scale = ((hi - lo) / top).clamp_min(1e-8)
+    scale = ((hi - lo) / top).clamp(2 ** -24, FP16_MAX).half().float()
+    lo = lo.clamp(-FP16_MAX, FP16_MAX).half().float()
     codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top).to(torch.int32)
     return codes.reshape(N, K), scale, lo
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) -> PackedWeight:
-    """codes [N, K] (0 .. 2**bits - 1), scale and lo [N, K/32] → the tiled layout of cpu_qmatmul.c."""
+    """codes [N, K] (0 .. 2**bits - 1), scale and lo [N, K/32] (fp16 values) → cpu_qmatmul.c's layout."""
     assert bits in (4, 8)
     N, K = codes.shape
     G = K // GROUP
@@ -79,13 +83,12 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) 
     else:                 # chunk j, byte 2·r + e: k = 2·j + e (low nibble) and 16 + 2·j + e (high)
         c = c.reshape(tiles, TILE, G, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)          # [tiles, G, j, row, e, half]
         c = c[..., 0] | (c[..., 1] << 4)
-        lo = lo - 128.0 * scale          # the kernel multiplies by 128 + code (see cpu_qmatmul.c)
     codes_t = c.reshape(tiles, G, 8, -1).contiguous()
 
     def tiled(t: torch.Tensor) -> torch.Tensor:
-        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
-        return t.reshape(tiles, TILE, G).transpose(1, 2).contiguous()           # [tiles, G, 16]
-    return PackedWeight(codes_t, tiled(scale), tiled(lo), bits, N, K)
+        t = torch.nn.functional.pad(t.half(), (0, 0, 0, pad))
+        return t.reshape(tiles, TILE, G).transpose(1, 2)                       # [tiles, G, 16]
+    return PackedWeight(codes_t, torch.cat([tiled(scale), tiled(lo)], -1).contiguous(), bits, N, K)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -101,7 +104,7 @@ def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.n, dtype=x.dtype)
-    rc = _lib().chatserve_qmm(w.codes.data_ptr(), w.scale.data_ptr(), w.lo.data_ptr(), w.bits, w.n, w.k,
+    rc = _lib().chatserve_qmm(*w.ptrs, w.bits, w.n, w.k,
                               x.data_ptr(), x.shape[0], y.data_ptr(), int(x.dtype == torch.bfloat16),
                               torch.get_num_threads())
     if rc:

@@ -33,11 +33,11 @@ def test_matches_the_dequantized_matmul(bits, n, k, dtype):
 
 
 def test_quantize_round_trips_a_grouped_4bit_matrix():
-    """Codes that came from groups of 32 with a min and a step (GGUF Q4_1) are rebuilt exactly."""
+    """Codes that came from groups of 32 with an fp16 min and step (GGUF Q4_1) are rebuilt exactly."""
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (32, 64), generator=g)
-    scale = torch.rand(32, 2, generator=g) + 0.1
-    lo = torch.randn(32, 2, generator=g)
+    scale = (torch.rand(32, 2, generator=g) + 0.1).half().float()       # GGUF keeps both in fp16
+    lo = torch.randn(32, 2, generator=g).half().float()
     codes[:, 0], codes[:, 1], codes[:, 32], codes[:, 33] = 0, 15, 0, 15    # each group spans 0..15
     w = Q.dequantize(codes, scale, lo)
     c2, s2, l2 = Q.quantize(w, 4)

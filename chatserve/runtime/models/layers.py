@@ -64,7 +64,8 @@ class Linear:
             self.small_m = min(small_m, PACKED_SMALL_M)
         if weight_quant == "int4" and (K % INT4_GROUP or w.device.type != "cpu"):
             self.kind = weight_quant = "int8"          # the int4 kernel needs K % 32 == 0 and a CPU
-        if weight_quant and w.device.type == "cpu" and K % INT4_GROUP == 0 and cpu_qmatmul.available():
+        if (weight_quant and w.device.type == "cpu" and K % INT4_GROUP == 0 and cpu_qmatmul.available()
+                and float(w.abs().max()) < cpu_qmatmul.FP16_MAX):
             bits = 4 if weight_quant == "int4" else 8
             self.qw = cpu_qmatmul.pack(*cpu_qmatmul.quantize(w, bits), bits)
         elif weight_quant == "int8":
