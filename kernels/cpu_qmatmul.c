@@ -1,15 +1,16 @@
 /* Weight-only quantized matmul for the few-row (decode) steps on the CPU: y[M, N] = x[M, K] · Wᵀ, with W
  * stored as 4- or 8-bit codes in groups of 32 along K (value = lo + code · scale, per row and group), in one
  * pass over the packed weights.
- *   4-bit: x in bf16 (as torch's int4 kernel takes it), codes turned into the bf16 number 128 + code by one
- *          bit operation, dot products by AVX-512 BF16 (vdpbf16ps); 128 · scale · Σx comes off with the low.
- *   8-bit: x quantized to int8 per group of 32, dot products exact in integers by AVX-512 VNNI (vpdpbusd).
- *          Used for the LM head, where it tracks float32 as closely as bf16 activations do.
+ * x is quantized per group of 32 on the fly and every dot product is exact integer work for AVX-512 VNNI
+ * (vpdpbusd: 64 u8 × s8 products per instruction):
+ *   4-bit: x as 15-bit codes in two int8 planes (two dots per chunk), finer than the bf16 x torch's int4
+ *          kernel takes; 8-bit x here moved the decoder's logits visibly away from float32's.
+ *   8-bit: x as int8 codes. Used for the LM head, whose logits track float32 as closely as with bf16 x.
  *
  * Layout (built by cpu_qmatmul.py): rows in tiles of 16 (a zmm lane per row), and per (tile, group):
  *   8-bit: 8 chunks of 64 bytes; byte 4·r + i of chunk j is row r's code at k = 4·j + i;
- *   4-bit: 8 chunks of 32 bytes; byte 2·r + e of chunk j holds row r's codes at k = 2·j + e (low nibble)
- *          and k = 16 + 2·j + e (high nibble).
+ *   4-bit: 4 chunks of 64 bytes; byte 4·r + i of chunk c holds row r's codes at k = 8·c + i (low nibble)
+ *          and k = 8·c + 4 + i (high nibble).
  * Scales and lows: [tiles, G, 32] fp16, the 16 rows' scales then their lows (GGUF Q4_1 keeps both in fp16). Built at first use by cpu_build.py with -march=native; without
  * AVX-512 VNNI and BF16 chatserve_qmm_tile() returns 0 and the caller keeps torch's kernels.
  */
@@ -17,7 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define QMM_TILE 16
 #else
@@ -56,27 +57,32 @@ static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, int8_t 
     }
 }
 
-/* x [M, K] → bf16 copy xb [M, K] (round to nearest even; a bf16 x is copied) and the sum of those bf16
- * values per group of 32, xs [M, G]. */
-static void bf16_rows(const void *x, int bf16, int64_t M, int64_t K, uint16_t *xb, float *xs) {
+/* x [M, K] → 15-bit codes per group of 32, split into two int8 planes, code = 256 · xh + xl with xl in
+ * [-128, 127] (so |code| ≤ 32639 keeps xh in int8), scale sx [M, G] and the exact sum xs [M, G]. */
+static void quantize_rows16(const void *x, int bf16, int64_t M, int64_t K, int8_t *xh, int8_t *xl, float *sx,
+                            float *xs) {
     const int64_t G = K / GROUP;
-    for (int64_t m = 0; m < M; m++)
+    float v[GROUP];
+    for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < G; g++) {
             const int64_t base = m * K + g * GROUP;
-            float sum = 0.f;
+            float amax = 0.f, sum = 0.f;
             for (int i = 0; i < GROUP; i++) {
-                uint16_t b;
-                if (bf16) {
-                    b = ((const uint16_t *)x)[base + i];
-                } else {
-                    union { float f; uint32_t u; } c = {((const float *)x)[base + i]};
-                    b = (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-                }
-                xb[base + i] = b;
-                sum += bf16_to_f32(b);
+                v[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
+                amax = fmaxf(amax, fabsf(v[i]));
+                sum += v[i];
             }
+            const float inv = amax > 0.f ? 32639.f / amax : 0.f;
+            for (int i = 0; i < GROUP; i++) {
+                const int32_t q = (int32_t)lrintf(v[i] * inv);
+                const int32_t lo8 = ((q + 128) & 255) - 128;
+                xl[base + i] = (int8_t)lo8;
+                xh[base + i] = (int8_t)((q - lo8) / 256);
+            }
+            sx[m * G + g] = amax / 32639.f;
             xs[m * G + g] = sum;
         }
+    }
 }
 
 #if QMM_TILE
@@ -144,37 +150,42 @@ QMM_TILES_I8(4, 1)
 #undef XSCALE
 #undef LOW
 
-/* 4-bit codes × bf16 x (xb [MB, K]): (code | 0x4300) is the bf16 number 128 + code, so the low
- * taken with the sum of x is lo − 128 · scale. */
-#define SAME(v) (v)
-#define XSCALE(m, g) 1.0f
-#define LOW(l, s) _mm512_fmadd_ps((s), _mm512_set1_ps(-128.0f), (l))
-#define QMM_TILES_BF16(MB, NC)                                                                             \
-    static void qmm_bf16_##MB(const uint8_t *w, const uint16_t *sl, int64_t G, int64_t K,    \
-                              const uint16_t *xb, const float *xs, int64_t t0, int64_t t1, int64_t N,      \
-                              void *out, int bf16) {                                                       \
-        const __m512i nib = _mm512_set1_epi16(0x000F), base = _mm512_set1_epi16(0x4300);                   \
+/* 4-bit codes × 15-bit x in two int8 planes (xh, xl [MB, K]): two exact integer dots per chunk, joined as
+ * 256 · Σ code·xh + Σ code·xl, then scaled per group. */
+#define JOIN(v) _mm512_cvtepi32_ps(v)
+#define XSCALE(m, g) sx[(m) * G + (g)]
+#define LOW(l, s) (l)
+#define QMM_TILES_I16(MB, NC)                                                                              \
+    static void qmm_i16_##MB(const uint8_t *w, const uint16_t *sl, int64_t G, int64_t K, const int8_t *xh, \
+                             const int8_t *xl, const float *sx, const float *xs, int64_t t0, int64_t t1,   \
+                             int64_t N, void *out, int bf16) {                                             \
+        const __m512i nib = _mm512_set1_epi8(0x0F);                                                        \
         TILE_HEAD(MB, 256)                                                                                 \
-                __m512 ia[MB][NC];                                                                         \
+                __m512i ih[MB][NC], il[MB][NC], ia[MB][NC];                                                \
                 for (int m = 0; m < MB; m++)                                                               \
-                    for (int c = 0; c < NC; c++) ia[m][c] = _mm512_setzero_ps();                           \
-                for (int j = 0; j < 8; j++) {                                                              \
-                    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + j * 32))); \
-                    const __m512i a = _mm512_ternarylogic_epi32(v, nib, base, 0xEA);     /* (v & nib) | base */ \
-                    const __m512i b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, base, 0xEA);  \
+                    for (int c = 0; c < NC; c++) ih[m][c] = il[m][c] = _mm512_setzero_si512();             \
+                for (int c = 0; c < 4; c++) {                                                              \
+                    const __m512i v = _mm512_loadu_si512(wg + c * 64);                                     \
+                    const __m512i a = _mm512_and_si512(v, nib);                                            \
+                    const __m512i b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);                      \
                     for (int m = 0; m < MB; m++) {                                                         \
-                        const int32_t *q = (const int32_t *)(xb + m * K + g * GROUP);                      \
-                        __m512 *r = &ia[m][(2 * j) % NC];                                                  \
-                        *r = _mm512_dpbf16_ps(*r, (__m512bh)a, (__m512bh)_mm512_set1_epi32(q[j]));         \
-                        r = &ia[m][(2 * j + 1) % NC];                                                      \
-                        *r = _mm512_dpbf16_ps(*r, (__m512bh)b, (__m512bh)_mm512_set1_epi32(q[8 + j]));     \
+                        const int32_t *h = (const int32_t *)(xh + m * K + g * GROUP) + 2 * c;              \
+                        const int32_t *l = (const int32_t *)(xl + m * K + g * GROUP) + 2 * c;              \
+                        const int k0 = (2 * c) % NC, k1 = (2 * c + 1) % NC;                                \
+                        ih[m][k0] = _mm512_dpbusd_epi32(ih[m][k0], a, _mm512_set1_epi32(h[0]));            \
+                        il[m][k0] = _mm512_dpbusd_epi32(il[m][k0], a, _mm512_set1_epi32(l[0]));            \
+                        ih[m][k1] = _mm512_dpbusd_epi32(ih[m][k1], b, _mm512_set1_epi32(h[1]));            \
+                        il[m][k1] = _mm512_dpbusd_epi32(il[m][k1], b, _mm512_set1_epi32(l[1]));            \
                     }                                                                                      \
                 }                                                                                          \
-        TILE_TAIL(MB, NC, SAME)                                                                            \
+                for (int m = 0; m < MB; m++)                                                               \
+                    for (int c = 0; c < NC; c++)                                                           \
+                        ia[m][c] = _mm512_add_epi32(_mm512_slli_epi32(ih[m][c], 8), il[m][c]);             \
+        TILE_TAIL(MB, NC, JOIN)                                                                            \
     }
-QMM_TILES_BF16(1, 4)
-QMM_TILES_BF16(2, 2)
-QMM_TILES_BF16(4, 1)
+QMM_TILES_I16(1, 2)
+QMM_TILES_I16(2, 1)
+QMM_TILES_I16(4, 1)
 #undef XSCALE
 #undef LOW
 #endif
@@ -187,13 +198,13 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
                   const void *x, int64_t M, void *y, int bf16, int nthreads) {
 #if QMM_TILE
     const int64_t G = K / GROUP, tiles = (N + 15) / 16;
-    int8_t *xq = malloc((size_t)(M * K) * (bits == 4 ? 2 : 1));      /* int8 codes, or the bf16 copy */
+    int8_t *xq = malloc((size_t)(M * K) * (bits == 4 ? 2 : 1));      /* int8 codes, or two int8 planes */
     float *sx = malloc(sizeof(float) * (size_t)(M * G)), *xs = malloc(sizeof(float) * (size_t)(M * G));
     if (!xq || !sx || !xs) {
         free(xq); free(sx); free(xs);
         return -1;
     }
-    if (bits == 4) bf16_rows(x, bf16, M, K, (uint16_t *)xq, xs);
+    if (bits == 4) quantize_rows16(x, bf16, M, K, xq, xq + M * K, sx, xs);
     else quantize_rows(x, bf16, M, K, xq, sx, xs);
     const int nt = nthreads > 1 && tiles >= 8 ? nthreads : 1;
     const size_t ybytes = bf16 ? 2 : 4;
@@ -205,10 +216,11 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
             const float *u = xs + m * G;
             char *o = (char *)y + (size_t)(m * N) * ybytes;
             if (bits == 4) {
-                const uint16_t *b = (const uint16_t *)xq + m * K;
-                if (mb == 4) qmm_bf16_4(w, sl, G, K, b, u, t0, t1, N, o, bf16);
-                else if (mb == 2) qmm_bf16_2(w, sl, G, K, b, u, t0, t1, N, o, bf16);
-                else qmm_bf16_1(w, sl, G, K, b, u, t0, t1, N, o, bf16);
+                const int8_t *h = xq + m * K, *l = xq + M * K + m * K;
+                const float *s = sx + m * G;
+                if (mb == 4) qmm_i16_4(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
+                else if (mb == 2) qmm_i16_2(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
+                else qmm_i16_1(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
             } else {
                 const int8_t *q = xq + m * K;
                 const float *s = sx + m * G;
@@ -223,7 +235,7 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
     return 0;
 #else
     (void)w; (void)sl; (void)bits; (void)N; (void)K; (void)x; (void)M; (void)y; (void)bf16;
-    (void)nthreads; (void)quantize_rows; (void)bf16_rows;
+    (void)nthreads; (void)quantize_rows; (void)quantize_rows16;
     return -1;
 #endif
 }

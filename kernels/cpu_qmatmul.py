@@ -1,7 +1,6 @@
-"""Weight-only 4/8-bit matmul for few-row CPU steps (cpu_qmatmul.c via ctypes; AVX-512 BF16 for 4-bit
-codes, VNNI for 8-bit): packs a matrix once into the kernel's tiled layout and multiplies bf16/fp32 rows
-by it. `dequantize` is the plain-torch twin of the packed weights (the test oracle); without those
-instructions `available()` is False.
+"""Weight-only 4/8-bit matmul for few-row CPU steps (cpu_qmatmul.c via ctypes, AVX-512 VNNI): packs a
+matrix once into the kernel's tiled layout and multiplies bf16/fp32 rows by it. `dequantize` is the
+plain-torch twin of the packed weights (the test oracle); without VNNI `available()` is False.
 """
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def available() -> bool:
 @dataclass
 class PackedWeight:
     """W [N, K] as codes in the kernel's layout: value = lo + code · scale per (row, group of 32)."""
-    codes: torch.Tensor     # uint8 [tiles, G, 8, 64 (8-bit) or 32 (4-bit)]
+    codes: torch.Tensor     # uint8 [tiles, G, 8 (8-bit) or 4 (4-bit), 64]
     scale_lo: torch.Tensor  # float16 [tiles, G, 32]: the tile's 16 scales, then its 16 lows
     bits: int
     n: int
@@ -80,10 +79,10 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) 
     c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad)).reshape(tiles, TILE, G, GROUP)
     if bits == 8:         # chunk j, byte 4·r + i: k = 4·j + i
         c = c.reshape(tiles, TILE, G, 8, 4).permute(0, 2, 3, 1, 4)                # [tiles, G, 8, row, 4]
-    else:                 # chunk j, byte 2·r + e: k = 2·j + e (low nibble) and 16 + 2·j + e (high)
-        c = c.reshape(tiles, TILE, G, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)          # [tiles, G, j, row, e, half]
+    else:                 # chunk c, byte 4·r + i: k = 8·c + i (low nibble) and 8·c + 4 + i (high)
+        c = c.reshape(tiles, TILE, G, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)          # [tiles, G, c, row, i, half]
         c = c[..., 0] | (c[..., 1] << 4)
-    codes_t = c.reshape(tiles, G, 8, -1).contiguous()
+    codes_t = c.reshape(tiles, G, 8 if bits == 8 else 4, 64).contiguous()
 
     def tiled(t: torch.Tensor) -> torch.Tensor:
         t = torch.nn.functional.pad(t.half(), (0, 0, 0, pad))
@@ -99,8 +98,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> to
 
 
 def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] of x's dtype. x enters as bf16 for 4-bit weights (as
-    torch's int4 kernel takes it) and as int8 codes per group of 32 for 8-bit ones."""
+    """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] of x's dtype. x enters as 15-bit codes per group of 32
+    for 4-bit weights and as int8 codes for 8-bit ones."""
     assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.n, dtype=x.dtype)
