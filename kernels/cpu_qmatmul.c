@@ -147,6 +147,7 @@ static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask
 QMM_TILES_I8(1, 4)
 QMM_TILES_I8(2, 2)
 QMM_TILES_I8(4, 1)
+QMM_TILES_I8(8, 1)
 #undef XSCALE
 #undef LOW
 
@@ -186,6 +187,7 @@ QMM_TILES_I8(4, 1)
 QMM_TILES_I16(1, 2)
 QMM_TILES_I16(2, 1)
 QMM_TILES_I16(4, 1)
+QMM_TILES_I16(8, 1)
 #undef XSCALE
 #undef LOW
 #endif
@@ -211,20 +213,22 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t part = 0; part < nt; part++) {
         const int64_t t0 = tiles * part / nt, t1 = tiles * (part + 1) / nt;
-        for (int64_t m = 0; m < M;) {        /* rows of x in blocks of 4, 2, 1: the weights stream once a block */
-            const int64_t mb = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        for (int64_t m = 0; m < M;) {        /* rows of x in blocks of 8, 4, 2, 1: the weights stream once a block */
+            const int64_t mb = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
             const float *u = xs + m * G;
             char *o = (char *)y + (size_t)(m * N) * ybytes;
             if (bits == 4) {
                 const int8_t *h = xq + m * K, *l = xq + M * K + m * K;
                 const float *s = sx + m * G;
-                if (mb == 4) qmm_i16_4(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
+                if (mb == 8) qmm_i16_8(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
+                else if (mb == 4) qmm_i16_4(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
                 else if (mb == 2) qmm_i16_2(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
                 else qmm_i16_1(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
             } else {
                 const int8_t *q = xq + m * K;
                 const float *s = sx + m * G;
-                if (mb == 4) qmm_i8_4(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
+                if (mb == 8) qmm_i8_8(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
+                else if (mb == 4) qmm_i8_4(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
                 else if (mb == 2) qmm_i8_2(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
                 else qmm_i8_1(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
             }

@@ -17,7 +17,7 @@ from chatserve_kernels import AttentionMetadata, cpu_ops, cpu_qmatmul
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
 WEIGHT_QUANTS = (None, "int8", "int4")
 INT4_GROUP = 32
-PACKED_SMALL_M = 4   # beside packed bf16 GEMMs the int4/int8 kernels win only up to 4 rows (see Linear)
+PACKED_SMALL_M = 4   # beside packed bf16 GEMMs torch's int4/int8 kernels win only up to 4 rows (see Linear)
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,18 +35,15 @@ def _onednn_bf16() -> bool:
 class Linear:
     """y = x Wᵀ + b. With a weight_quant, steps of at most `small_m` tokens (decode) use a weight-only
     quantized copy of W; larger steps (prefill) keep the dense weight, where GEMMs are compute-bound.
-      int8: per-output-channel scales, torch._weight_int8pack_mm (a quarter of fp32's bytes);
-      int4: groups of 32 along K with a scale and a zero (min/max, asymmetric; GGUF Q4_1 blocks map onto
-            it), torch._weight_int4pack_mm_for_cpu (CPU only; an eighth of fp32's bytes plus scales).
-    Activations go in as bf16 (with fp32 the kernels fall back to a path 3-6× slower). Both kernels
-    cost about one GEMV per row: on this model's layer shapes int8 beats fp32 up to M ≈ 8 (M=1: 243 vs
-    495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595), and on the 49k-row LM head up to M = 16
-    (17.7 vs 20.2 ms), hence the two defaults.
-    Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise):
-    aten's bf16 matmul reorders W on every call (2-core AMD EPYC, 2 threads, the 4 layer matrices: M=16
-    255 → 182 µs, M=256 1.95 → 1.84 ms, both ≈ 4.5× fp32's MKL sgemm on that CPU). Beside them the
-    quantized kernels win only up to M = 4 (layers M=8: int4 189 vs 134 µs; LM head M=8: int8 1.79 vs
-    1.22 ms, M=4: 0.83 vs 1.06), so small_m drops to PACKED_SMALL_M."""
+    The quantized copy, in order of preference:
+      cpu_qmatmul (AVX-512 VNNI): 4- or 8-bit codes per group of 32 with an fp16 scale and low, one pass
+            over the packed weights (int8 means 8-bit codes here);
+      torch's kernels otherwise: int8 with per-output-channel scales (torch._weight_int8pack_mm), int4 in
+            groups of 32 (torch._weight_int4pack_mm_for_cpu), both with bf16 activations (fp32 ones take a
+            generic path several times slower).
+    Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise),
+    since aten's bf16 matmul reorders W on every call. Beside those GEMMs torch's quantized kernels win only
+    up to PACKED_SMALL_M rows, cpu_qmatmul up to the default small_m (docs/benchmarks.md has the crossovers)."""
 
     __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed")
 
@@ -56,35 +53,42 @@ class Linear:
         if weight_quant not in WEIGHT_QUANTS:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
         self.w, self.b, self.small_m, self.kind = w, b, small_m, weight_quant
-        self.act = torch.bfloat16      # both kernels take fp32 too, but 3-6× slower (a generic path)
+        self.act = torch.bfloat16      # torch's kernels take fp32 too, but through a slow generic path
         self.wq = self.scales = self.packed = self.qw = None
         N, K = w.shape
-        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and _onednn_bf16():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
-            self.small_m = min(small_m, PACKED_SMALL_M)
-        if weight_quant == "int4" and (K % INT4_GROUP or w.device.type != "cpu"):
-            self.kind = weight_quant = "int8"          # the int4 kernel needs K % 32 == 0 and a CPU
-        if (weight_quant and w.device.type == "cpu" and K % INT4_GROUP == 0 and cpu_qmatmul.available()
-                and float(w.abs().max()) < cpu_qmatmul.FP16_MAX):
+        cpu = w.device.type == "cpu"
+        if weight_quant and cpu and K % INT4_GROUP == 0 and cpu_qmatmul.available() \
+                and float(w.abs().max()) < cpu_qmatmul.FP16_MAX:
             bits = 4 if weight_quant == "int4" else 8
             self.qw = cpu_qmatmul.pack(*cpu_qmatmul.quantize(w, bits), bits)
-        elif weight_quant == "int8":
+        elif weight_quant:
+            self._torch_quantized(w)
+        if w.dtype == torch.bfloat16 and cpu and _onednn_bf16():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
+            if self.qw is None:
+                self.small_m = min(small_m, PACKED_SMALL_M)
+            self.w = None        # the packed copy replaces it (no second copy of the weights)
+        # Wᵀ as a view: mm/addmm on it is what F.linear runs, without its 5-8 dispatcher ops per call
+        self.wt = None if self.w is None else self.w.t()
+
+    def _torch_quantized(self, w: torch.Tensor) -> None:
+        """wq and scales for torch's int8 (per output channel) or int4 (groups of 32) kernels."""
+        N, K = w.shape
+        if self.kind == "int4" and (K % INT4_GROUP or w.device.type != "cpu"):
+            self.kind = "int8"             # the int4 kernel needs K % 32 == 0 and a CPU
+        if self.kind == "int8":
             wf = w.float()
             scales = wf.abs().amax(1).clamp_min(1e-8) / 127.0                     # [N]
             self.wq = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self.scales = scales.to(self.act)
-        elif weight_quant == "int4":
-            g = w.float().reshape(N, K // INT4_GROUP, INT4_GROUP)                 # [N, G, 32]
-            lo, hi = g.amin(-1), g.amax(-1)                                       # [N, G]
-            sc = ((hi - lo) / 15.0).clamp_min(1e-8)
-            q = torch.round((g - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32)
-            self.wq = torch._convert_weight_to_int4pack_for_cpu(q.reshape(N, K), 1)
-            # dequant: (q - 8) * scale + zero, zero = lo + 8 * scale;  [G, N, 2]
-            self.scales = torch.stack([sc, lo + 8.0 * sc], -1).transpose(0, 1).contiguous().to(self.act)
-        if self.packed is not None:
-            self.w = None        # the packed copy replaces it (no second copy of the weights)
-        # Wᵀ as a view: mm/addmm on it is what F.linear runs, without its 5-8 dispatcher ops per call
-        self.wt = None if self.w is None else self.w.t()
+            return
+        g = w.float().reshape(N, K // INT4_GROUP, INT4_GROUP)                     # [N, G, 32]
+        lo, hi = g.amin(-1), g.amax(-1)                                           # [N, G]
+        sc = ((hi - lo) / 15.0).clamp_min(1e-8)
+        q = torch.round((g - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32)
+        self.wq = torch._convert_weight_to_int4pack_for_cpu(q.reshape(N, K), 1)
+        # dequant: (q - 8) * scale + zero, zero = lo + 8 * scale;  [G, N, 2]
+        self.scales = torch.stack([sc, lo + 8.0 * sc], -1).transpose(0, 1).contiguous().to(self.act)
 
     def bytes_read(self, rows: int) -> int:
         """Weight bytes one call on `rows` rows reads: the quantized copy and its scales, or the dense W."""
