@@ -34,9 +34,12 @@ static inline float bf16_to_f32(uint16_t x) {
     return c.f;
 }
 
-/* x [M, K] (fp32, or bf16 when bf16 != 0) → codes xq [M, K] int8, scale sx [M, G] and exact sum xs [M, G]
- * per group of 32, round half away from zero. */
-static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, int8_t *xq, float *sx, float *xs) {
+/* x [M, K] (fp32, or bf16 when bf16 != 0) → per group of 32: codes of `top` levels each side of zero
+ * (rounded to nearest), their scale sx [M, G] and the exact sum of the group xs [M, G]. top = 127: int8
+ * codes in xh; top = 32639: 15-bit codes split into two int8 planes, code = 256 · xh + xl with xl in
+ * [-128, 127] (32639 = 127 · 256 + 127 keeps xh in int8). */
+static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, float top, int8_t *xh, int8_t *xl,
+                          float *sx, float *xs) {
     const int64_t G = K / GROUP;
     float v[GROUP];
     for (int64_t m = 0; m < M; m++) {
@@ -48,38 +51,18 @@ static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, int8_t 
                 amax = fmaxf(amax, fabsf(v[i]));
                 sum += v[i];
             }
-            const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = 0; i < GROUP; i++)
-                xq[base + i] = (int8_t)lroundf(v[i] * inv);
-            sx[m * G + g] = s;
-            xs[m * G + g] = sum;
-        }
-    }
-}
-
-/* x [M, K] → 15-bit codes per group of 32, split into two int8 planes, code = 256 · xh + xl with xl in
- * [-128, 127] (so |code| ≤ 32639 keeps xh in int8), scale sx [M, G] and the exact sum xs [M, G]. */
-static void quantize_rows16(const void *x, int bf16, int64_t M, int64_t K, int8_t *xh, int8_t *xl, float *sx,
-                            float *xs) {
-    const int64_t G = K / GROUP;
-    float v[GROUP];
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t base = m * K + g * GROUP;
-            float amax = 0.f, sum = 0.f;
-            for (int i = 0; i < GROUP; i++) {
-                v[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
-                amax = fmaxf(amax, fabsf(v[i]));
-                sum += v[i];
-            }
-            const float inv = amax > 0.f ? 32639.f / amax : 0.f;
+            const float inv = amax > 0.f ? top / amax : 0.f;
             for (int i = 0; i < GROUP; i++) {
                 const int32_t q = (int32_t)lrintf(v[i] * inv);
+                if (!xl) {
+                    xh[base + i] = (int8_t)q;
+                    continue;
+                }
                 const int32_t lo8 = ((q + 128) & 255) - 128;
                 xl[base + i] = (int8_t)lo8;
                 xh[base + i] = (int8_t)((q - lo8) / 256);
             }
-            sx[m * G + g] = amax / 32639.f;
+            sx[m * G + g] = amax / top;
             xs[m * G + g] = sum;
         }
     }
@@ -206,8 +189,7 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
         free(xq); free(sx); free(xs);
         return -1;
     }
-    if (bits == 4) quantize_rows16(x, bf16, M, K, xq, xq + M * K, sx, xs);
-    else quantize_rows(x, bf16, M, K, xq, sx, xs);
+    quantize_rows(x, bf16, M, K, bits == 4 ? 32639.f : 127.f, xq, bits == 4 ? xq + M * K : NULL, sx, xs);
     const int nt = nthreads > 1 && tiles >= 8 ? nthreads : 1;
     const size_t ybytes = bf16 ? 2 : 4;
     #pragma omp parallel for num_threads(nt) schedule(static)
@@ -239,7 +221,7 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
     return 0;
 #else
     (void)w; (void)sl; (void)bits; (void)N; (void)K; (void)x; (void)M; (void)y; (void)bf16;
-    (void)nthreads; (void)quantize_rows; (void)quantize_rows16;
+    (void)nthreads; (void)quantize_rows;
     return -1;
 #endif
 }
