@@ -110,7 +110,8 @@ class DecoderModel:
         else:
             lm_head = r("lm_head.weight")                                 # [V, H]
         r.check_missing()
-        # [V, H]: int8 wins to M = 16. The head stays int8 under int4: its error is what the logits show
+        # [V, H]: 8-bit codes beat the dense head up to 16 rows. It stays 8-bit under int4: its error is what
+        # the logits show
         head_quant = "int8" if weight_quant == "int4" else weight_quant
         self.lm_head = Linear(lm_head, None, head_quant, small_m=16)
         self.normalizer = (torch.tensor(math.sqrt(config.hidden_size), dtype=dtype)

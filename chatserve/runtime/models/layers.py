@@ -17,7 +17,9 @@ from chatserve_kernels import AttentionMetadata, cpu_ops, cpu_qmatmul
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
 WEIGHT_QUANTS = (None, "int8", "int4")
 INT4_GROUP = 32
-PACKED_SMALL_M = 4   # beside packed bf16 GEMMs torch's int4/int8 kernels win only up to 4 rows (see Linear)
+SMALL_M = 8          # torch's int4/int8 kernels beat dense GEMMs up to this many rows (see Linear)
+PACKED_SMALL_M = 4   # beside packed bf16 GEMMs torch's int4/int8 kernels win only up to 4 rows
+QMM_SMALL_M = 16     # cpu_qmatmul beats packed bf16 up to here in a whole model (its weights stream from memory)
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,17 +44,18 @@ class Linear:
             groups of 32 (torch._weight_int4pack_mm_for_cpu), both with bf16 activations (fp32 ones take a
             generic path several times slower).
     Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise),
-    since aten's bf16 matmul reorders W on every call. Beside those GEMMs torch's quantized kernels win only
-    up to PACKED_SMALL_M rows, cpu_qmatmul up to the default small_m (docs/benchmarks.md has the crossovers)."""
+    since aten's bf16 matmul reorders W on every call. small_m None takes the measured crossover of the
+    kernel in use: SMALL_M, PACKED_SMALL_M beside packed GEMMs, QMM_SMALL_M for cpu_qmatmul
+    (docs/benchmarks.md has the figures)."""
 
     __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
-                 small_m: int = 8) -> None:
+                 small_m: int | None = None) -> None:
         # w: [N, K]; b: [N]
         if weight_quant not in WEIGHT_QUANTS:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
-        self.w, self.b, self.small_m, self.kind = w, b, small_m, weight_quant
+        self.w, self.b, self.kind = w, b, weight_quant
         self.act = torch.bfloat16      # torch's kernels take fp32 too, but through a slow generic path
         self.wq = self.scales = self.packed = self.qw = None
         N, K = w.shape
@@ -65,9 +68,10 @@ class Linear:
             self._torch_quantized(w)
         if w.dtype == torch.bfloat16 and cpu and _onednn_bf16():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
-            if self.qw is None:
-                self.small_m = min(small_m, PACKED_SMALL_M)
             self.w = None        # the packed copy replaces it (no second copy of the weights)
+        if small_m is None:
+            small_m = QMM_SMALL_M if self.qw is not None else PACKED_SMALL_M if self.packed is not None else SMALL_M
+        self.small_m = small_m
         # Wᵀ as a view: mm/addmm on it is what F.linear runs, without its 5-8 dispatcher ops per call
         self.wt = None if self.w is None else self.w.t()
 
