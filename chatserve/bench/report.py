@@ -1,11 +1,14 @@
-"""Shared reporting for the in-process benchmarks: goal checks, the metric/value/goal table, the run stamp.
+"""Shared reporting for the benchmarks: goal checks, the metric/value/goal table, the run stamp, and the
+results written as JSON (--out) and printed (--json or the benchmark's own report).
 
 Only formatting; each benchmark module owns its measurements and its GOALS.
 """
 from __future__ import annotations
 
+import json
 import sys
 from datetime import datetime, timezone
+from typing import Callable
 
 Goals = dict[str, tuple[str, float]]          # key → (comparison "<" or ">=", bound)
 Row = tuple[str, str, str]                    # (key, label, format)
@@ -30,3 +33,13 @@ def goal_table(res: dict, rows: list[Row], goals: Goals, label_width: int = 42) 
             goal = f"{op} {b:g}  " + ("ok" if res["goals_met"][key] else "MISSED")
         lines.append(f"{label:<{label_width}} {fmt.format(res[key]):>10}  {goal}")
     return "\n".join(lines)
+
+
+def write_results(res: dict, out: str | None, as_json: bool, report: Callable[[dict], str]) -> None:
+    """The results as indented JSON into the file `out` when given, and on stdout as that JSON
+    (`as_json`) or as `report` formats them."""
+    text = json.dumps(res, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    print(text if as_json else report(res))
