@@ -6,6 +6,8 @@ a vLLM dashboard works with the prefix swapped. Not the periodic stats line (ser
 """
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -48,15 +50,13 @@ class _EngineCollector:
         lab = ["model_name"]
         v = [self.model]
 
-        def gauge(name: str, doc: str, value: float):
-            g = GaugeMetricFamily(f"chatserve:{name}", doc, labels=lab)
-            g.add_metric(v, value)
-            return g
+        def family(kind: type, name: str, doc: str, value: float):
+            f = kind(f"chatserve:{name}", doc, labels=lab)
+            f.add_metric(v, value)
+            return f
 
-        def counter(name: str, doc: str, value: float):
-            c = CounterMetricFamily(f"chatserve:{name}", doc, labels=lab)
-            c.add_metric(v, value)
-            return c
+        gauge = functools.partial(family, GaugeMetricFamily)
+        counter = functools.partial(family, CounterMetricFamily)
 
         yield gauge("num_requests_running", "Sequences holding KV blocks and stepping.", s.running)
         yield gauge("num_requests_waiting", "Sequences queued (incl. preempted).", s.waiting)

@@ -38,15 +38,12 @@ class Linear:
       int8: per-output-channel scales, torch._weight_int8pack_mm (a quarter of fp32's bytes);
       int4: groups of 32 along K with a scale and a zero (min/max, asymmetric; GGUF Q4_1 blocks map onto
             it), torch._weight_int4pack_mm_for_cpu (CPU only; an eighth of fp32's bytes plus scales).
-    Activations go in as bf16 (with fp32 the kernels fall back to a path 3-6× slower). Both kernels
-    cost about one GEMV per row: on this model's layer shapes int8 beats fp32 up to M ≈ 8 (M=1: 243 vs
-    495 µs per layer; M=8: 961 vs 1495; M=16: 1803 vs 1595), and on the 49k-row LM head up to M = 16
-    (17.7 vs 20.2 ms), hence the two defaults.
-    Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise):
-    aten's bf16 matmul reorders W on every call (2-core AMD EPYC, 2 threads, the 4 layer matrices: M=16
-    255 → 182 µs, M=256 1.95 → 1.84 ms, both ≈ 4.5× fp32's MKL sgemm on that CPU). Beside them the
-    quantized kernels win only up to M = 4 (layers M=8: int4 189 vs 134 µs; LM head M=8: int8 1.79 vs
-    1.22 ms, M=4: 0.83 vs 1.06), so small_m drops to PACKED_SMALL_M."""
+    Activations go in as bf16 (with fp32 the kernels take a much slower generic path). Both kernels
+    cost about one GEMV per row, so they beat a dense GEMM only for small steps: small_m defaults to 8
+    for the layers and 16 for the LM head, where the timings cross (docs/benchmarks.md, int4 section).
+    Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise),
+    because aten's bf16 matmul reorders W on every call; beside those faster GEMMs the quantized kernels
+    win for fewer rows, so small_m drops to PACKED_SMALL_M."""
 
     __slots__ = ("w", "wt", "b", "wq", "scales", "small_m", "kind", "act", "packed")
 
@@ -56,7 +53,7 @@ class Linear:
         if weight_quant not in WEIGHT_QUANTS:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
         self.w, self.b, self.small_m, self.kind = w, b, small_m, weight_quant
-        self.act = torch.bfloat16      # both kernels take fp32 too, but 3-6× slower (a generic path)
+        self.act = torch.bfloat16      # both kernels take fp32 too, on a slower generic path
         self.wq = self.scales = self.packed = None
         N, K = w.shape
         if w.dtype == torch.bfloat16 and w.device.type == "cpu" and _onednn_bf16():
