@@ -58,7 +58,8 @@ class AsyncEngine:
         self._wake: asyncio.Event | None = None
         self._stats = EngineStats()
         self.last_step_time: float | None = None
-        # (name, seconds) observations for histograms: ttft, itl, e2e, queue
+        # (name, seconds) observations for histograms: ttft, itl, e2e, queue; the list is shared with
+        # self._streams, so observers are appended, never the list replaced
         self.observers: list[Callable[[str, float], None]] = []
         self._streams = RequestStreams(self._stats, self.observers, max_buffered_deltas,
                                        finish_request=self._finish_in_scheduler, free=self._free)
