@@ -5,14 +5,12 @@ concurrency, parallel-sampling and fork-tree sharing, and µs per append / free 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import sys
 import time
 
-from chatserve.bench.report import goal_table, goals_met, run_stamp
+from chatserve.bench.report import bench_parser, goal_table, goals_met, print_result, run_stamp
 from chatserve.core.kv_cache_manager import KVCacheManager
 
 GOALS: dict[str, tuple[str, float]] = {       # key → (comparison, bound)
@@ -337,17 +335,12 @@ def _table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="chatserve bench memory", description=__doc__)
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap = bench_parser("chatserve bench memory", __doc__)
     ap.add_argument("--requests", type=int, default=1000, help="requests in the waste/concurrency workload")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    args = ap.parse_args(argv)
     res = run(args.requests, seed=args.seed)
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        print(_table(res))
-    return 0
+    return print_result(res, args.json, _table)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Shared reporting for the benchmarks: goal checks, the metric/value/goal table, the run stamp, and the
-results written as JSON (--out) and printed (--json or the benchmark's own report).
+"""Shared reporting for the benchmarks: goal checks, the metric/value/goal table, the run stamp, the
+`--json` flag and the printing of a result (in-process ones); the HTTP ones' results written to --out too.
 
 Only formatting; each benchmark module owns its measurements and its GOALS.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from datetime import datetime, timezone
@@ -33,6 +34,19 @@ def goal_table(res: dict, rows: list[Row], goals: Goals, label_width: int = 42) 
             goal = f"{op} {b:g}  " + ("ok" if res["goals_met"][key] else "MISSED")
         lines.append(f"{label:<{label_width}} {fmt.format(res[key]):>10}  {goal}")
     return "\n".join(lines)
+
+
+def bench_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
+    """The argument parser of an in-process benchmark, with the `--json` flag they all take."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return ap
+
+
+def print_result(res: dict, as_json: bool, table: Callable[[dict], str]) -> int:
+    """Print one result, as a JSON object with sorted keys or as its table; returns 0, the exit status."""
+    print(json.dumps(res, sort_keys=True) if as_json else table(res))
+    return 0
 
 
 def write_results(res: dict, out: str | None, as_json: bool, report: Callable[[dict], str]) -> None:

@@ -6,15 +6,13 @@ Building the RunnerOutput (the runner's job) is outside the timed region.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import sys
 import time
 
 from chatserve.config import SchedulerConfig
-from chatserve.bench.report import goal_table, goals_met, run_stamp
+from chatserve.bench.report import bench_parser, goal_table, goals_met, print_result, run_stamp
 from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.request import Request, SamplingParams
@@ -137,19 +135,14 @@ def _table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="chatserve bench scheduler", description=__doc__)
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap = bench_parser("chatserve bench scheduler", __doc__)
     ap.add_argument("--seqs", type=int, default=256, help="running sequences")
     ap.add_argument("--steps", type=int, default=300, help="timed steps per scenario")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    args = ap.parse_args(argv)
     res = run(args.seqs, args.steps, block_size=args.block_size, seed=args.seed)
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        print(_table(res))
-    return 0
+    return print_result(res, args.json, _table)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,6 @@ cost to the background traffic, not latency of real hardware.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import sys
@@ -15,7 +13,7 @@ import zlib
 from dataclasses import asdict, dataclass, replace
 
 from chatserve.bench.progress import progress_bar
-from chatserve.bench.report import run_stamp
+from chatserve.bench.report import bench_parser, print_result, run_stamp
 from chatserve.config import SchedulerConfig
 from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
@@ -268,9 +266,8 @@ def _table(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="chatserve bench sessions", description=__doc__)
+    ap = bench_parser("chatserve bench sessions", __doc__)
     d = Workload()
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--sessions", type=int, default=d.sessions)
     ap.add_argument("--turns", type=int, default=d.turns)
     ap.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
@@ -284,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-starvation", action="store_true", help="skip the many-idle-sessions check")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.think_steps.split(","))
     w = replace(d, sessions=args.sessions, turns=args.turns, reply_tokens=args.reply_tokens,
                 user_tokens=args.user_tokens, think_steps=(lo, hi), bg_concurrency=args.bg_concurrency,
@@ -292,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.cache_sizes.split(",") if x] or None
     res = run(w, sizes, max_warm_fraction=args.max_warm_fraction, starvation=not args.no_starvation,
               progress=not args.no_progress)
-    print(json.dumps(res, sort_keys=True) if args.json else _table(res))
-    return 0
+    return print_result(res, args.json, _table)
 
 
 if __name__ == "__main__":

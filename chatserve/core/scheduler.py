@@ -1,76 +1,32 @@
 """Continuous-batching scheduler: decides which tokens of which sequences run in each model step.
 
-It owns the waiting/running queues, the per-step token budget (chunked prefill), prefix-cache hits at
-admission, preemption under KV pressure, n > 1 forking and admission control. It is not the runner:
-`schedule()` emits a SchedulerOutput, `update()` consumes the RunnerOutput; pure Python, no torch.
+It owns the per-step policy over its queues (request_queues.py): the token budget (chunked prefill),
+prefix-cache hits at admission, preemption under KV pressure, n > 1 forking and admission control. It
+is not the runner: `schedule()` emits a SchedulerOutput, `update()` consumes the RunnerOutput; no torch.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import time
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from chatserve.config import SchedulerConfig
+# AdmissionError is re-exported: callers catch it from here
+from chatserve.core.admission import AdmissionError, check_fits, check_group, prefix_in_flight
 from chatserve.core.errors import ErrorCode
-from chatserve.core.ngram_proposer import NgramProposer, can_draft
-from chatserve.core.outputs import (
-    CopyOp,
-    RequestEvent,
-    RunnerOutput,
-    ScheduledSeq,
-    SchedulerOutput,
-    TokenLogprob,
-)
+from chatserve.core.live_request import LiveRequest
+from chatserve.core.outputs import (CopyOp, RequestEvent, RunnerOutput, ScheduledSeq, SchedulerOutput,
+                                    TokenLogprob)
+from chatserve.core.prompt_logprobs import PromptLogprobs
 from chatserve.core.request import FinishReason, Request, RequestStatus
+from chatserve.core.request_queues import RequestQueues
+from chatserve.core.speculator import Speculator
 
 if TYPE_CHECKING:  # the manager is only used through its methods
     from chatserve.core.kv_cache_manager import KVCacheManager
 
 _RUNNING = RequestStatus.RUNNING
-_WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
-_FORK = RequestStatus.WAITING_FOR_FORK
-
-
-class AdmissionError(Exception):
-    """A request refused at the door, with its `ErrorCode`.
-
-    INVALID_VALUE / CONTEXT_LENGTH_EXCEEDED: it can never fit (context length, whole KV cache, more
-    samples than sequence slots). SERVER_OVERLOADED: the waiting queue is full; retry after
-    `retry_after` seconds.
-    """
-
-    def __init__(self, code: ErrorCode, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
-
-
-class _LiveRequest:
-    """The scheduler's private record of one live request (kept apart from the public Request)."""
-
-    __slots__ = ("req", "rid", "tokens", "key", "seed", "stop_ids", "limit")
-
-    def __init__(self, req: Request, key: tuple[int, float, int], max_model_len: int) -> None:
-        p = req.params
-        self.req = req
-        self.rid = req.request_id
-        self.tokens = list(req.prompt_token_ids) + list(req.output_token_ids)  # appended in place
-        self.key = key                     # (priority, arrival_time, admission number): lower first
-        self.seed = None if p.seed is None else p.seed + req.sample_index
-        # stop checks folded into one set lookup and one length compare
-        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
-                                                       else frozenset(req.eos_token_ids))
-        self.limit = min(len(req.prompt_token_ids) + p.max_tokens, max_model_len)
-
-
-_key = attrgetter("key")
-# A waiting request waits for a running prefill of its prefix only when that saves at least this
-# many tokens of prefill (~ one step of compute); a block or two of shared template is not worth a step.
-PREFIX_WAIT_MIN_TOKENS = 128
 
 
 class Scheduler:
@@ -90,8 +46,8 @@ class Scheduler:
          preempted (repeatedly; finally the request itself).
       2. if nothing was preempted: waiting requests are admitted in key order (head-of-line; never by
          preempting) while the budget, `max_num_seqs` and the KV watermark allow. One exception: a
-         request whose prompt starts with >= PREFIX_WAIT_MIN_TOKENS tokens that a running request is
-         still prefilling waits until they are cached (later requests may pass it meanwhile).
+         request whose prompt starts with >= PREFIX_WAIT_MIN_TOKENS (admission.py) tokens that a
+         running request is still prefilling waits until they are cached (later ones may pass it).
 
     n > 1: the group's sibling 0 (the "leader") prefills prompt[:-1]; at that point siblings 1..n-1
     fork from it (sharing every block), and all n compute the last prompt token themselves (the
@@ -113,16 +69,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_preemptions = 0
 
-        self._entries: dict[str, _LiveRequest] = {}       # every unfinished request (any status)
-        self._waiting: list[_LiveRequest] = []            # WAITING / PREEMPTED, sorted by key
-        self._running: list[_LiveRequest] = []            # RUNNING, sorted by key
-        self._forks: dict[str, list[_LiveRequest]] = {}   # leader id → siblings WAITING_FOR_FORK
-        self._leader_of: dict[str, str] = {}        # sibling id → leader id (until the fork)
-        self._num_pending = 0                       # siblings waiting for a fork
-        self._waiting_tokens = 0                    # tokens to compute for the waiting queue
+        self._queues = q = RequestQueues()
+        # the queues' parts, read on every step: id → request, WAITING / PREEMPTED and RUNNING (each
+        # sorted by key), leader id → its siblings WAITING_FOR_FORK
+        self._entries, self._waiting, self._running = q.entries, q.waiting, q.running
+        self._forks = q.groups.siblings
         self._finished_ids: list[str] = []          # for the next SchedulerOutput
-        # prompt logprobs gathered chunk by chunk, until the prompt is computed (see _prompt_logprobs)
-        self._prompt_lps: dict[str, list[TokenLogprob]] = {}
+        self._prompt_lps = PromptLogprobs()          # chunk by chunk, until the prompt is computed
         self._counter = itertools.count()
         self._step_id = 0
         # (head request id, free blocks, reserve) of the last failed admission: skip retries until
@@ -130,21 +83,29 @@ class Scheduler:
         self._admit_blocked: tuple[str, int, bool] | None = None
         self._t_schedule: float | None = None
         self._tokens_per_s: float | None = None     # EMA, for Retry-After estimates
-        # speculative decoding (--speculative-ngram): the drafter, and totals for /metrics
-        self._proposer = NgramProposer(config.num_speculative_tokens, config.ngram_prompt_lookup_max,
-                                       config.ngram_prompt_lookup_min) if config.speculative_ngram else None
-        self.spec_num_drafts = 0            # sequences verified with drafts
-        self.spec_num_draft_tokens = 0      # draft tokens verified
-        self.spec_num_accepted_tokens = 0   # draft tokens the model agreed with
+        self._speculator = Speculator(config, kv)   # speculative decoding (--speculative-ngram)
 
     # ------------------------------------------------------------------ queries
+    @property
+    def spec_num_drafts(self) -> int:
+        """Sequences verified with drafts (speculative decoding totals, for /metrics)."""
+        return self._speculator.num_drafts
+
+    @property
+    def spec_num_draft_tokens(self) -> int:
+        return self._speculator.num_draft_tokens
+
+    @property
+    def spec_num_accepted_tokens(self) -> int:
+        return self._speculator.num_accepted_tokens
+
     @property
     def num_running(self) -> int:
         return len(self._running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + self._num_pending
+        return self._queues.num_waiting
 
     @property
     def has_unfinished(self) -> bool:
@@ -156,20 +117,8 @@ class Scheduler:
         return None if e is None else e.req
 
     def progress(self, request_id: str) -> dict | None:
-        """Where a request's prompt stands: {"phase": "queued", "queue_position": 1-based} while it
-        waits, {"phase": "prefill", "prefill_done", "prefill_total", "cached_tokens"} while its prompt
-        is being computed, None once it decodes (or is unknown). O(waiting) while queued."""
-        e = self._entries.get(request_id)
-        if e is None:
-            return None
-        if e in self._waiting:
-            return {"phase": "queued", "queue_position": self._waiting.index(e) + 1}
-        req = e.req
-        total = len(req.prompt_token_ids)
-        if req.num_computed_tokens >= total:
-            return None
-        return {"phase": "prefill", "prefill_done": req.num_computed_tokens, "prefill_total": total,
-                "cached_tokens": max(0, req.num_cached_tokens)}
+        """Where a request's prompt stands (queued, prefill, None once it decodes): RequestQueues.progress."""
+        return self._queues.progress(request_id)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, req: Request) -> None:
@@ -177,94 +126,71 @@ class Scheduler:
 
     def add_group(self, reqs: list[Request]) -> None:
         """Queue one prompt's n samples, all or none. Raises AdmissionError (400 / 503)."""
-        if not reqs:
-            raise ValueError("empty group")
-        leader = reqs[0]
-        prompt = leader.prompt_token_ids
+        check_group(reqs, self._entries)
         n = len(reqs)
-        ids = [r.request_id for r in reqs]
-        if len(set(ids)) != n or any(i in self._entries for i in ids):
-            raise ValueError(f"duplicate request id in {ids}")
-        if n > 1:
-            gid = leader.group_id
-            for i, r in enumerate(reqs):
-                if r.group_id is None or r.group_id != gid or r.sample_index != i:
-                    raise ValueError("siblings need one group_id and sample_index 0..n-1")
-                if r.prompt_token_ids != prompt:
-                    raise ValueError("siblings must share the prompt")
-
-        plen = len(prompt)
-        if plen == 0:
-            raise AdmissionError(ErrorCode.INVALID_VALUE, "the prompt is empty")
-        max_tokens = max(r.params.max_tokens for r in reqs)
-        if plen + max_tokens > self.max_model_len:
-            raise AdmissionError(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"prompt ({plen} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                f"({self.max_model_len} tokens)",
-            )
-        need_blocks = -(-(plen + max_tokens) // self.kv.block_size)
-        if need_blocks > self.kv.num_blocks:
-            raise AdmissionError(
-                ErrorCode.INVALID_VALUE,
-                f"prompt + max_tokens needs {need_blocks} KV blocks, the whole cache has "
-                f"{self.kv.num_blocks}",
-            )
-        if n > self.config.max_num_seqs:
-            raise AdmissionError(ErrorCode.INVALID_VALUE, f"n={n} exceeds max_num_seqs={self.config.max_num_seqs}")
-
+        plen = len(reqs[0].prompt_token_ids)
+        check_fits(plen, max(r.params.max_tokens for r in reqs), n, max_model_len=self.max_model_len,
+                   block_size=self.kv.block_size, num_blocks=self.kv.num_blocks,
+                   max_num_seqs=self.config.max_num_seqs)
         # An empty queue always accepts, so no request is refused forever by a small bound.
         queued = self.num_waiting
         if queued and (queued + n > self.config.max_waiting_requests
-                       or self._waiting_tokens + plen > self.config.max_waiting_tokens):
+                       or self._queues.waiting_tokens + plen > self.config.max_waiting_tokens):
             raise AdmissionError(
                 ErrorCode.SERVER_OVERLOADED,
-                f"server busy: {queued} requests / {self._waiting_tokens} prompt tokens waiting",
+                f"server busy: {queued} requests / {self._queues.waiting_tokens} prompt tokens waiting",
                 retry_after=self.retry_after(),
             )
+        self._enqueue(reqs)
 
+    def _enqueue(self, reqs: list[Request]) -> None:
+        """The group's leader joins the waiting queue; its siblings wait for its fork."""
         base = next(self._counter) * 1024
         entries = []
         for i, r in enumerate(reqs):
             r.max_model_len = self.max_model_len
             r.num_computed_tokens = 0
             r.finish_reason = None
-            e = _LiveRequest(r, (r.priority, r.arrival_time, base + i), self.max_model_len)
-            self._entries[e.rid] = e
-            entries.append(e)
-            if i == 0:
-                r.status = _WAITING
-                self._insert_waiting(e)
-            else:
-                r.status = _FORK
-                self._leader_of[e.rid] = leader.request_id
-        if n > 1:
-            self._forks[leader.request_id] = entries[1:]
-            self._num_pending += n - 1
-        if leader.params.prompt_logprobs is not None:
+            entries.append(LiveRequest(r, (r.priority, r.arrival_time, base + i), self.max_model_len))
+        self._queues.add(entries)
+        if reqs[0].params.prompt_logprobs is not None:
             for r in reqs:
-                self._prompt_lps[r.request_id] = []
+                self._prompt_lps.track(r.request_id)
 
     def retry_after(self) -> float:
         if not self._tokens_per_s:
             return 1.0
-        return float(min(60.0, max(1.0, self._waiting_tokens / self._tokens_per_s)))
+        return float(min(60.0, max(1.0, self._queues.waiting_tokens / self._tokens_per_s)))
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
+        """Plan one step: the running requests first, then admissions unless that preempted anyone."""
         self._step_id += 1
         self._t_schedule = now = time.monotonic()
-        table_of = self.kv.get_block_table
-        budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         copy_ops: list[CopyOp] = []
+        budget, prefill_left, preempted = self._schedule_running(seqs, copy_ops, now)
+        if not preempted:
+            budget = self._admit(seqs, copy_ops, budget, now, prefill_left)
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(self._step_id, seqs, copy_ops, finished,
+                               num_batched_tokens=self.config.max_num_batched_tokens - budget)
+
+    def _schedule_running(self, seqs: list[ScheduledSeq], copy_ops: list[CopyOp], now: float
+                          ) -> tuple[int, int, bool]:
+        """Step 1 of the class docstring: each running request, in key order, gets its decode token
+        (and drafts) or a prefill chunk. Returns (the budget left, the prompt tokens admissions may
+        still add, -1 if not yet known; whether anything was preempted)."""
+        table_of = self.kv.get_block_table
+        budget = self.config.max_num_batched_tokens
         running = self._running
         forks = self._forks
-
+        speculator = self._speculator
         preempted = False
         decoders_left = -1   # decoders after the current one; counted at the first prefill chunk
         prefill_left = -1    # prompt tokens the step's chunks may still add; set with decoders_left
-        drafting = self._drafting_step()
+        drafting = speculator.drafting(len(running))
         # Preemption only removes from the end of `running`, which list iteration tolerates.
         for e in running:
             if budget <= 0:
@@ -306,35 +232,21 @@ class Scheduler:
             if rem != 1:
                 prefill_left -= n_new
             if drafting and rem == 1 and not (forks and rid in forks):
-                budget -= self._add_drafts(e, seqs[-1], copy_ops, budget - max(decoders_left, 0))
+                budget -= speculator.add_drafts(e, seqs[-1], copy_ops, budget - max(decoders_left, 0))
+        return budget, prefill_left, preempted
 
-        if not preempted:
-            budget = self._admit(seqs, copy_ops, budget, now, prefill_left)
-
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            step_id=self._step_id,
-            seqs=seqs,
-            copy_ops=copy_ops,
-            finished_ids=finished,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-        )
-
-    def _grant_slots(self, e: _LiveRequest, start: int, n_new: int, decoders_left: int
+    def _grant_slots(self, e: LiveRequest, start: int, n_new: int, decoders_left: int
                      ) -> tuple[list[CopyOp] | None, int, int, bool]:
         """KV slots for e's next n_new tokens: shrink a chunk to what fits, else preempt from the back
         of `running` until they fit. Returns (copy ops, or None when e itself must yield; the tokens
         granted; decoders still behind e; whether anything was preempted)."""
         allocate, running, rid = self.kv.allocate_slots, self._running, e.rid
-        end = start + n_new
-        ops = allocate(rid, end)
+        ops, granted = allocate(rid, start + n_new), n_new
         preempted = False
         while ops is None:
             if n_new > 1:
-                fit = self._largest_fit(rid, start, n_new, reserve=False)
-                if fit:
-                    n_new = fit
-                    ops = allocate(rid, start + n_new)
+                ops, granted = self._shrink_to_fit(rid, start, n_new, reserve=False)
+                if ops is not None:
                     break
             victim = running[-1]
             if victim is e:
@@ -343,8 +255,8 @@ class Scheduler:
                 decoders_left -= 1
             self._preempt(victim)
             preempted = True
-            ops = allocate(rid, end)
-        return ops, n_new, decoders_left, preempted
+            ops, granted = allocate(rid, start + n_new), n_new
+        return ops, granted, decoders_left, preempted
 
     def _prefill_allowance(self, budget: int) -> int:
         """Prompt tokens one step may compute: `prefill_tokens_while_decoding` while a running request
@@ -354,7 +266,7 @@ class Scheduler:
             return cap
         return budget
 
-    def _remaining(self, e: _LiveRequest) -> int:
+    def _remaining(self, e: LiveRequest) -> int:
         """Tokens e still has to compute before its next sample (or, for a leader, its fork)."""
         rem = len(e.tokens) - e.req.num_computed_tokens
         return rem - 1 if e.rid in self._forks else rem
@@ -375,7 +287,7 @@ class Scheduler:
             req = e.req
             pending = self._forks.get(rid)
             need_seats = 1 + (len(pending) if pending else 0)
-            if len(self._running) + self._reserved_seats() + need_seats > max_seqs:
+            if len(self._running) + self._queues.reserved_seats() + need_seats > max_seqs:
                 break
             reserve = bool(self._running)   # an idle cache never refuses its only request
             free_now = kv.num_free_blocks
@@ -383,79 +295,60 @@ class Scheduler:
             if free_now == 0 or self._admit_blocked == (rid, free_now, reserve):
                 break
             tokens = e.tokens
-            if self._prefix_in_flight(e):
-                i += 1
+            if (kv.enable_prefix_caching and rid not in self._prompt_lps
+                    and prefix_in_flight(tokens, req.cache_salt, self._running, kv.block_size)):
+                i += 1       # it waits for those blocks; a later request may pass it meanwhile
                 continue
-            if rid in self._prompt_lps:     # its prompt logprobs need every position's logits: no hit
-                cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens, match_prefix=False)
-            else:
-                cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens)
+            # its prompt logprobs need every position's logits: no prefix-cache hit
+            cached = kv.add_seq(rid, tokens, req.cache_salt, req.shared_prefix_tokens,
+                                match_prefix=rid not in self._prompt_lps)
             target = len(tokens) - 1 if pending else len(tokens)
             n_new = min(target - cached, budget, prefill_left)
-            ops: list[CopyOp] | None = []
-            if n_new > 0:
-                ops = kv.allocate_slots(rid, cached + n_new, reserve_watermark=reserve)
-                if ops is None and n_new > 1:
-                    fit = self._largest_fit(rid, cached, n_new, reserve=reserve)
-                    if fit:
-                        n_new = fit
-                        ops = kv.allocate_slots(rid, cached + n_new, reserve_watermark=reserve)
-                if ops is None:
-                    kv.free(rid)
-                    self._admit_blocked = (rid, free_now, reserve)
-                    break
+            ops = kv.allocate_slots(rid, cached + n_new, reserve_watermark=reserve) if n_new > 0 else []
+            if ops is None and n_new > 1:
+                ops, n_new = self._shrink_to_fit(rid, cached, n_new, reserve=reserve)
+            if ops is None:
+                kv.free(rid)
+                self._admit_blocked = (rid, free_now, reserve)
+                break
             self._admit_blocked = None
-            waiting.pop(i)
-            self._waiting_tokens -= len(tokens)
+            self._queues.pop_waiting(i)
             req.status = _RUNNING
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
-            self._insert_running(e)
+            self._queues.insert_running(e)
             if n_new > 0:
                 seqs.append(self._scheduled(e, cached, n_new, now))
-                copy_ops.extend(ops or ())
+                copy_ops.extend(ops)
                 budget -= n_new
                 prefill_left -= n_new
             else:
-                # The leader's prompt[:-1] is all cached (or empty): fork now, and let each of the n
-                # compute the last prompt token if there is room (else next step, as running work).
-                for x in [e, *self._fork(e)]:
-                    if budget <= 0 or len(seqs) >= max_seqs:
-                        break
-                    start = x.req.num_computed_tokens
-                    ops = kv.allocate_slots(x.rid, start + 1, reserve_watermark=reserve)
-                    if ops is None:
-                        break
-                    seqs.append(self._scheduled(x, start, 1, now))
-                    copy_ops.extend(ops)
-                    budget -= 1
+                budget = self._fork_at_admission(e, seqs, copy_ops, budget, now, reserve)
         return budget
 
-    def _prefix_in_flight(self, e: _LiveRequest) -> bool:
-        """A running request is still prefilling full blocks that e's prompt starts with: admitting e
-        now would compute them twice (e.g. n chats sent at once with one long system prompt), so e
-        waits a step or two and then finds them in the prefix cache."""
-        if not self.kv.enable_prefix_caching or e.rid in self._prompt_lps:
-            return False
-        bs = self.kv.block_size
-        tokens = e.tokens
-        usable = (len(tokens) - 1) // bs * bs           # e's full blocks (it computes its last token)
-        for o in self._running:
-            prompt = o.req.prompt_token_ids
-            start = o.req.num_computed_tokens // bs * bs   # o's first block not yet in the cache
-            limit = min(usable, len(prompt) // bs * bs)
-            if start + PREFIX_WAIT_MIN_TOKENS > limit or o.req.cache_salt != e.req.cache_salt:
-                continue
-            shared = start                                  # blocks o is about to compute that e can use
-            while shared < limit and tokens[shared:shared + bs] == prompt[shared:shared + bs]:
-                shared += bs
-            if shared - start >= PREFIX_WAIT_MIN_TOKENS and tokens[:start] == prompt[:start]:
-                return True
-        return False
+    def _fork_at_admission(self, leader: LiveRequest, seqs: list[ScheduledSeq], copy_ops: list[CopyOp],
+                           budget: int, now: float, reserve: bool) -> int:
+        """The leader's prompt[:-1] is all cached (or empty): fork now, and let each of the n compute
+        the last prompt token if there is room (else next step, as running work). Returns the budget left."""
+        kv = self.kv
+        max_seqs = self.config.max_num_seqs
+        for x in [leader, *self._fork(leader)]:
+            if budget <= 0 or len(seqs) >= max_seqs:
+                break
+            start = x.req.num_computed_tokens
+            ops = kv.allocate_slots(x.rid, start + 1, reserve_watermark=reserve)
+            if ops is None:
+                break
+            seqs.append(self._scheduled(x, start, 1, now))
+            copy_ops.extend(ops)
+            budget -= 1
+        return budget
 
-    def _largest_fit(self, rid: str, start: int, n_new: int, *, reserve: bool) -> int:
-        """Largest k < n_new whose slots can be allocated now (0 if none): binary search."""
+    def _shrink_to_fit(self, rid: str, start: int, n_new: int, *, reserve: bool
+                       ) -> tuple[list[CopyOp] | None, int]:
+        """After n_new tokens from `start` did not fit: slots for the largest k < n_new that does
+        (binary search), as (copy ops, k), or (None, 0) when not even one token fits."""
         kv = self.kv
         lo, hi = 0, n_new - 1
         while lo < hi:
@@ -464,76 +357,51 @@ class Scheduler:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        ops = kv.allocate_slots(rid, start + lo, reserve_watermark=reserve) if lo else None
+        return (ops, lo) if ops is not None else (None, 0)
 
-    def _reserved_seats(self) -> int:
-        """Sequence slots held for siblings of running leaders (they join at the fork)."""
-        if not self._forks:
-            return 0
-        ents = self._entries
-        return sum(len(s) for lid, s in self._forks.items() if ents[lid].req.status is _RUNNING)
-
-    def _scheduled(self, e: _LiveRequest, start: int, n_new: int, now: float) -> ScheduledSeq:
+    def _scheduled(self, e: LiveRequest, start: int, n_new: int, now: float) -> ScheduledSeq:
         req = e.req
         end = start + n_new
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-        return ScheduledSeq(
-            request_id=e.rid,
-            token_ids=e.tokens[start:end],
-            start_pos=start,
-            block_table=self.kv.get_block_table(e.rid),
-            sample=end == len(e.tokens),
-            params=req.params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            seed=e.seed,
-        )
+        return ScheduledSeq(e.rid, e.tokens[start:end], start, self.kv.get_block_table(e.rid),
+                            end == len(e.tokens), req.params, req.prompt_token_ids, req.output_token_ids,
+                            e.seed)
 
-    def _fork(self, leader: _LiveRequest) -> list[_LiveRequest]:
+    def _fork(self, leader: LiveRequest) -> list[LiveRequest]:
         """Siblings of `leader` start sharing its blocks (it has computed prompt[:-1])."""
-        sibs = self._forks.pop(leader.rid, None)
-        if not sibs:
-            return []
-        self._num_pending -= len(sibs)
+        sibs = self._queues.groups.release(leader.rid)
         lreq = leader.req
         for s in sibs:
-            del self._leader_of[s.rid]
-            self._prompt_lps.pop(s.rid, None)     # the leader computed (and reports) the prompt
+            self._prompt_lps.drop(s.rid)          # the leader computed (and reports) the prompt
             self.kv.fork(leader.rid, s.rid)
             s.req.status = _RUNNING
             s.req.num_computed_tokens = lreq.num_computed_tokens
             s.req.num_cached_tokens = lreq.num_cached_tokens
-            self._insert_running(s)
+            self._queues.insert_running(s)
         return sibs
 
-    def _preempt(self, e: _LiveRequest) -> None:
+    def _preempt(self, e: LiveRequest) -> None:
         """Free all of e's blocks and requeue it; it recomputes prompt + outputs later."""
         self.kv.free(e.rid)
-        self._remove_sorted(self._running, e)
+        self._queues.remove_running(e)
         req = e.req
         req.status = _PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._insert_waiting(e)
+        self._queues.insert_waiting(e)
 
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestEvent]:
         """Apply one step's results: commit computed tokens, append samples, stop and free."""
         if res.step_id != out.step_id:
             raise ValueError(f"runner output for step {res.step_id}, expected {out.step_id}")
-        now = time.monotonic()
-        if self._t_schedule is not None and out.num_batched_tokens:
-            dt = now - self._t_schedule
-            if dt > 0:
-                tps = out.num_batched_tokens / dt
-                self._tokens_per_s = tps if self._tokens_per_s is None else (
-                    0.9 * self._tokens_per_s + 0.1 * tps)
-
+        self._measure_rate(out)
         commit = self.kv.commit
         entries = self._entries
-        forks = self._forks
+        prompt_lps = self._prompt_lps if len(self._prompt_lps) else None   # (none are added meanwhile)
         errors = res.errors
         sampled = res.sampled
         logprobs = res.logprobs
@@ -556,13 +424,11 @@ class Scheduler:
             computed = seq.start_pos + len(seq.token_ids)
             req.num_computed_tokens = computed
             commit(rid, tokens, computed)
-            plp = self._prompt_logprobs(e, seq, res, computed) if self._prompt_lps else None
+            plp = None if prompt_lps is None else prompt_lps.gather(seq, res, computed)
             if not seq.sample:
-                if forks and rid in forks and computed == len(tokens) - 1:
-                    self._fork(e)
-                if plp is not None:
-                    events.append(RequestEvent(rid, num_prompt_tokens=len(req.prompt_token_ids),
-                                               num_cached_tokens=req.num_cached_tokens, prompt_logprobs=plp))
+                ev = self._update_chunk(e, computed, plp)
+                if ev is not None:
+                    events.append(ev)
                 continue
             if len(tokens) >= e.limit:     # max_tokens 0: the prompt (and its logprobs) only
                 ev = self._finish(e, FinishReason.LENGTH)
@@ -573,17 +439,13 @@ class Scheduler:
             if tok is None:
                 events.append(self._finish(e, FinishReason.ERROR, "the runner returned no token"))
                 continue
-            req.output_token_ids.append(tok)
-            tokens.append(tok)
-            if tok in e.stop_ids:
-                ev = self._finish(e, FinishReason.STOP)
-                ev.new_token_ids = [tok]
-            elif len(tokens) >= e.limit:
-                ev = self._finish(e, FinishReason.LENGTH)
-                ev.new_token_ids = [tok]
-            else:
+            reason = e.append(tok)
+            if reason is None:
                 ev = RequestEvent(rid, [tok], [], False, None, len(req.prompt_token_ids),
                                   req.num_cached_tokens)
+            else:
+                ev = self._finish(e, reason)
+                ev.new_token_ids = [tok]
             if logprobs:
                 lp = logprobs.get(rid)
                 if lp is not None:
@@ -593,97 +455,46 @@ class Scheduler:
             events.append(ev)
         return events
 
-    def _prompt_logprobs(self, e: _LiveRequest, seq: ScheduledSeq, res: RunnerOutput,
-                         computed: int) -> list[TokenLogprob] | None:
-        """Gather one chunk of a prompt-logprobs request; its whole list (positions 1..len-1) once
-        the prompt is computed, else None. A chunk recomputed after preemption replaces what it covers."""
-        acc = self._prompt_lps.get(e.rid)
-        if acc is None:
+    def _measure_rate(self, out: SchedulerOutput) -> None:
+        """Fold this step's tokens per second (schedule() to update()) into the EMA behind Retry-After."""
+        if self._t_schedule is None or not out.num_batched_tokens:
+            return
+        dt = time.monotonic() - self._t_schedule
+        if dt > 0:
+            tps = out.num_batched_tokens / dt
+            self._tokens_per_s = tps if self._tokens_per_s is None else (0.9 * self._tokens_per_s + 0.1 * tps)
+
+    def _update_chunk(self, e: LiveRequest, computed: int, plp: list[TokenLogprob] | None
+                      ) -> RequestEvent | None:
+        """A computed prompt chunk that samples nothing: a leader that has computed prompt[:-1] forks
+        its siblings; an event only to hand over the whole prompt's logprobs."""
+        forks = self._forks
+        if forks and e.rid in forks and computed == len(e.tokens) - 1:
+            self._fork(e)
+        if plp is None:
             return None
-        chunk = res.prompt_logprobs.get(e.rid)
-        if chunk:
-            del acc[seq.start_pos:]        # acc[i] is prompt position i + 1
-            acc.extend(chunk)
-        if computed < len(e.req.prompt_token_ids) - 1:
-            return None
-        return self._prompt_lps.pop(e.rid)
-
-    # ------------------------------------------------------------------ speculative decoding
-    def _drafting_step(self) -> bool:
-        """Whether this step drafts: speculation is on and few enough sequences run that the drafts'
-        extra tokens cost less than the steps they save (docs/speculative.md, docs/benchmarks.md)."""
-        return (self._proposer is not None
-                and len(self._running) <= self.config.speculative_disable_by_batch_size)
-
-    def _add_drafts(self, e: _LiveRequest, seq: ScheduledSeq, copy_ops: list[CopyOp], room: int) -> int:
-        """Extend e's decode `seq` by prompt-lookup drafts, if its sampling allows them, they fit in
-        `room` budget tokens and their KV slots are free without preempting anyone (and above the
-        watermark). Returns the number of drafts added."""
         req = e.req
-        tokens = e.tokens
-        # Never draft past max_tokens / the context: k drafts + the bonus token must fit under the limit.
-        room = min(room, e.limit - len(tokens) - 1)
-        if room <= 0 or not can_draft(req.params, len(req.output_token_ids)):
-            return 0
-        assert self._proposer is not None
-        drafts = self._proposer.propose(tokens, room)
-        if not drafts:
-            return 0
-        ops = self.kv.allocate_slots(e.rid, len(tokens) + len(drafts), reserve_watermark=True)
-        if ops is None:
-            return 0
-        copy_ops.extend(ops)
-        seq.token_ids = seq.token_ids + drafts
-        seq.block_table = self.kv.get_block_table(e.rid)
-        seq.draft_token_ids = drafts
-        return len(drafts)
+        return RequestEvent(e.rid, num_prompt_tokens=len(req.prompt_token_ids),
+                            num_cached_tokens=req.num_cached_tokens, prompt_logprobs=plp)
 
-    def _update_drafted(self, e: _LiveRequest, seq: ScheduledSeq, res: RunnerOutput) -> RequestEvent:
-        """Apply a verified speculative step: append the accepted tokens one by one under the stop rules
-        (nothing past a stop or the length limit is emitted), commit only their K/V, and give back the
-        blocks granted to rejected drafts."""
-        rid = e.rid
-        req = e.req
-        drafts = seq.draft_token_ids
-        got = res.accepted.get(rid)
-        if got is None and rid in res.sampled:
-            got = [res.sampled[rid]]           # a runner that did not verify: the plain next token
-        if not got or len(got) > len(drafts) + 1 or got[:-1] != drafts[:len(got) - 1]:
+    def _update_drafted(self, e: LiveRequest, seq: ScheduledSeq, res: RunnerOutput) -> RequestEvent:
+        """A verified speculative step: the accepted run (Speculator.apply), as one event."""
+        applied = self._speculator.apply(e, seq, res)
+        if applied is None:
             return self._finish(e, FinishReason.ERROR, "the runner returned no valid tokens for the drafts")
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += len(drafts)
-        self.spec_num_accepted_tokens += len(got) - 1
-        tokens = e.tokens
-        emitted: list[int] = []
-        reason = None
-        for tok in got:
-            emitted.append(tok)
-            if tok in e.stop_ids:
-                reason = FinishReason.STOP
-                break
-            if len(tokens) + len(emitted) >= e.limit:
-                reason = FinishReason.LENGTH
-                break
-        req.output_token_ids.extend(emitted)
-        tokens.extend(emitted)
-        # K/V hold the last token and the accepted drafts; the last emitted token has none yet.
-        computed = seq.start_pos + len(emitted)
-        req.num_computed_tokens = computed
-        self.kv.commit(rid, tokens, computed)
-        if reason is not None:
+        emitted, reason = applied
+        if reason is None:
+            req = e.req
+            ev = RequestEvent(e.rid, emitted, [], False, None, len(req.prompt_token_ids), req.num_cached_tokens)
+        else:
             ev = self._finish(e, reason)
             ev.new_token_ids = emitted
-        else:
-            self.kv.trim(rid, len(tokens))
-            ev = RequestEvent(rid, emitted, [], False, None, len(req.prompt_token_ids), req.num_cached_tokens)
-        lp = res.logprobs.get(rid) if len(emitted) == 1 else None
+        lp = res.logprobs.get(e.rid) if len(emitted) == 1 else None
         if lp is not None:
             ev.logprobs = [lp]
         return ev
 
-    def finish_request(
-        self, request_id: str, reason: FinishReason = FinishReason.ABORT
-    ) -> RequestEvent | None:
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestEvent | None:
         """End one request now (abort, stop string): its blocks are freed in this call.
 
         Returns its final event, or None if it is unknown or already finished. Siblings live on.
@@ -693,67 +504,21 @@ class Scheduler:
             return None
         return self._finish(e, reason)
 
-    def _finish(self, e: _LiveRequest, reason: FinishReason, error: str | None = None) -> RequestEvent:
+    def _finish(self, e: LiveRequest, reason: FinishReason, error: str | None = None) -> RequestEvent:
+        """End e wherever it is (running, waiting, waiting for a fork): free its blocks, its final event."""
         rid = e.rid
         req = e.req
-        status = req.status
-        if status is _RUNNING:
+        if req.status is _RUNNING:
             self.kv.free(rid, keep_warm=req.keep_warm)
-            self._remove_sorted(self._running, e)
-        elif status is _WAITING or status is _PREEMPTED:
-            self._remove_sorted(self._waiting, e)
-            self._waiting_tokens -= len(e.tokens)
-        elif status is _FORK:
-            lid = self._leader_of.pop(rid)
-            sibs = self._forks[lid]
-            del sibs[next(k for k, s in enumerate(sibs) if s is e)]
-            self._num_pending -= 1
-            if not sibs:
-                del self._forks[lid]
-        # A leader that ends before the fork hands the group to its next sibling.
-        sibs = self._forks.pop(rid, None)
-        if sibs:
-            heir, rest = sibs[0], sibs[1:]
-            self._num_pending -= 1
-            del self._leader_of[heir.rid]
-            if rest:
-                self._forks[heir.rid] = rest
-                for s in rest:
-                    self._leader_of[s.rid] = heir.rid
-            heir.req.status = _WAITING
-            self._insert_waiting(heir)
+        self._queues.remove(e)
         if self._admit_blocked is not None and self._admit_blocked[0] == rid:
             self._admit_blocked = None
-        self._prompt_lps.pop(rid, None)
+        self._prompt_lps.drop(rid)
 
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req.first_scheduled_time is not None:
             self._finished_ids.append(rid)
-        del self._entries[rid]
-        return RequestEvent(
-            request_id=rid,
-            finished=True,
-            finish_reason=reason,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            error=error,
-        )
-
-    # ------------------------------------------------------------------ sorted queues
-    def _insert_waiting(self, e: _LiveRequest) -> None:
-        bisect.insort(self._waiting, e, key=_key)
-        self._waiting_tokens += len(e.tokens)
-
-    def _insert_running(self, e: _LiveRequest) -> None:
-        bisect.insort(self._running, e, key=_key)
-
-    @staticmethod
-    def _remove_sorted(queue: list[_LiveRequest], e: _LiveRequest) -> None:
-        if queue and queue[-1] is e:
-            queue.pop()
-            return
-        i = bisect.bisect_left(queue, e.key, key=_key)
-        while queue[i] is not e:   # keys are unique: this never loops more than once
-            i += 1
-        del queue[i]
+        return RequestEvent(rid, finished=True, finish_reason=reason, error=error,
+                            num_prompt_tokens=len(req.prompt_token_ids),
+                            num_cached_tokens=max(0, req.num_cached_tokens))

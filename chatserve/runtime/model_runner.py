@@ -204,6 +204,9 @@ class ModelRunner:
         v = self.config.vocab_size
         if any(t < 0 or t >= v for t in s.token_ids):
             return f"token id outside the vocabulary [0, {v})"
+        if s.draft_token_ids and not can_draft(s.params, len(s.output_token_ids)):
+            # the contract: the scheduler drafts only rows whose next token is the plain argmax
+            return "drafts for a row that the argmax cannot verify (its sampling does not allow drafts)"
         return None
 
     def _forward_isolating_errors(self, seqs: list[ScheduledSeq], errors: dict[str, str]
@@ -289,25 +292,18 @@ class ModelRunner:
     def _verify(self, hidden: dict[str, torch.Tensor], seqs: list[ScheduledSeq], res: RunnerOutput) -> None:
         """Speculative decoding: the model's greedy token at every position of each drafted sequence;
         its drafts are accepted up to the first disagreement, and the model's token there (the bonus
-        token when all agree) ends the run. A row the plain argmax cannot decide (can_draft is false:
-        the scheduler never drafts those) is sampled as an ordinary step from its first position."""
+        token when all agree) ends the run. Every row here passed `_check`, so can_draft holds for it
+        and the plain argmax is exactly what the sampler would choose."""
         rows = torch.cat([hidden[s.request_id] for s in seqs])         # [R, H], R = Σ (k_i + 1)
-        logits = self.model.compute_logits(rows)                       # [R, V] float32
-        best = logits.argmax(dim=-1).tolist()
+        best = self.model.compute_logits(rows).argmax(dim=-1).tolist()  # [R]
         at = 0
         for s in seqs:
             drafts = s.draft_token_ids
-            rid = s.request_id
-            if can_draft(s.params, len(s.output_token_ids)):
-                j = 0
-                while j < len(drafts) and best[at + j] == drafts[j]:
-                    j += 1
-                res.accepted[rid] = drafts[:j] + [best[at + j]]
-                res.sampled[rid] = best[at + j]
-            else:
-                self._sample(logits[at:at + 1], [s], res)
-                if rid in res.sampled:
-                    res.accepted[rid] = [res.sampled[rid]]
+            j = 0
+            while j < len(drafts) and best[at + j] == drafts[j]:
+                j += 1
+            res.accepted[s.request_id] = drafts[:j] + [best[at + j]]
+            res.sampled[s.request_id] = best[at + j]
             at += len(drafts) + 1
 
     def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], res: RunnerOutput) -> None:

@@ -112,6 +112,23 @@ def test_bad_request_errors_alone(runner):
     assert set(res.sampled) == {"ok"}
 
 
+def test_drafts_are_verified_by_the_argmax_and_only_for_rows_that_may_draft(runner, contiguous_forward):
+    prompt = [3, 1, 4, 1, 5]
+    chain = list(prompt)
+    for _ in range(3):                                           # the greedy continuation, 3 tokens
+        chain.append(int(contiguous_forward(runner.model, chain)[-1].argmax()))
+    nxt, g1, g2 = chain[len(prompt):]
+    assert runner.execute(SchedulerOutput(1, [seq("ok", prompt, 0, [0, 1])])).sampled == {"ok": nxt}
+    wrong = (g2 + 1) % runner.vocab_size
+    drafted = seq("ok", [nxt, g1, wrong], len(prompt), [0, 1])
+    drafted.draft_token_ids = [g1, wrong]
+    sampled = ScheduledSeq(request_id="sampled", token_ids=[nxt, 7], start_pos=len(prompt), block_table=[2, 3],
+                           sample=True, params=SamplingParams(temperature=0.8), draft_token_ids=[7])
+    res = runner.execute(SchedulerOutput(2, [drafted, sampled]))
+    assert res.accepted["ok"] == [g1, g2] and res.sampled["ok"] == g2    # g1 accepted, `wrong` replaced
+    assert set(res.errors) == {"sampled"} and "sampled" not in res.accepted    # never drafted: an error
+
+
 def test_sampler_interface(runner, monkeypatch):
     calls = {}
 
