@@ -17,7 +17,7 @@ from chatserve.core.errors import ErrorCode
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.protocols import KVCache, Runner, SchedulerLike, TokenizerLike
 from chatserve.core.request import FinishReason, Request, SamplingParams
-from chatserve.core.scheduler import AdmissionError  # re-exported: the server catches it from here
+from chatserve.core.admission import AdmissionError  # re-exported: the server catches it from here
 from chatserve.deltas import Delta, DeltaChannel, EngineStats  # re-exported: the engine's outputs
 from chatserve.request_streams import Detokenizer, RequestStream, RequestStreams  # re-exported
 
