@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -20,6 +19,7 @@ import numpy as np
 
 from chatserve.bench import server_metrics
 from chatserve.bench.progress import progress_bar
+from chatserve.bench.report import write_results
 from chatserve.bench.sse_client import (CANCELLED, COMPLETED, ERRORED, INVALID, REJECTED, SERVER_ERROR,
                                         TRANSPORT, StreamResult, first_model, make_client, stream_request)
 from chatserve.bench.workloads import PromptSource, parse_range
@@ -177,9 +177,5 @@ def main(argv: list[str]) -> int:
     except (httpx.HTTPError, RuntimeError) as e:
         print(f"chatserve bench load: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    text = json.dumps(res, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text if args.json else format_report(res))
+    write_results(res, args.out, args.json, format_report)
     return 0 if res["ok"] else 3

@@ -1,5 +1,5 @@
-"""Shared reporting for the in-process benchmarks: goal checks, the metric/value/goal table, the run stamp,
-the `--json` flag and the printing of a result.
+"""Shared reporting for the benchmarks: goal checks, the metric/value/goal table, the run stamp, the
+`--json` flag and the printing of a result (in-process ones); the HTTP ones' results written to --out too.
 
 Only formatting; each benchmark module owns its measurements and its GOALS.
 """
@@ -47,3 +47,13 @@ def print_result(res: dict, as_json: bool, table: Callable[[dict], str]) -> int:
     """Print one result, as a JSON object with sorted keys or as its table; returns 0, the exit status."""
     print(json.dumps(res, sort_keys=True) if as_json else table(res))
     return 0
+
+
+def write_results(res: dict, out: str | None, as_json: bool, report: Callable[[dict], str]) -> None:
+    """The results as indented JSON into the file `out` when given, and on stdout as that JSON
+    (`as_json`) or as `report` formats them."""
+    text = json.dumps(res, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    print(text if as_json else report(res))

@@ -1,7 +1,8 @@
 """`chatserve bench serve`: an asyncio load generator for any OpenAI-compatible server (chatserve, vLLM).
 
-Streams every request, measures TTFT/TPOT/ITL/E2E percentiles, throughput, goodput and the prefix-cache
-hit rate (from /metrics). It does not start a server: point --url at a running one.
+Streams every request and records its timings; serve_report.py turns the records into TTFT/TPOT/ITL/E2E
+percentiles, throughput and goodput, beside the prefix-cache hit rate (from /metrics). It does not start a
+server: point --url at a running one.
 """
 from __future__ import annotations
 
@@ -17,32 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import numpy as np
 
 from chatserve.bench import server_metrics, workloads
 from chatserve.bench.progress import progress_bar
+from chatserve.bench.report import write_results
+from chatserve.bench.serve_report import Record, format_report, interference_summary, plot, summarize
 from chatserve.bench.sse_client import COMPLETED, StreamResult, first_model, make_client, stream_request
 from chatserve.bench.workloads import Job, PromptSource
-
-
-@dataclass
-class Record:
-    """One measured request."""
-
-    job: str
-    turn: int
-    ok: bool
-    ttft_s: float | None
-    tpot_s: float | None
-    e2e_s: float | None
-    itls: list[float]
-    output_tokens: int
-    prompt_tokens: int
-    cached_tokens: int | None
-    error: str | None = None
-    start_s: float = 0.0                 # when it was sent, since the run started
-    token_times: list[float] = field(default_factory=list)   # choice 0's chunks, since the run started
-    json_ok: bool | None = None          # the reply parses as JSON (requests with a response_format)
 
 
 @dataclass
@@ -175,78 +157,6 @@ def _record(job: Job, i: int, res: StreamResult, sent: float = 0.0) -> Record:
                   [sent + t for t in res.token_times.get(0, [])], json_ok)
 
 
-def interference_summary(records: list[Record]) -> dict[str, Any]:
-    """The interference workload's figures: the streams' ITLs while the "long" prompt is being
-    prefilled (sent → first token) against their ITLs outside that window, and its TTFT."""
-    long = next((r for r in records if r.job == "long" and r.ok and r.ttft_s is not None), None)
-    if long is None:
-        return {"long_ttft_ms": None, "itl_during_ms": _stats_ms([]), "itl_outside_ms": _stats_ms([])}
-    lo, hi = long.start_s, long.start_s + long.ttft_s
-    during, outside = [], []
-    for r in records:
-        if r.job.startswith("stream"):
-            for a, b in zip(r.token_times, r.token_times[1:]):
-                (during if b > lo and a < hi else outside).append(b - a)
-    res = {"long_ttft_ms": long.ttft_s * 1e3, "itl_during_ms": _stats_ms(during),
-           "itl_outside_ms": _stats_ms(outside)}
-    base, hit = res["itl_outside_ms"]["p99"], res["itl_during_ms"]["p99"]
-    res["itl_p99_ratio"] = hit / base if base and hit is not None else None
-    return res
-
-
-def _stats_ms(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values, dtype=np.float64) * 1000.0
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
-
-
-def summarize(records: list[Record], duration: float, *, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None) -> dict[str, Any]:
-    """Aggregate metrics of one run (times in ms, throughputs per second)."""
-    ok = [r for r in records if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    d = max(duration, 1e-9)
-    res: dict[str, Any] = {
-        "num_requests": len(records),
-        "completed": len(ok),
-        "failed": len(records) - len(ok),
-        "duration_s": duration,
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "request_throughput": len(ok) / d,
-        "output_token_throughput": out_tokens / d,
-        "total_token_throughput": (in_tokens + out_tokens) / d,
-        "ttft_ms": _stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
-        "itl_ms": _stats_ms([x for r in ok for x in r.itls]),
-        "e2e_ms": _stats_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
-    }
-    if slo_ttft_ms is None and slo_tpot_ms is None:
-        res["goodput"] = None
-    else:
-        good = [r for r in ok
-                if (slo_ttft_ms is None or (r.ttft_s is not None and r.ttft_s * 1e3 <= slo_ttft_ms))
-                and (slo_tpot_ms is None or r.tpot_s is None or r.tpot_s * 1e3 <= slo_tpot_ms)]
-        res["goodput"] = len(good) / d
-        res["slo"] = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "met": len(good)}
-    with_cache = [r for r in ok if r.cached_tokens is not None]
-    res["usage_cached_fraction"] = (
-        sum(r.cached_tokens for r in with_cache) / max(1, sum(r.prompt_tokens for r in with_cache))  # type: ignore[misc]
-        if with_cache else None)
-    later = [r for r in with_cache if r.turn >= 1]
-    res["usage_cached_fraction_turn2plus"] = (
-        sum(r.cached_tokens for r in later) / max(1, sum(r.prompt_tokens for r in later))  # type: ignore[misc]
-        if later else None)
-    checked = [r for r in records if r.json_ok is not None]
-    if checked:
-        res["json_parsed"] = sum(bool(r.json_ok) for r in checked)
-    res["errors"] = [r.error for r in records if not r.ok][:10]
-    return res
-
-
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds process `pid` has used (all its threads), from /proc (Linux)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -369,84 +279,6 @@ def _concurrency_levels(spec: str | None) -> list[int | None]:
     return [int(x) for x in str(spec).split(",") if x.strip()]
 
 
-def plot(runs: list[dict[str, Any]], path: str) -> None:
-    """Output tokens/s and TTFT (p50, p99) against concurrency, one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [r["concurrency"] or 0 for r in runs]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    a1.plot(xs, [r["output_token_throughput"] for r in runs], "o-")
-    a1.set_xlabel("concurrency")
-    a1.set_ylabel("output tokens/s")
-    a1.set_title("throughput")
-    a2.plot(xs, [r["ttft_ms"]["p50"] or 0 for r in runs], "o-", label="p50")
-    a2.plot(xs, [r["ttft_ms"]["p99"] or 0 for r in runs], "s--", label="p99")
-    a2.set_xlabel("concurrency")
-    a2.set_ylabel("TTFT (ms)")
-    a2.set_title("time to first token")
-    a2.legend()
-    for a in (a1, a2):
-        if len(xs) > 1 and min(xs) > 0:
-            a.set_xscale("log", base=2)
-        a.grid(alpha=0.3)
-    name = runs[0].get("model", "")
-    fig.suptitle(f"{runs[0].get('workload')} — {name} @ {runs[0].get('url')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def format_report(res: dict[str, Any]) -> str:
-    lines = []
-    for r in res.get("runs", [res]):
-        lines.append(f"== {r['workload']} · {r['model']} · concurrency {r['concurrency'] or 'unbounded'}"
-                     f" · rate {r['request_rate'] or 'inf'} ==")
-        lines.append(f"requests: {r['completed']}/{r['num_requests']} ok in {r['duration_s']:.2f} s")
-        lines.append(f"throughput: {r['request_throughput']:.2f} req/s, "
-                     f"{r['output_token_throughput']:.1f} output tok/s, "
-                     f"{r['total_token_throughput']:.1f} total tok/s")
-        if r.get("goodput") is not None:
-            lines.append(f"goodput: {r['goodput']:.2f} req/s within SLO")
-        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-            s = r[key]
-            if s["p50"] is None:
-                lines.append(f"{key:8s} n/a")
-            else:
-                lines.append(f"{key:8s} mean {s['mean']:9.1f}  p50 {s['p50']:9.1f}  "
-                             f"p90 {s['p90']:9.1f}  p99 {s['p99']:9.1f}")
-        hr = r.get("prefix_cache_hit_rate")
-        lines.append("prefix cache hit rate: " + ("n/a" if hr is None else f"{hr:.1%}"))
-        if r.get("server_cpu_ms_per_token") is not None:
-            lines.append(f"server CPU: {r['server_cpu_s']:.2f} s, {r['server_cpu_ms_per_token']:.3f} ms "
-                         f"per streamed token")
-        cf = r.get("usage_cached_fraction_turn2plus")
-        if cf is not None:
-            lines.append(f"cached prompt tokens from turn 2 on: {cf:.1%}")
-        it = r.get("interference")
-        if it and it["long_ttft_ms"] is not None:
-            d, o = it["itl_during_ms"], it["itl_outside_ms"]
-            lines.append(f"long prompt TTFT {it['long_ttft_ms']:.1f} ms; streams' ITL p50/p99 during its "
-                         f"prefill {d['p50'] or 0:.1f}/{d['p99'] or 0:.1f} ms, outside "
-                         f"{o['p50'] or 0:.1f}/{o['p99'] or 0:.1f} ms")
-        if r.get("json_parsed") is not None:
-            lines.append(f"replies that parse as JSON: {r['json_parsed']}/{r['completed']}")
-        plain = r.get("unconstrained")
-        if plain is not None:
-            t = plain["tpot_ms"]
-            lines.append(f"unconstrained twins ({plain['completed']}/{plain['num_requests']} ok, "
-                         f"{plain['output_tokens']} tokens): tpot_ms mean "
-                         + ("n/a" if t["p50"] is None else f"{t['mean']:.1f}  p50 {t['p50']:.1f}"))
-            q = r["tpot_ratio"]
-            lines.append("TPOT with / without the schema: "
-                         + ", ".join(f"{k} {v:.3f}" if v else f"{k} n/a" for k, v in q.items()))
-        for e in r.get("errors") or []:
-            lines.append(f"  error: {e}")
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatserve bench serve", description=__doc__)
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
@@ -512,12 +344,8 @@ def main(argv: list[str]) -> int:
     except (httpx.HTTPError, RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"chatserve bench serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    text = json.dumps(res, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
     if args.plot:
         plot(res.get("runs", [res]), args.plot)
-    print(text if args.json else format_report(res))
+    write_results(res, args.out, args.json, format_report)
     runs = res.get("runs", [res])
     return 0 if all(r["completed"] == r["num_requests"] for r in runs) else 3

@@ -33,6 +33,30 @@ _ENGINE_HISTOGRAMS = {
     "params_n": ("request_params_n", "The n parameter of each request.", _N_BUCKETS),
     "iteration_tokens": ("iteration_tokens_total", "Tokens run per engine step.", _TOKEN_BUCKETS),
 }
+# (family, metric name, help, EngineStats field), read from the engine at scrape time
+_GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
+_STAT_METRICS = (
+    (_GAUGE, "num_requests_running", "Sequences holding KV blocks and stepping.", "running"),
+    (_GAUGE, "num_requests_waiting", "Sequences queued (incl. preempted).", "waiting"),
+    (_GAUGE, "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", "kv_usage"),
+    (_GAUGE, "kv_cache_used_blocks", "KV blocks referenced by live sequences.", "kv_used_blocks"),
+    (_GAUGE, "kv_cache_free_blocks", "KV blocks free (incl. cached, evictable).", "kv_free_blocks"),
+    (_GAUGE, "kv_cache_cached_blocks", "Free KV blocks that still hold a cached prefix.", "kv_cached_blocks"),
+    (_GAUGE, "kv_cache_num_blocks", "KV blocks in the cache.", "kv_num_blocks"),
+    (_GAUGE, "num_active_streams", "Client requests with a live stream.", "active_requests"),
+    (_COUNTER, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
+    (_COUNTER, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hits"),
+    (_COUNTER, "num_preemptions", "Sequences preempted for lack of KV blocks.", "preemptions"),
+    (_COUNTER, "prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens"),
+    (_COUNTER, "generation_tokens", "Tokens generated.", "generation_tokens"),
+    (_COUNTER, "engine_step_errors", "Engine steps that failed.", "step_errors"),
+    (_COUNTER, "spec_decode_num_drafts", "Speculative decoding: sequence steps verified with drafts.",
+     "spec_num_drafts"),
+    (_COUNTER, "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+     "spec_num_draft_tokens"),
+    (_COUNTER, "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+     "spec_num_accepted_tokens"),
+)
 
 
 class _EngineCollector:
@@ -45,43 +69,17 @@ class _EngineCollector:
 
     def collect(self):
         s = self.engine.stats()
-        lab = ["model_name"]
-        v = [self.model]
 
-        def gauge(name: str, doc: str, value: float):
-            g = GaugeMetricFamily(f"chatserve:{name}", doc, labels=lab)
-            g.add_metric(v, value)
-            return g
+        def family(kind: type, name: str, doc: str, value: float):
+            f = kind(f"chatserve:{name}", doc, labels=["model_name"])
+            f.add_metric([self.model], value)
+            return f
 
-        def counter(name: str, doc: str, value: float):
-            c = CounterMetricFamily(f"chatserve:{name}", doc, labels=lab)
-            c.add_metric(v, value)
-            return c
-
-        yield gauge("num_requests_running", "Sequences holding KV blocks and stepping.", s.running)
-        yield gauge("num_requests_waiting", "Sequences queued (incl. preempted).", s.waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", s.kv_usage)
-        yield gauge("kv_cache_used_blocks", "KV blocks referenced by live sequences.", s.kv_used_blocks)
-        yield gauge("kv_cache_free_blocks", "KV blocks free (incl. cached, evictable).", s.kv_free_blocks)
-        yield gauge("kv_cache_cached_blocks", "Free KV blocks that still hold a cached prefix.",
-                    s.kv_cached_blocks)
-        yield gauge("kv_cache_num_blocks", "KV blocks in the cache.", s.kv_num_blocks)
-        yield gauge("num_active_streams", "Client requests with a live stream.", s.active_requests)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)
-        yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.", s.preemptions)
-        yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
-        yield counter("engine_step_errors", "Engine steps that failed.", s.step_errors)
-        yield counter("spec_decode_num_drafts", "Speculative decoding: sequence steps verified with drafts.",
-                      s.spec_num_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
-                      s.spec_num_draft_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
-                      s.spec_num_accepted_tokens)
-        yield gauge("spec_decode_draft_acceptance_rate", "Speculative decoding: accepted / verified draft "
-                    "tokens since start (0 before any draft).",
-                    s.spec_num_accepted_tokens / s.spec_num_draft_tokens if s.spec_num_draft_tokens else 0.0)
+        for kind, name, doc, attr in _STAT_METRICS:
+            yield family(kind, name, doc, getattr(s, attr))
+        yield family(GaugeMetricFamily, "spec_decode_draft_acceptance_rate",
+                     "Speculative decoding: accepted / verified draft tokens since start (0 before any draft).",
+                     s.spec_num_accepted_tokens / s.spec_num_draft_tokens if s.spec_num_draft_tokens else 0.0)
         fin = CounterMetricFamily("chatserve:request_success", "Finished sequences by reason.",
                                   labels=["model_name", "finished_reason"])
         for reason, count in sorted(s.requests_finished.items()):

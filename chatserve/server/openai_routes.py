@@ -14,8 +14,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from chatserve.server.body import read_json_object
-from chatserve.server.chat_service import (FiniteJSONResponse, collect_chat, collect_completion, precheck,
-                                           sse_response, stream_chat, stream_completion)
+from chatserve.server.chat_service import precheck, stream_chat, stream_completion
+from chatserve.server.collect import collect_chat, collect_completion
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.identity import api_owner_of, rate_key_of
 from chatserve.server.metrics import CONTENT_TYPE
@@ -24,6 +24,7 @@ from chatserve.server.prompt_guard import admit, check_text_size
 from chatserve.server.protocol import (check_token_ids, normalize_messages, parse_chat_body,
                                        parse_completion_body, render_prompt, template_options, validate)
 from chatserve.server.schemas import openai as s
+from chatserve.server.sse import FiniteJSONResponse, sse_response
 from chatserve.server.state import ServerState
 
 

@@ -6,9 +6,19 @@ each prompt stays salted per owner. Not the hashing itself (core/kv_cache_manage
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Hashable, Sequence
 
 log = logging.getLogger("chatserve.server")
+
+
+def common_prefix_len(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class SharedPrompts:
@@ -42,10 +52,4 @@ class SharedPrompts:
         first = messages[0]
         if first.get("role") not in ("system", "developer") or first.get("content") not in self.texts:
             return 0
-        ref = self._prefix_ids(first["content"])
-        n = 0
-        for a, b in zip(ref, prompt_ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix_len(self._prefix_ids(first["content"]), prompt_ids)

@@ -114,8 +114,7 @@ class GrammarMasks:
         bitmask = torch.zeros(len(seqs), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
         words = bitmask.shape[1]
         # one matcher after the other: llguidance's parallel executor hands rows to a thread pool,
-        # which on a busy small machine costs far more than the masks (0.25 vs 35 ms for 16 rows on
-        # 2 loaded cores, docs/benchmarks.md)
+        # which on a busy small machine costs far more than the masks (docs/benchmarks.md)
         for i, m in enumerate(matchers):
             m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
         return bitmask

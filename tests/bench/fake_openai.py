@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from chatserve.server.shared_prompts import common_prefix_len
+
 from session_fakes import free_port  # noqa: F401  (tests/sessions is on sys.path: tests/conftest.py)
 
 BLOCK = 16
@@ -89,7 +91,7 @@ def build_app(st: FakeState) -> Starlette:
         else:
             p = body["prompt"]
             words = tuple(str(x) for x in p) if isinstance(p, list) else tuple(p.split())
-        hit = max((_common(words, old) for old in st.prompts), default=0) // BLOCK * BLOCK
+        hit = max((common_prefix_len(words, old) for old in st.prompts), default=0) // BLOCK * BLOCK
         st.prompts.append(words)
         st.queries += len(words)
         st.hits += hit
@@ -109,15 +111,6 @@ def build_app(st: FakeState) -> Starlette:
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ])
-
-
-def _common(a: tuple, b: tuple) -> int:
-    k = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        k += 1
-    return k
 
 
 async def _stream(st: FakeState, chat: bool, n: int, max_tokens: int, prompt: int, hit: int,

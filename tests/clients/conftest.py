@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "server"))
 from server_support import start_fake_server  # noqa: E402
 
-from chatserve.server import chat_service  # noqa: E402
+from chatserve.server import sse  # noqa: E402
 
 API_KEY = "sk-clients-test"
 
@@ -31,7 +31,7 @@ def api_server():
 @pytest.fixture
 def slow_server(monkeypatch):
     """Tokens every 250 ms and a keep-alive comment every 100 ms: pings arrive mid-reply."""
-    monkeypatch.setattr(chat_service, "SSE_PING_SECONDS", 0.1)
+    monkeypatch.setattr(sse, "SSE_PING_SECONDS", 0.1)
     srv = start_fake_server(delay=0.25)
     yield srv
     srv.stop()

@@ -247,7 +247,7 @@ def test_min_tokens_masks_eos_in_the_sampler():
 
 def test_logprob_bytes_are_the_tokens_own_bytes(tiny_model):
     """A token that is half of a UTF-8 character reports its real bytes, not U+FFFD's."""
-    from chatserve.server.chat_service import _chat_logprobs
+    from chatserve.server.logprobs import chat_logprobs
     from chatserve.text import Tokenizer
     tok = Tokenizer.from_model(tiny_model)
     if not tok.is_byte_level:
@@ -262,6 +262,6 @@ def test_logprob_bytes_are_the_tokens_own_bytes(tiny_model):
 
     class S:
         tokenizer = tok
-    entry = _chat_logprobs(S, D)["content"][0]
+    entry = chat_logprobs(S, D)["content"][0]
     assert entry["bytes"] == list(tok.token_bytes(partial)) and entry["bytes"] != list("\ufffd".encode())
 

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from chatserve.config import EngineConfig, ServerConfig
 from chatserve.server import sessions, ws
 from chatserve.server.errors import APIError
+from chatserve.server.shared_prompts import common_prefix_len
 from chatserve.server.state import ServerState
 
 
@@ -53,7 +54,7 @@ class ScriptedChat:
         try:
             words = " ".join(m["content"] for m in req["messages"]).split()
             prev = self._seen.setdefault(owner, [])
-            cached = max((_common(p, words) for p in prev), default=0)
+            cached = max((common_prefix_len(p, words) for p in prev), default=0)
             prev.append(words)
             text = self.reply(req["messages"])
             pieces = re.findall(r"\s*\S+|\s+", text) or [""]
@@ -77,15 +78,6 @@ class ScriptedChat:
             self.active -= 1
             if not finished:
                 self.aborted += 1
-
-
-def _common(a: list[str], b: list[str]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None,

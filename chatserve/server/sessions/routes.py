@@ -252,7 +252,7 @@ async def post_message(request: Request) -> Response:
         idx = next((i for i, m in enumerate(msgs) if m["id"] == message_id), None)
         return _respond(turns.store, {"session_id": sid, "index": idx,
                                       "message": msgs[idx] if idx is not None else None})
-    from chatserve.server.chat_service import sse_response
+    from chatserve.server.sse import sse_response
     return sse_response(chunks, request)
 
 
@@ -261,7 +261,7 @@ async def attach_turn(request: Request) -> Response:
     """POST /v1/sessions/{id}/attach: follow the running turn (SSE), after its text so far."""
     check_origin(request)
     chunks = _turns(request).attach(owner_of(request), request.path_params["sid"])
-    from chatserve.server.chat_service import sse_response
+    from chatserve.server.sse import sse_response
     return sse_response(chunks, request)
 
 
