@@ -128,13 +128,13 @@ static void seq_end(const job_t *j, const work_t *w, const item_t *it, const par
     memcpy(pt->den + (int64_t)it->part * hq, w->den, (size_t)hq * sizeof(float));
 }
 
-/* Block blk0 / bs of a work item's keys [lo, sl): its keys [*a, *z) in the item, and where the block
- * starts in the cache (element offset). */
-static inline int64_t block_span(const job_t *j, const int32_t *table, int blk0, int lo, int sl,
-                                 int *a, int *z) {
+/* The block of a work item's keys [lo, it->k1) that starts at key blk0: its keys [*a, *z), and where
+ * it starts in the cache (element offset). */
+static inline int64_t block_span(const job_t *j, const item_t *it, int blk0, int lo, int *a, int *z) {
+    const int sl = it->k1;
     *a = lo > blk0 ? lo - blk0 : 0;
     *z = (sl - blk0) < j->bs ? (sl - blk0) : j->bs;
-    return (int64_t)table[blk0 / j->bs] * j->c_sb;
+    return (int64_t)j->tables[(int64_t)it->b * j->bt_stride + blk0 / j->bs] * j->c_sb;
 }
 
 /* Online softmax step of one head over a block's scores s[a, z): s becomes exp(s - max) in place, the
@@ -157,11 +157,10 @@ static inline float softmax_block(float *s, int a, int z, float *mx, float *den)
 static void run_seq(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
     const int D = j->D, bs = j->bs, hq = j->hq, G = hq / j->hkv, row = j->hkv * D;
     const int sl = it->k1;
-    const int32_t *table = j->tables + (int64_t)it->b * j->bt_stride;
     const int lo = seq_begin(j, w, it, hq, D);                /* this item's keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         int a, z;                                             /* keys [a, z) of this block */
-        const int64_t base = block_span(j, table, blk0, lo, sl, &a, &z);
+        const int64_t base = block_span(j, it, blk0, lo, &a, &z);
         for (int t = a; t < z; t++) {
             const float *kr = as_f32(j->dtype, j->k, base + (int64_t)t * row, w->row, row);
             for (int h = 0; h < hq; h++) {
@@ -211,7 +210,7 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
     const int lo = seq_begin(j, w, it, hq, D);                /* this item's keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         int a, z;                                             /* keys [a, z) of this block */
-        const int64_t base = block_span(j, table, blk0, lo, sl, &a, &z);
+        const int64_t base = block_span(j, it, blk0, lo, &a, &z);
         const int64_t nbase = blk0 + bs < sl ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1;
         const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
         for (int hk = 0; hk < hkv; hk++) {

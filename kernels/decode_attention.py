@@ -169,6 +169,30 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return mode, k_scale.stride()
 
 
+def paged_kernel_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, out: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      scale: float, sliding_window: int | None, tokens_per_split: int, num_splits: int,
+                      sstr: tuple[int, int, int], rows: int) -> tuple[tuple, tuple]:
+    """(the positional arguments the decode and extend kernels share: pointers, scalars, strides;
+    the split partials they write, allocated when num_splits > 1: o [rows, q_heads, splits, D_PAD]
+    and lse [rows, q_heads, splits] in fp32, rows being sequences or tokens)."""
+    hq, d_pad = q.shape[1], next_pow2(q.shape[2])
+    if num_splits > 1:
+        part_o = torch.empty((rows, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out                                               # unused
+    dummy = k_cache                                                           # unquantized: no scales
+    return (q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
+            v_scale if v_scale is not None else dummy, out, part_o, part_lse,
+            block_tables, seq_lens, query_start_loc,
+            scale * LOG2E, int(sliding_window or 0), tokens_per_split, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
+            block_tables.stride(0)), (part_o, part_lse)
+
+
 def decode_config(head_dim: int, device: torch.device, fp32: bool = False) -> dict:
     """Tile sizes for the decode kernel (BLOCK_N tokens per iteration, warps, pipeline stages).
 
@@ -216,20 +240,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = hq // hkv
     d_pad = next_pow2(D)
     split = splits > 1
-    if split:
-        part_o = torch.empty((B, hq, splits, d_pad), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((B, hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out                                               # unused
-    dummy = k_cache
+    args, partials = paged_kernel_args(q, k_cache, v_cache, k_scale, v_scale, out, block_tables,
+                                       seq_lens, query_start_loc, scale, sliding_window, tps, splits, sstr,
+                                       rows=B)
     _decode_kernel[(B, hkv, splits)](
-        q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy, out, part_o, part_lse,
-        block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, int(sliding_window or 0), tps, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
-        block_tables.stride(0),
+        *args,
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute,
         PRECISION=dot_precision(compute), SPLIT=split, WINDOW=bool(sliding_window),
@@ -237,7 +252,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     if split:
         _merge_kernel[(B, hq)](
-            out, part_o, part_lse, query_start_loc, splits, out.stride(0), out.stride(1),
+            out, *partials, query_start_loc, splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=next_pow2(splits), num_warps=4,
         )
     return out

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.decode_attention import (LOG2E, attend_blocks, check_paged_args, gather_dequant,
-                                                merge_splits, softcap, take_blocks)
+from chatserve_kernels.decode_attention import (attend_blocks, check_paged_args, gather_dequant, merge_splits,
+                                                paged_kernel_args, softcap, take_blocks)
 from chatserve_kernels.dispatch import cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl
 
 
@@ -162,20 +162,12 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("num_splits > 1 needs max_seq_len")
     split = num_splits > 1
     d_pad = next_pow2(D)
-    if split:
-        part_o = torch.empty((T, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((T, hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out                                               # unused
-    dummy = k_cache
+    args, partials = paged_kernel_args(q, k_cache, v_cache, k_scale, v_scale, out, block_tables,
+                                       seq_lens, query_start_loc, scale, sliding_window, tps, num_splits, sstr,
+                                       rows=T)
     grid = (B, hkv, tiles * num_splits)
     _extend_kernel[grid](
-        q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy, out, part_o, part_lse, block_tables, seq_lens,
-        query_start_loc, scale * LOG2E, int(sliding_window or 0), tps, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
-        block_tables.stride(0),
+        *args,
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute,
         PRECISION=dot_precision(compute), WINDOW=bool(sliding_window), SKIP_DECODE=skip_decode,
@@ -184,7 +176,7 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     if split:
         _extend_merge_kernel[(B, hq, max_query_len)](
-            out, part_o, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
+            out, *partials, query_start_loc, num_splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=next_pow2(num_splits), SKIP_DECODE=skip_decode,
             num_warps=4,
         )
