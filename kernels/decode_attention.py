@@ -16,6 +16,52 @@ LOG2E = 1.4426950408889634
 
 # --------------------------------------------------------------------------- Triton kernels
 @jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                   block_tables_ptr, seq_lens_ptr, qsl_ptr,
+                   sm_scale_log2, window, tokens_per_split, num_splits,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh, stride_bt,
+                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SCALE_MODE: tl.constexpr, COMPUTE: tl.constexpr,
+                   PRECISION: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr):
+    # grid: (batch, kv_heads, splits). Program (b, kvh, s) covers tokens [lo, hi) of sequence b.
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.where(q_len == 1, seq_len, 0)          # rows that are not decode rows do nothing
+    lo = s * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    if WINDOW:
+        lo = tl.maximum(lo, seq_len - window)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kvh * GROUP + g                                                   # [GROUP_PAD]
+    q = tl.load(q_ptr + q_start * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)   # q: [GROUP_PAD, D_PAD]
+    o, lse = attend_blocks(q, lo, hi, 0, 0, block_tables_ptr + b * stride_bt, kvh,
+                           k_ptr, v_ptr, ks_ptr, vs_ptr, sm_scale_log2,
+                           stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
+                           GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SCALE_MODE, COMPUTE,
+                           PRECISION, False, False)                              # o: [GROUP_PAD, D_PAD]
+    if SPLIT:
+        # partials: o [B, NUM_Q_HEADS, num_splits, D_PAD], lse (log2 domain) [B, NUM_Q_HEADS, num_splits]
+        row = (b * NUM_Q_HEADS + heads) * num_splits + s                      # [GROUP_PAD]
+        tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], o, mask=g_ok[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+    else:
+        row_ok = g_ok & ((g * 0 + q_len) == 1)
+        tl.store(out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@jit
 def attend_blocks(q, lo, hi, qpos, window, table, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, sm_scale_log2,
                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
                   ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -67,52 +113,6 @@ def attend_blocks(q, lo, hi, qpos, window, table, kvh, k_ptr, v_ptr, ks_ptr, vs_
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
     return acc / l_safe[:, None], lse
-
-
-@jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                   block_tables_ptr, seq_lens_ptr, qsl_ptr,
-                   sm_scale_log2, window, tokens_per_split, num_splits,
-                   stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh, stride_bt,
-                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SCALE_MODE: tl.constexpr, COMPUTE: tl.constexpr,
-                   PRECISION: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr):
-    # grid: (batch, kv_heads, splits). Program (b, kvh, s) covers tokens [lo, hi) of sequence b.
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + b).to(tl.int64)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
-    seq_len = tl.where(q_len == 1, seq_len, 0)          # rows that are not decode rows do nothing
-    lo = s * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, seq_len)
-    if WINDOW:
-        lo = tl.maximum(lo, seq_len - window)
-
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D_PAD)
-    g_ok = g < GROUP
-    d_ok = d < HEAD_DIM
-    heads = kvh * GROUP + g                                                   # [GROUP_PAD]
-    q = tl.load(q_ptr + q_start * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)   # q: [GROUP_PAD, D_PAD]
-    o, lse = attend_blocks(q, lo, hi, 0, 0, block_tables_ptr + b * stride_bt, kvh,
-                           k_ptr, v_ptr, ks_ptr, vs_ptr, sm_scale_log2,
-                           stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
-                           GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SCALE_MODE, COMPUTE,
-                           PRECISION, False, False)                              # o: [GROUP_PAD, D_PAD]
-    if SPLIT:
-        # partials: o [B, NUM_Q_HEADS, num_splits, D_PAD], lse (log2 domain) [B, NUM_Q_HEADS, num_splits]
-        row = (b * NUM_Q_HEADS + heads) * num_splits + s                      # [GROUP_PAD]
-        tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], o, mask=g_ok[:, None])
-        tl.store(part_lse_ptr + row, lse, mask=g_ok)
-    else:
-        row_ok = g_ok & ((g * 0 + q_len) == 1)
-        tl.store(out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @jit
