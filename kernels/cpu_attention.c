@@ -128,16 +128,39 @@ static void seq_end(const job_t *j, const work_t *w, const item_t *it, const par
     memcpy(pt->den + (int64_t)it->part * hq, w->den, (size_t)hq * sizeof(float));
 }
 
+/* The block of a work item's keys [lo, it->k1) that starts at key blk0: its keys [*a, *z), and where
+ * it starts in the cache (element offset). */
+static inline int64_t block_span(const job_t *j, const item_t *it, int blk0, int lo, int *a, int *z) {
+    const int sl = it->k1;
+    *a = lo > blk0 ? lo - blk0 : 0;
+    *z = (sl - blk0) < j->bs ? (sl - blk0) : j->bs;
+    return (int64_t)j->tables[(int64_t)it->b * j->bt_stride + blk0 / j->bs] * j->c_sb;
+}
+
+/* Online softmax step of one head over a block's scores s[a, z): s becomes exp(s - max) in place, the
+ * running max *mx and sum *den move on; returns alpha, the factor the head's accumulator is scaled by. */
+static inline float softmax_block(float *s, int a, int z, float *mx, float *den) {
+    float bmax = *mx;
+    for (int t = a; t < z; t++) bmax = s[t] > bmax ? s[t] : bmax;
+    const float alpha = exp_neg(*mx - bmax);
+    *mx = bmax;
+    float sum = 0.0f;
+    for (int t = a; t < z; t++) {
+        s[t] = exp_neg(s[t] - bmax);
+        sum += s[t];
+    }
+    *den = *den * alpha + sum;
+    return alpha;
+}
+
 /* The generic body: any head_dim and group size, one dot product per (head, key). */
 static void run_seq(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
     const int D = j->D, bs = j->bs, hq = j->hq, G = hq / j->hkv, row = j->hkv * D;
     const int sl = it->k1;
-    const int32_t *table = j->tables + (int64_t)it->b * j->bt_stride;
     const int lo = seq_begin(j, w, it, hq, D);                /* this item's keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
-        const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
-        const int a = lo > blk0 ? lo - blk0 : 0;
-        const int z = (sl - blk0) < bs ? (sl - blk0) : bs;   /* keys [a, z) of this block */
+        int a, z;                                             /* keys [a, z) of this block */
+        const int64_t base = block_span(j, it, blk0, lo, &a, &z);
         for (int t = a; t < z; t++) {
             const float *kr = as_f32(j->dtype, j->k, base + (int64_t)t * row, w->row, row);
             for (int h = 0; h < hq; h++) {
@@ -149,17 +172,7 @@ static void run_seq(const job_t *j, work_t *w, const item_t *it, const parts_t *
             }
         }
         for (int h = 0; h < hq; h++) {
-            float *s = w->s + h * MAX_BS;
-            float bmax = w->mx[h];
-            for (int t = a; t < z; t++) bmax = s[t] > bmax ? s[t] : bmax;
-            const float alpha = exp_neg(w->mx[h] - bmax);
-            w->mx[h] = bmax;
-            float sum = 0.0f;
-            for (int t = a; t < z; t++) {
-                s[t] = exp_neg(s[t] - bmax);
-                sum += s[t];
-            }
-            w->den[h] = w->den[h] * alpha + sum;
+            const float alpha = softmax_block(w->s + h * MAX_BS, a, z, &w->mx[h], &w->den[h]);
             if (alpha != 1.0f)
                 for (int d = 0; d < D; d++) w->acc[h * D + d] *= alpha;
         }
@@ -196,9 +209,8 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
     const int32_t *table = j->tables + (int64_t)it->b * j->bt_stride;
     const int lo = seq_begin(j, w, it, hq, D);                /* this item's keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
-        const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
-        const int a = lo > blk0 ? lo - blk0 : 0;
-        const int z = (sl - blk0) < bs ? (sl - blk0) : bs;   /* keys [a, z) of this block */
+        int a, z;                                             /* keys [a, z) of this block */
+        const int64_t base = block_span(j, it, blk0, lo, &a, &z);
         const int64_t nbase = blk0 + bs < sl ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1;
         const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
         for (int hk = 0; hk < hkv; hk++) {
@@ -226,17 +238,7 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
             }
             for (int g = 0; g < G; g++) {                      /* online softmax */
                 const int h = hk * G + g;
-                float *sh = w->s + h * MAX_BS;
-                float bmax = w->mx[h];
-                for (int t = a; t < z; t++) bmax = sh[t] > bmax ? sh[t] : bmax;
-                alpha[g] = exp_neg(w->mx[h] - bmax);
-                w->mx[h] = bmax;
-                float sum = 0.0f;
-                for (int t = a; t < z; t++) {
-                    sh[t] = exp_neg(sh[t] - bmax);
-                    sum += sh[t];
-                }
-                w->den[h] = w->den[h] * alpha[g] + sum;
+                alpha[g] = softmax_block(w->s + h * MAX_BS, a, z, &w->mx[h], &w->den[h]);
             }
             for (int g = 0; g < G; g++)
                 for (int v = 0; v < NV; v++)

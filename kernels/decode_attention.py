@@ -45,14 +45,41 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, par
     heads = kvh * GROUP + g                                                   # [GROUP_PAD]
     q = tl.load(q_ptr + q_start * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(COMPUTE)   # q: [GROUP_PAD, D_PAD]
+    o, lse = attend_blocks(q, lo, hi, 0, 0, block_tables_ptr + b * stride_bt, kvh,
+                           k_ptr, v_ptr, ks_ptr, vs_ptr, sm_scale_log2,
+                           stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
+                           GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SCALE_MODE, COMPUTE,
+                           PRECISION, False, False)                              # o: [GROUP_PAD, D_PAD]
+    if SPLIT:
+        # partials: o [B, NUM_Q_HEADS, num_splits, D_PAD], lse (log2 domain) [B, NUM_Q_HEADS, num_splits]
+        row = (b * NUM_Q_HEADS + heads) * num_splits + s                      # [GROUP_PAD]
+        tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], o, mask=g_ok[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+    else:
+        row_ok = g_ok & ((g * 0 + q_len) == 1)
+        tl.store(out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@jit
+def attend_blocks(q, lo, hi, qpos, window, table, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, sm_scale_log2,
+                  stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
+                  ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_MODE: tl.constexpr,
+                  COMPUTE: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    # q [ROWS, D_PAD] (COMPUTE) against keys [lo, hi) of one kv head, read through the sequence's block
+    # `table`, by online softmax (log2 domain) → (o [ROWS, D_PAD] fp32 normalized, lse [ROWS] log2;
+    # -inf for a row that saw no key). CAUSAL: row r sees keys <= qpos[r] (and, WINDOW, within
+    # `window` of it); otherwise every row sees all of [lo, hi). The decode and extend kernels share it.
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
     qk_scale = sm_scale_log2
     if SCALE_MODE == 2:
         qk_scale = qk_scale * tl.load(ks_ptr)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    table = block_tables_ptr + b * stride_bt
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)                                  # token positions
         n_ok = (offs >= lo) & (offs < hi)
@@ -61,11 +88,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, par
         kv_off = blk * stride_cb + tok * stride_ct + kvh * stride_ch          # [BLOCK_N]
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        qk = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)   # [GROUP_PAD, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)   # [ROWS, BLOCK_N]
         if SCALE_MODE == 1:
             sc_off = blk * stride_sb + tok * stride_st + kvh * stride_sh
             qk = qk * tl.load(ks_ptr + sc_off, mask=n_ok, other=0.0)[None, :]
-        qk = tl.where(n_ok[None, :], qk * qk_scale, float("-inf"))
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs[None, :] <= qpos[:, None])
+            if WINDOW:
+                visible = visible & ((qpos[:, None] - offs[None, :]) < window)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -78,19 +110,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, par
         m_i = m_new
     if SCALE_MODE == 2:
         acc = acc * tl.load(vs_ptr)
-
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if SPLIT:
-        # partials: o [B, NUM_Q_HEADS, num_splits, D_PAD], lse (log2 domain) [B, NUM_Q_HEADS, num_splits]
-        row = (b * NUM_Q_HEADS + heads) * num_splits + s                      # [GROUP_PAD]
-        tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], o, mask=g_ok[:, None])
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=g_ok)
-    else:
-        row_ok = g_ok & ((g * 0 + q_len) == 1)
-        tl.store(out_ptr + q_start * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+    return acc / l_safe[:, None], lse
 
 
 @jit
@@ -125,6 +147,52 @@ def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride
 
 
 # --------------------------------------------------------------------------- launcher
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                     out: torch.Tensor, k_scale: torch.Tensor | None,
+                     v_scale: torch.Tensor | None) -> tuple[int, tuple[int, int, int]]:
+    """The layout both paged-attention launchers need, asserted → (scale mode, the per-token scales'
+    strides: block, token, head; zeros unless the scales are per token)."""
+    T, hq, D = q.shape
+    nb, bs, hkv, dc = k_cache.shape
+    B = seq_lens.shape[0]
+    assert dc == D and hq % hkv == 0 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
+    assert q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches need one dense layout"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.stride(1) == 1
+    assert query_start_loc.shape == (B + 1,) and bs & (bs - 1) == 0, (query_start_loc.shape, bs)
+    mode = scale_mode(k_cache, k_scale)
+    assert scale_mode(v_cache, v_scale) == mode
+    if mode != SCALE_TOKEN:
+        return mode, (0, 0, 0)
+    assert v_scale.stride() == k_scale.stride()
+    return mode, k_scale.stride()
+
+
+def paged_kernel_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, out: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      scale: float, sliding_window: int | None, tokens_per_split: int, num_splits: int,
+                      sstr: tuple[int, int, int], rows: int) -> tuple[tuple, tuple]:
+    """(the positional arguments the decode and extend kernels share: pointers, scalars, strides;
+    the split partials they write, allocated when num_splits > 1: o [rows, q_heads, splits, D_PAD]
+    and lse [rows, q_heads, splits] in fp32, rows being sequences or tokens)."""
+    hq, d_pad = q.shape[1], next_pow2(q.shape[2])
+    if num_splits > 1:
+        part_o = torch.empty((rows, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out                                               # unused
+    dummy = k_cache                                                           # unquantized: no scales
+    return (q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
+            v_scale if v_scale is not None else dummy, out, part_o, part_lse,
+            block_tables, seq_lens, query_start_loc,
+            scale * LOG2E, int(sliding_window or 0), tokens_per_split, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
+            block_tables.stride(0)), (part_o, part_lse)
+
+
 def decode_config(head_dim: int, device: torch.device, fp32: bool = False) -> dict:
     """Tile sizes for the decode kernel (BLOCK_N tokens per iteration, warps, pipeline stages).
 
@@ -159,16 +227,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     T, hq, D = q.shape
     nb, bs, hkv, dc = k_cache.shape
     B = seq_lens.shape[0]
-    assert dc == D and hq % hkv == 0 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
-    assert q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches need one dense layout"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.stride(1) == 1
-    assert query_start_loc.shape == (B + 1,) and bs & (bs - 1) == 0, (query_start_loc.shape, bs)
-    mode = scale_mode(k_cache, k_scale)
-    assert scale_mode(v_cache, v_scale) == mode
-    sstr = k_scale.stride() if mode == SCALE_TOKEN else (0, 0, 0)
-    if mode == SCALE_TOKEN:
-        assert v_scale.stride() == k_scale.stride()
+    mode, sstr = check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+                                  k_scale, v_scale)
     if B == 0 or max_seq_len == 0:
         return out
     compute = compute_dtype(q.dtype, q.device)
@@ -180,20 +240,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = hq // hkv
     d_pad = next_pow2(D)
     split = splits > 1
-    if split:
-        part_o = torch.empty((B, hq, splits, d_pad), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((B, hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out                                               # unused
-    dummy = k_cache
+    args, partials = paged_kernel_args(q, k_cache, v_cache, k_scale, v_scale, out, block_tables,
+                                       seq_lens, query_start_loc, scale, sliding_window, tps, splits, sstr,
+                                       rows=B)
     _decode_kernel[(B, hkv, splits)](
-        q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy, out, part_o, part_lse,
-        block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, int(sliding_window or 0), tps, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
-        block_tables.stride(0),
+        *args,
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute,
         PRECISION=dot_precision(compute), SPLIT=split, WINDOW=bool(sliding_window),
@@ -201,7 +252,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     if split:
         _merge_kernel[(B, hq)](
-            out, part_o, part_lse, query_start_loc, splits, out.stride(0), out.stride(1),
+            out, *partials, query_start_loc, splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=next_pow2(splits), num_warps=4,
         )
     return out

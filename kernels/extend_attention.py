@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.decode_attention import LOG2E, gather_dequant, merge_splits, softcap, take_blocks
+from chatserve_kernels.decode_attention import (attend_blocks, check_paged_args, gather_dequant, merge_splits,
+                                                paged_kernel_args, softcap, take_blocks)
 from chatserve_kernels.dispatch import cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl
-from chatserve_kernels.quant import SCALE_TOKEN, scale_mode
 
 
 # --------------------------------------------------------------------------- Triton kernel
@@ -63,49 +63,16 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, par
     if SPLIT:
         lo = tl.maximum(lo, sp * tokens_per_split)
         hi = tl.minimum(hi, (sp + 1) * tokens_per_split)
-    qk_scale = sm_scale_log2
-    if SCALE_MODE == 2:
-        qk_scale = qk_scale * tl.load(ks_ptr)
-
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    table = block_tables_ptr + b * stride_bt
-    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        n_ok = (offs < hi) & (offs >= lo)
-        blk = tl.load(table + offs // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        tok = offs % BLOCK_SIZE
-        kv_off = blk * stride_cb + tok * stride_ct + kvh * stride_ch          # [BLOCK_N]
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=PRECISION)   # [ROWS, BLOCK_N]
-        if SCALE_MODE == 1:
-            sc_off = blk * stride_sb + tok * stride_st + kvh * stride_sh
-            qk = qk * tl.load(ks_ptr + sc_off, mask=n_ok, other=0.0)[None, :]
-        visible = n_ok[None, :] & (offs[None, :] <= qpos[:, None])
-        if WINDOW:
-            visible = visible & ((qpos[:, None] - offs[None, :]) < window)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if SCALE_MODE == 1:
-            p = p * tl.load(vs_ptr + sc_off, mask=n_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=PRECISION)
-        m_i = m_new
-    if SCALE_MODE == 2:
-        acc = acc * tl.load(vs_ptr)
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o, lse = attend_blocks(q, lo, hi, qpos, window, block_tables_ptr + b * stride_bt, kvh,
+                           k_ptr, v_ptr, ks_ptr, vs_ptr, sm_scale_log2,
+                           stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
+                           ROWS, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, SCALE_MODE, COMPUTE,
+                           PRECISION, True, WINDOW)                              # o: [ROWS, D_PAD]
     if SPLIT:
         # partials: o [T, NUM_Q_HEADS, num_splits, D_PAD], lse (log2 domain) [T, NUM_Q_HEADS, num_splits]
         prow = ((q_start + m) * NUM_Q_HEADS + heads) * num_splits + sp                    # [ROWS]
         tl.store(part_o_ptr + prow[:, None] * D_PAD + d[None, :], o, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + prow, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+        tl.store(part_lse_ptr + prow, lse, mask=row_ok)
     else:
         tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -172,14 +139,8 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     T, hq, D = q.shape
     nb, bs, hkv, dc = k_cache.shape
     B = seq_lens.shape[0]
-    assert dc == D and hq % hkv == 0 and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
-    assert q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches need one dense layout"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == B and block_tables.stride(1) == 1
-    assert query_start_loc.shape == (B + 1,) and bs & (bs - 1) == 0, (query_start_loc.shape, bs)
-    mode = scale_mode(k_cache, k_scale)
-    assert scale_mode(v_cache, v_scale) == mode
-    sstr = k_scale.stride() if mode == SCALE_TOKEN else (0, 0, 0)
+    mode, sstr = check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+                                  k_scale, v_scale)
     if B == 0 or max_query_len == 0:
         return out
     group = hq // hkv
@@ -201,20 +162,12 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("num_splits > 1 needs max_seq_len")
     split = num_splits > 1
     d_pad = next_pow2(D)
-    if split:
-        part_o = torch.empty((T, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((T, hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out                                               # unused
-    dummy = k_cache
+    args, partials = paged_kernel_args(q, k_cache, v_cache, k_scale, v_scale, out, block_tables,
+                                       seq_lens, query_start_loc, scale, sliding_window, tps, num_splits, sstr,
+                                       rows=T)
     grid = (B, hkv, tiles * num_splits)
     _extend_kernel[grid](
-        q, k_cache, v_cache, k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy, out, part_o, part_lse, block_tables, seq_lens,
-        query_start_loc, scale * LOG2E, int(sliding_window or 0), tps, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sstr[0], sstr[1], sstr[2],
-        block_tables.stride(0),
+        *args,
         NUM_Q_HEADS=hq, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n, SCALE_MODE=mode, COMPUTE=compute,
         PRECISION=dot_precision(compute), WINDOW=bool(sliding_window), SKIP_DECODE=skip_decode,
@@ -223,7 +176,7 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     if split:
         _extend_merge_kernel[(B, hq, max_query_len)](
-            out, part_o, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
+            out, *partials, query_start_loc, num_splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=next_pow2(num_splits), SKIP_DECODE=skip_decode,
             num_warps=4,
         )

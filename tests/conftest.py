@@ -1,5 +1,6 @@
 """Fixtures shared by every test folder: a throwaway redis-server (skipped with a hint when missing),
-a tiny random-weight model directory, and the real default model served once per session."""
+the fake-engine server, a tiny random-weight model directory, and the real default model served once
+per session."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "sessions"))
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
-from server_support import real_model_available, start_real_server  # noqa: E402
+from server_support import real_model_available, start_fake_server, start_real_server  # noqa: E402
 from session_fakes import RedisServer, redis_binary  # noqa: E402
 
 
@@ -25,6 +26,14 @@ def redis_server():
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_fake_server():
+    """The fake-engine server of tests/server/server_support.py in a thread, one per test module."""
+    srv = start_fake_server()
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -196,12 +196,17 @@ def numbered_replies(chat: ScriptedChat) -> None:
     chat.reply = reply
 
 
-def test_regenerate_edit_rename_delete(live, chat, page):
-    srv, _ = live
+def first_numbered_reply(page, srv: LiveServer, chat: ScriptedChat) -> None:
+    """Numbered replies; the UI open, "hello" sent and its reply ("reply #1 to hello") finished."""
     numbered_replies(chat)
     open_ui(page, srv)
     send(page, "hello")
     page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=10_000)
+
+
+def test_regenerate_edit_rename_delete(live, chat, page):
+    srv, _ = live
+    first_numbered_reply(page, srv, chat)
     page.click(".msg.assistant .regenerate")
     wait_js(page, "document.querySelector('.msg.assistant .msg-body').innerText.startsWith('reply #2')",
                            timeout=10_000)

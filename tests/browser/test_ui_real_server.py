@@ -11,6 +11,9 @@ from test_ui_chat import kv_usage, open_ui, send, visible_while_streaming, wait_
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(180)]
 
+# KaTeX loads on first use and typesets math after the markdown is on screen: compare settled pages
+MATH_SETTLED = "!document.querySelector('.msg-body .math[data-tex]:not([data-done])')"
+
 
 @pytest.fixture(scope="module")
 def paced_model(tmp_path_factory) -> str:
@@ -61,13 +64,15 @@ def test_real_server_stream_stop_and_restart(browser, redis_server, paced_model,
             m = re.search(r"prompt (\d+) \(cached (\d+)\)", stats)
             assert m and int(m.group(2)) > 0 and int(m.group(1)) > int(m.group(2)), stats
             assert "tok/s" in stats and "6 tokens" in stats
+            wait_js(page, MATH_SETTLED)
             before = page.locator(".msg .msg-body").all_inner_texts()
         with ServeProcess(paced_model, log, *args) as srv2:         # a new process, the same Redis
             sid = page.evaluate("location.hash.slice(1)")
             page.goto(f"{srv2.url}/#{sid}")
             page.wait_for_selector("body[data-ready='1']")
             page.wait_for_selector(".msg.assistant >> nth=1", timeout=10_000)
-            assert page.locator(".msg .msg-body").all_inner_texts() == before
+            wait_js(page, MATH_SETTLED)
+            assert page.locator(".msg .msg-body").all_inner_texts() == before   # what Redis kept
             assert page.locator(".stat.stopped").count() == 1
     finally:
         ctx.close()

@@ -10,7 +10,7 @@ import pytest
 
 from browser_support import LiveServer
 from session_fakes import ScriptedChat, make_app
-from test_ui_chat import numbered_replies, open_ui, send, visible_while_streaming, wait_js, wait_until
+from test_ui_chat import first_numbered_reply, open_ui, send, visible_while_streaming, wait_js, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
@@ -213,10 +213,7 @@ def test_reload_and_a_dropped_connection_reattach_to_the_running_reply(live, cha
 
 def test_branches_keep_every_version(live, chat, page):
     srv, _ = live
-    numbered_replies(chat)
-    open_ui(page, srv)
-    send(page, "hello")
-    page.wait_for_selector(".msg.assistant:not(.streaming) .stat-ttft", timeout=10_000)
+    first_numbered_reply(page, srv, chat)
     send(page, "more")
     wait_js(page, "document.querySelectorAll('.msg.assistant:not(.streaming) .stat-ttft').length == 2")
     page.click(".msg.assistant >> nth=1 >> .regenerate")

@@ -35,10 +35,3 @@ def slow_server(monkeypatch):
     srv = start_fake_server(delay=0.25)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def plain_server():
-    srv = start_fake_server()
-    yield srv
-    srv.stop()

@@ -14,14 +14,27 @@ import pytest
 MSG = [{"role": "user", "content": "abc"}]
 
 
-class BlankLineReader:
-    """buffer += read; while "\\n\\n" in buffer: cut one event; its `data:` lines are the payload."""
+class Reader:
+    """What every pattern shares: a text buffer fed one network read at a time, and the events so far.
+    A subclass's `cut` takes the complete events off the buffer."""
 
     def __init__(self) -> None:
         self.buf = ""
         self.events: list[str] = []
 
     def feed(self, text: str) -> list[str]:
+        got = self.cut(text)
+        self.events += got
+        return got
+
+    def cut(self, text: str) -> list[str]:
+        raise NotImplementedError
+
+
+class BlankLineReader(Reader):
+    """buffer += read; while "\\n\\n" in buffer: cut one event; its `data:` lines are the payload."""
+
+    def cut(self, text: str) -> list[str]:
         self.buf += text
         got = []
         while "\n\n" in self.buf:
@@ -29,36 +42,25 @@ class BlankLineReader:
             data = [ln[5:].lstrip() for ln in block.split("\n") if ln.startswith("data:")]
             if data:
                 got.append("\n".join(data))
-        self.events += got
         return got
 
 
-class LineReader:
+class LineReader(Reader):
     """buffer += read; every complete line (split on "\\n") starting with "data: " is an event."""
 
-    def __init__(self) -> None:
-        self.buf = ""
-        self.events: list[str] = []
-
-    def feed(self, text: str) -> list[str]:
+    def cut(self, text: str) -> list[str]:
         self.buf += text
         *lines, self.buf = self.buf.split("\n")
-        got = [ln[6:] for ln in lines if ln.startswith("data: ")]
-        self.events += got
-        return got
+        return [ln[6:] for ln in lines if ln.startswith("data: ")]
 
 
-class StripEachReadReader:
+class StripEachReadReader(Reader):
     """vLLM's benchmark client: each network read is stripped of surrounding whitespace and appended;
     events are cut at "\\n\\n", and what is left counts as an event when it is `data: ` followed by
     [DONE] or complete JSON. Lines starting with ":" are skipped. A comment that arrives alone would be
     glued to the next event here, so the server's keep-alive must be whitespace only."""
 
-    def __init__(self) -> None:
-        self.buf = ""
-        self.events: list[str] = []
-
-    def feed(self, text: str) -> list[str]:
+    def cut(self, text: str) -> list[str]:
         text = text.strip()
         if not text:
             return []
@@ -76,9 +78,7 @@ class StripEachReadReader:
                     self.buf = ""
             except ValueError:
                 pass
-        got = [m[6:] for m in msgs if not m.startswith(":") and m.startswith("data: ")]
-        self.events += got
-        return got
+        return [m[6:] for m in msgs if not m.startswith(":") and m.startswith("data: ")]
 
 
 READERS = [BlankLineReader, LineReader, StripEachReadReader]
@@ -133,9 +133,9 @@ def test_every_event_while_streaming_and_after_pings(slow_server, reader, path, 
 
 # Not StripEachReadReader: stripping a read that ends inside an event loses bytes whatever the server sends.
 @pytest.mark.parametrize("reader", [BlankLineReader, LineReader], ids=lambda r: r.__name__)
-def test_coalesced_reads_lose_nothing(plain_server, reader):
+def test_coalesced_reads_lose_nothing(shared_fake_server, reader):
     body = {"messages": MSG, "max_tokens": 8, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
-    raw = "".join(stream_reads(plain_server.url, "/v1/chat/completions", body))
+    raw = "".join(stream_reads(shared_fake_server.url, "/v1/chat/completions", body))
     expected = reader()
     expected.feed(raw)
     objs = check_events(expected.events, usage=True)
@@ -177,8 +177,8 @@ def test_headers_and_a_keepalive_go_out_before_the_first_token(slow_server):
             assert b"\r\n\n\n\r\n" in body, seen      # a chunk of the chunked body holding just "\n\n"
 
 
-def test_session_stream_is_lf_framed(plain_server):
-    url = plain_server.url
+def test_session_stream_is_lf_framed(shared_fake_server):
+    url = shared_fake_server.url
     with httpx.Client() as c:                  # the identity cookie makes the session ours
         s = c.post(url + "/v1/sessions", json={"title": "t"}, timeout=10)
         assert s.status_code == 201, s.text

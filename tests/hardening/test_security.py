@@ -10,7 +10,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from hardening_support import server_helpers, start_fake_server, start_real_server
+from hardening_support import start_fake_server, start_real_server
 
 M = [{"role": "user", "content": "hi"}]
 
@@ -158,31 +158,32 @@ def test_prefix_cache_isolation_and_shared_system_prompt_on_the_real_engine(tiny
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_no_timing_advantage_across_owners_on_the_default_model(tmp_path):
+def test_no_timing_advantage_across_owners_on_the_default_model(live_server):
     """The timing side channel itself: with the default model a ~600-token prefill is slow enough to
-    see, so another owner's time to first token must look cold, while the same owner's looks warm."""
-    if not server_helpers.real_model_available():
-        pytest.skip("default model not available")
-    srv = start_real_server(str(tmp_path), "--kv-blocks", "256", "--max-model-len", "2048",
-                            "--api-key", "owner-a", "--api-key", "owner-b")
-    try:
-        def ttft(key: str, text: str) -> tuple[float, int]:
-            r = httpx.post(srv.url + "/v1/chat/completions", headers=_h(key), timeout=120, json={
-                "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0})
-            assert r.status_code == 200, r.text
-            u = r.json()["usage"]
-            return u["chatserve"]["ttft_s"], u["prompt_tokens_details"]["cached_tokens"]
+    see, so another owner's time to first token must look cold, while the same owner's looks warm.
+    The session's default-model server has no API keys, so the owners are two client addresses
+    (127.0.0.1 and 127.0.0.2: a keyless caller's cache is its peer address's)."""
+    clients = {"owner-a": httpx.Client(timeout=120),
+               "owner-b": httpx.Client(timeout=120, transport=httpx.HTTPTransport(local_address="127.0.0.2"))}
 
-        ttft("owner-a", "warm up the model once")
+    def ttft(owner: str, text: str) -> tuple[float, int]:
+        r = clients[owner].post(live_server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        return u["chatserve"]["ttft_s"], u["prompt_tokens_details"]["cached_tokens"]
+
+    try:
         text = "Please read this carefully. " + " ".join(f"item {i} is a plain sentence." for i in range(90))
         a1, c1 = ttft("owner-a", text)
         b1, cb = ttft("owner-b", text)
         a2, c2 = ttft("owner-a", text)
         print(f"TTFT: owner A cold {a1 * 1000:.0f} ms, owner B (same prompt) {b1 * 1000:.0f} ms, "
               f"owner A again {a2 * 1000:.0f} ms ({c2} cached tokens)")
-        # A's cold request shares only the chat template's default system block with the warm-up
+        # A's cold request shares only the chat template's default system block with earlier requests
         assert c1 <= 32 and cb == 0 and c2 > 500
         assert b1 > 3 * a2, "another owner's request was as fast as a cache hit"
         assert b1 > 0.5 * a1
     finally:
-        srv.stop()
+        for c in clients.values():
+            c.close()

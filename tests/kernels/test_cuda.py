@@ -19,26 +19,26 @@ from kernel_cases import (DECODE, EXTEND, STORE, TOL_DENSE, assert_close, case_i
 pytestmark = needs_cuda
 
 
-@pytest.mark.parametrize("c", DECODE, ids=[case_id(c) for c in DECODE])
-def test_cuda_decode_matches_twin_and_dense(c):
-    case, dt, splits, window = decode_case(c, device="cuda")
+def check_twin_and_dense(case, dt, window, **launch) -> None:
+    """paged_attention on CUDA (Triton) against the torch twin and the dense reference."""
     got = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, sliding_window=window,
-                          num_splits=splits, **case.kwargs())
+                          **launch, **case.kwargs())
     want = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
                                  sliding_window=window, **case.kwargs())
     assert_close(got, want, dt)
     assert_close(got, dense_reference(case, window), dt, TOL_DENSE)
+
+
+@pytest.mark.parametrize("c", DECODE, ids=[case_id(c) for c in DECODE])
+def test_cuda_decode_matches_twin_and_dense(c):
+    case, dt, splits, window = decode_case(c, device="cuda")
+    check_twin_and_dense(case, dt, window, num_splits=splits)
 
 
 @pytest.mark.parametrize("c", EXTEND, ids=[case_id(c) for c in EXTEND])
 def test_cuda_extend_matches_twin_and_dense(c):
     case, dt, window = extend_case(c, device="cuda")
-    got = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, sliding_window=window,
-                          **case.kwargs())
-    want = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
-                                 sliding_window=window, **case.kwargs())
-    assert_close(got, want, dt)
-    assert_close(got, dense_reference(case, window), dt, TOL_DENSE)
+    check_twin_and_dense(case, dt, window)
 
 
 @pytest.mark.parametrize("c", STORE, ids=[case_id(c) for c in STORE])

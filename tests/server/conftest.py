@@ -18,10 +18,3 @@ def fake_server():
     srv = start_fake_server()
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def shared_fake_server():
-    srv = start_fake_server()
-    yield srv
-    srv.stop()

@@ -164,15 +164,16 @@ def test_metrics_after_traffic(live_server):
 
 @pytest.mark.slow
 def test_preemption_under_a_tiny_cache_then_sigterm_drain(tmp_path):
-    """Issue 4's acceptance: 48 blocks, 8 × (250-token prompt + 96 tokens) all finish via preemption."""
+    """Issue 4's acceptance at half its size: 48 blocks, 8 × (125-token prompt + 48 tokens) all finish via
+    preemption (five 8-block prompts fit beside the watermark block; five tenth blocks do not)."""
     if not real_model_available():
         pytest.skip("default model not available")
     srv = start_real_server(str(tmp_path), "--kv-blocks", "48", "--max-num-seqs", "16",
                             "--max-model-len", "1024", "--drain-timeout", "2")
     try:
         async def one(c: httpx.AsyncClient, i: int) -> dict:
-            prompt = [(i * 131 + k * 7) % 20000 + 300 for k in range(250)]     # distinct, no sharing
-            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 96,
+            prompt = [(i * 131 + k * 7) % 20000 + 300 for k in range(125)]     # distinct, no sharing
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 48,
                                                       "ignore_eos": True, "temperature": 0})
             assert r.status_code == 200, r.text
             return r.json()
@@ -182,8 +183,8 @@ def test_preemption_under_a_tiny_cache_then_sigterm_drain(tmp_path):
                 return await asyncio.gather(*[one(c, i) for i in range(8)])
         t0 = time.time()
         outs = asyncio.run(run())
-        print(f"8 × 346 tokens on 48 blocks in {time.time() - t0:.1f} s")
-        assert all(o["usage"]["completion_tokens"] == 96 and o["choices"][0]["finish_reason"] == "length"
+        print(f"8 × 173 tokens on 48 blocks in {time.time() - t0:.1f} s")
+        assert all(o["usage"]["completion_tokens"] == 48 and o["choices"][0]["finish_reason"] == "length"
                    for o in outs)
         text = wait_idle(srv.url)
         assert metric(text, "chatserve:num_preemptions_total") > 0

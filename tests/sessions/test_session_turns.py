@@ -12,6 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from chatserve.server.sessions import RedisSessionStore, new_session_id
+from chatserve.server.sessions import turns as turns_module
+from chatserve.server.sessions.memory_store import MemorySessionStore
 from session_fakes import ScriptedChat, make_app, served
 
 pytestmark = pytest.mark.timeout(60)
@@ -158,6 +160,59 @@ async def test_a_turn_outlives_its_connection_and_can_be_reattached_over_sse(red
         r = await c.post(f"/v1/sessions/{sid}/attach", json={})       # nothing running now
         assert r.status_code == 404 and r.json()["error"]["code"] == "no_active_turn"
     await store.aclose()
+
+
+class GatedStore(MemorySessionStore):
+    """The memory store, except that updates wait while `gate` is clear, and each records how it ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.begun = 0
+        self.ended: list[str] = []
+
+    async def update(self, owner, sid, fn):
+        self.begun += 1
+        try:
+            await self.gate.wait()
+            out = await super().update(owner, sid, fn)
+        except asyncio.CancelledError:
+            self.ended.append("cancelled")
+            raise
+        self.ended.append("done")
+        return out
+
+
+async def test_stop_during_a_partial_save_lets_that_write_finish_before_the_reply_is_stored(monkeypatch):
+    """A partial save cut off mid-write can still land in Redis behind the store's back and then win
+    over the stopped reply; so Stop waits for it, and the stored reply is the text that was streamed."""
+    monkeypatch.setattr(turns_module, "SAVE_EVERY_S", 0.0)      # a partial save on every tick with news
+    chat = ScriptedChat(reply=lambda m: " ".join(f"w{i}" for i in range(400)), delay_s=0.01)
+    store = GatedStore()
+    app = make_app(chat, store=store)
+    async with served(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        sid = (await c.post("/v1/sessions", json={})).json()["id"]
+        seen: list[dict] = []
+        stopped = False
+        async with c.stream("POST", f"/v1/sessions/{sid}/messages", json={"content": "go"}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    seen.append(json.loads(line[6:]))
+                if not stopped and len(text_of(seen).split()) >= 5:
+                    stopped = True
+                    store.gate.clear()                       # the next partial save hangs in the store
+
+                    async def save_waiting() -> bool:
+                        return store.begun > len(store.ended)
+                    await _wait(save_waiting)
+                    assert (await c.post(f"/v1/sessions/{sid}/cancel", json={})).json()["cancelled"] is True
+                    await asyncio.sleep(0.2)
+                    store.gate.set()
+        assert "cancelled" not in store.ended
+        s = (await c.get(f"/v1/sessions/{sid}")).json()
+        assert s["messages"][1]["finish_reason"] == "abort" and s["generating"] is False
+        assert s["messages"][1]["content"] == text_of(seen)
 
 
 def test_reattach_over_the_websocket_after_the_socket_dropped_and_stop_ends_every_follower():

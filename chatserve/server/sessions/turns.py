@@ -84,6 +84,7 @@ class LiveTurn:
     running: bool = False                 # _run has begun (a task cancelled before that never runs)
     finishing: bool = False
     done: bool = False
+    saving: asyncio.Future | None = None  # the partial save in flight (see TurnService._save_partial)
 
     def event(self, replay: bool) -> dict:
         return {"object": "chatserve.turn", "id": self.id, "session_id": self.session_id,
@@ -315,6 +316,8 @@ class TurnService:
             turn.finishing = True
             ticker.cancel()
             await asyncio.gather(ticker, return_exceptions=True)
+            if turn.saving is not None:              # a partial save is never cut off mid-write
+                await asyncio.gather(turn.saving, return_exceptions=True)
             aclose = getattr(agen, "aclose", None)
             if aclose is not None:
                 try:
@@ -378,6 +381,9 @@ class TurnService:
                 await self._save_partial(turn)
 
     async def _save_partial(self, turn: LiveTurn) -> None:
+        """Save the reply so far. The write runs to its end even when the turn ends meanwhile (the
+        ticker is cancelled): a write cancelled while Redis runs it lands without the store knowing,
+        and the reply saved after it could then be refused as not newer."""
         text, phase = "".join(turn.text), turn.phase
 
         def apply(s: Session) -> None:
@@ -387,8 +393,9 @@ class TurnService:
             if s.turn and s.turn.get("id") == turn.id:
                 s.turn.update(heartbeat=time.time(), phase=phase)
 
+        turn.saving = asyncio.ensure_future(self.store.update(turn.owner, turn.session_id, apply))
         try:
-            await self.store.update(turn.owner, turn.session_id, apply)
+            await asyncio.shield(turn.saving)
         except StoreUnavailable as e:
             log.debug("session %s: partial reply not saved: %s", turn.session_id, e)
 
