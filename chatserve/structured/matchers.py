@@ -54,7 +54,8 @@ class GrammarMasks:
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
         self._helper: ThreadPoolExecutor | None = None
-        self._pending: tuple[list[tuple[str, int]], Future] | None = None   # rows, their forbidden tokens
+        self._pending: tuple[list[tuple[str, int]], Future] | None = None   # rows, their bitmask
+        self._buffer: np.ndarray | None = None    # the additive mask of the last CPU step, reused
 
     def drop(self, request_ids: Sequence[str]) -> None:
         self._settle()
@@ -62,7 +63,7 @@ class GrammarMasks:
             self._states.pop(rid, None)
 
     def prefetch(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> None:
-        """Start computing the forbidden tokens of these constrained rows on the helper thread."""
+        """Start computing the bitmask of these constrained rows on the helper thread."""
         self._settle()
         overlap = self.overlap if self.overlap is not None else torch.get_num_threads() < available_cores()
         if not overlap or not seqs:
@@ -70,7 +71,7 @@ class GrammarMasks:
         if self._helper is None:
             self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         seqs = list(seqs)
-        self._pending = ([_row_key(s) for s in seqs], self._helper.submit(self._forbidden, seqs, vocab_size))
+        self._pending = ([_row_key(s) for s in seqs], self._helper.submit(self._row_masks, seqs, vocab_size))
 
     def _settle(self) -> tuple[list[tuple[str, int]], torch.Tensor] | None:
         """Wait for the prefetched mask (the helper must be done with the matchers before anyone else)."""
@@ -91,25 +92,16 @@ class GrammarMasks:
         done = self._settle()
         if done is not None and set(want) <= set(done[0]):
             pos = {key: k for k, key in enumerate(done[0])}
-            forbid_t = done[1] if want == done[0] else done[1][[pos[key] for key in want]]
+            bitmask = done[1] if want == done[0] else done[1][[pos[key] for key in want]]
         else:
-            forbid_t = self._forbidden([seqs[i] for i in rows], V)
-        forbid_t = forbid_t.to(logits.device, non_blocking=True)                 # [R, V] bool
-        if len(rows) == logits.shape[0]:
-            logits.masked_fill_(forbid_t, float("-inf"))
+            bitmask = self._row_masks([seqs[i] for i in rows], V)
+        if logits.device.type == "cpu":
+            self._buffer = add_bitmask(logits, rows, bitmask, self._buffer)
         else:
-            for r, i in enumerate(rows):
-                logits[i].masked_fill_(forbid_t[r], float("-inf"))
+            fill_bitmask(logits, rows, bitmask)
 
-    def _forbidden(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
-        """[R, V] bool, True where row r's grammar forbids the token (CPU)."""
-        bitmask = self._fill(seqs, vocab_size)   # [R, W] int32
-        # one bit per token, token 32*w + b at bit b of word w (little-endian words → bytes → bits);
-        # the words are inverted first, so the unpacked bits are the forbidden tokens
-        forbid = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(forbid[:, :vocab_size].view(np.bool_))
-
-    def _fill(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
+    def _row_masks(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
+        """[R, ceil(V/32)] int32 on the CPU: bit b of word w set where row r's grammar allows token 32*w + b."""
         matchers = [self._state(s, vocab_size).matcher for s in seqs]
         bitmask = torch.zeros(len(seqs), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
         words = bitmask.shape[1]
@@ -149,3 +141,47 @@ class GrammarMasks:
                 log.warning("request %s: grammar rejected token %d: %s", seqs[i].request_id, tokens[i],
                             st.matcher.get_error())
             st.consumed += 1
+
+
+# byte value → the additive mask of its 8 tokens: 0.0 where bit k of the byte is set (allowed), -inf where not
+_BYTE_MASKS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, np.float32(0.0),
+                       np.float32(-np.inf)).astype(np.float32)                   # [256, 8]
+
+
+def add_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor,
+                buffer: np.ndarray | None = None) -> np.ndarray:
+    """CPU: logits[rows] += 0 / -inf from the packed bitmask, by a byte → 8 floats table lookup.
+
+    torch's masked_fill_ with a [R, V] bool mask is a scalar loop on the CPU, several times slower than
+    one vectorized add of a float mask (figures in docs/benchmarks.md); adding 0.0 leaves an allowed
+    logit unchanged and finite + -inf is -inf, so the logits equal masked_fill's. Returns the buffer
+    of the float mask, for the next call to reuse (no fresh pages each step)."""
+    # logits: [B, V] float; bitmask: [R, W] int32 (CPU), token 32*w + b at bit b of word w
+    R, W = bitmask.shape
+    V = logits.shape[1]
+    if buffer is None or buffer.shape[0] < R or buffer.shape[1] != 4 * W:
+        buffer = np.empty((R, 4 * W, 8), dtype=np.float32)
+    out = buffer[:R]
+    # little-endian words: byte j of word w holds tokens 32*w + 8*j ... + 7, bit k ↔ token + k
+    np.take(_BYTE_MASKS, bitmask.numpy().view(np.uint8), axis=0, out=out, mode="clip")   # [R, 4W, 8]
+    add = torch.from_numpy(out).view(R, 32 * W)[:, :V]
+    if len(rows) == logits.shape[0]:          # rows ascend, so these are all rows
+        logits.add_(add)
+    else:
+        for r, i in enumerate(rows):
+            logits[i].add_(add[r])
+    return buffer
+
+
+def fill_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Any device: the packed bitmask travels (1 bit per token), is unpacked there and masked_fill_ed."""
+    R, W = bitmask.shape
+    V = logits.shape[1]
+    bits = bitmask.to(logits.device, non_blocking=True)                              # [R, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    forbid = (((bits.unsqueeze(-1) >> shifts) & 1) == 0).view(R, 32 * W)[:, :V]       # [R, V] bool
+    if len(rows) == logits.shape[0]:          # rows ascend, so these are all rows
+        logits.masked_fill_(forbid, float("-inf"))
+    else:
+        for r, i in enumerate(rows):
+            logits[i].masked_fill_(forbid[r], float("-inf"))
