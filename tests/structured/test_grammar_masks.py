@@ -91,17 +91,18 @@ def test_lost_state_is_rebuilt_from_the_output_so_far(tok, compiler):
     texts = {tok.decode([i]) for i in allowed}
     assert "," in texts and "}" not in texts and '"' not in texts      # more digits or the next key
     # and a dropped token (a shorter output than the matcher has seen) is rolled back
-    masks.accept([_seq("r", spec, prefix)], [0], [tok.encode(",")[0]])
+    masks.accept([_seq("r", spec, prefix)], [0], [tok.encode(",")[0]], tok.vocab_size)
     logits = torch.zeros(1, tok.vocab_size)
     masks.apply(logits, [_seq("r", spec, prefix)], [0])
     assert set((logits[0] == 0).nonzero().squeeze(1).tolist()) == allowed
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, None])
 def test_mask_prefetched_during_the_forward_samples_the_same_tokens(tok, compiler, overlap):
-    """Seeded sampling at temperature 1 over random logits: masks computed on the helper thread before
-    the step (prefetch, as the runner does during the forward) give the tokens the inline fill gives,
-    also when a prefetched row drops out of the step (its forward failed) or a row was not prefetched."""
+    """Seeded sampling at temperature 1 over random logits: masks computed on the helper thread ahead
+    (after the last step's tokens, and before the step as the runner does during the forward; None:
+    the server's rule) give the tokens the inline fill gives, also when a prefetched row drops out of
+    the step (its forward failed), comes back, or was not prefetched."""
     spec = _spec(compiler)
 
     def run(prefetch: bool) -> list[list[int]]:
