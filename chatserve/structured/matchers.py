@@ -188,9 +188,10 @@ def add_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor,
     """CPU: logits[rows] += 0 / -inf from the packed bitmask, by a byte → 8 floats table lookup.
 
     torch's masked_fill_ with a [R, V] bool mask is a scalar loop on the CPU, several times slower than
-    one vectorized add of a float mask (figures in docs/benchmarks.md); adding 0.0 leaves an allowed
-    logit unchanged and finite + -inf is -inf, so the logits equal masked_fill's. Returns the buffer
-    of the float mask, for the next call to reuse (no fresh pages each step)."""
+    one vectorized add of a float mask, and either torch op is a parallel region of the step's OpenMP
+    team, which stalls whenever one of its threads is descheduled; numpy adds on this thread alone
+    (docs/benchmarks.md). Adding 0.0 leaves an allowed logit unchanged and finite + -inf is -inf, so
+    the logits equal masked_fill's. Returns the float mask's buffer, for the next call to reuse."""
     # logits: [B, V] float; bitmask: [R, W] int32 (CPU), token 32*w + b at bit b of word w
     R, W = bitmask.shape
     V = logits.shape[1]
@@ -199,12 +200,18 @@ def add_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor,
     out = buffer[:R]
     # little-endian words: byte j of word w holds tokens 32*w + 8*j ... + 7, bit k ↔ token + k
     np.take(_BYTE_MASKS, bitmask.numpy().view(np.uint8), axis=0, out=out, mode="clip")   # [R, 4W, 8]
-    add = torch.from_numpy(out).view(R, 32 * W)[:, :V]
-    if len(rows) == logits.shape[0]:          # rows ascend, so these are all rows
-        logits.add_(add)
+    add = out.reshape(R, 32 * W)[:, :V]
+    if logits.dtype != torch.float32:
+        x = torch.from_numpy(add)
+        for r, i in enumerate(rows):
+            logits[i].add_(x[r])
+        return buffer
+    lg = logits.numpy()                        # a view: the add is in place on the logits
+    if len(rows) == logits.shape[0]:           # rows ascend, so these are all rows
+        np.add(lg, add, out=lg)
     else:
         for r, i in enumerate(rows):
-            logits[i].add_(add[r])
+            np.add(lg[i], add[r], out=lg[i])
     return buffer
 
 
