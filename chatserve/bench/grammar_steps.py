@@ -1,9 +1,10 @@
 """Decode steps of the default model with and without a JSON schema, the mask inline or during the forward.
 
 `python -m chatserve.bench.grammar_steps` drives ModelRunner directly (no server): B rows decode side by
-side at temperature 1 with per-row seeds, in three modes alternated in one run (plain, schema with the mask
-on the step thread, schema with the mask prefetched during the forward); prints ms per step, the mask's
-cost per token, grammar compile time, and checks that both schema modes sample the same tokens.
+side at temperature 1 with per-row seeds, in three modes whose steps alternate in one run (plain, schema
+with the mask on the step thread, schema with the mask prefetched during the forward); prints wall and
+step-thread CPU ms per step, the mask's cost per token, grammar compile time, and checks that both schema
+modes sample the same tokens.
 """
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ MODES = ("plain", "inline", "overlap")
 class _Rows:
     """B decoding rows; a row whose reply ends (EOS) starts a new reply (a new request) in place."""
 
-    def __init__(self, b: int, prompt: list[int], blocks_per_row: int, mode: str, spec: Any, params_cls: Any,
-                 seq_cls: Any) -> None:
+    def __init__(self, b: int, prompt: list[int], first_block: int, blocks_per_row: int, mode: str, spec: Any,
+                 params_cls: Any, seq_cls: Any) -> None:
         self.mode, self.spec, self.P, self.S = mode, spec, params_cls, seq_cls
         self.tokens = [list(prompt) for _ in range(b)]          # prompt + every sampled token, per row
         self.reply_start = [len(prompt)] * b
         self.reply_no = [0] * b
-        self.tables = [list(range(r * blocks_per_row, (r + 1) * blocks_per_row)) for r in range(b)]
+        self.tables = [list(range(first_block + r * blocks_per_row, first_block + (r + 1) * blocks_per_row))
+                       for r in range(b)]
         self.finished: list[str] = []
         self.replies: dict[str, list[int]] = {}
 
@@ -54,46 +56,61 @@ class _Rows:
                 self.reply_start[r] = len(toks)
 
 
-def measure(runner: Any, spec: Any, prompt: list[int], b: int, steps: int, mode: str, eos: set[int]
-            ) -> dict[str, Any]:
+def blocks_per_row(runner: Any, prompt_len: int, steps: int) -> int:
+    return -(-(prompt_len + steps + 1) // runner.block_size)
+
+
+def measure(runner: Any, spec: Any, prompt: list[int], b: int, steps: int, eos: set[int]
+            ) -> dict[str, dict[str, Any]]:
+    """Every mode's B rows, their steps interleaved (plain, inline, overlap, plain, …) so that a change
+    of the machine's load between steps falls on all modes alike; per mode: wall and step-thread CPU
+    time of each `execute`, and the mask's own cost per row wherever it ran."""
     from chatserve.core.outputs import SchedulerOutput, ScheduledSeq
     from chatserve.core.request import SamplingParams
 
     masks = runner.sampler._grammar_masks()
-    masks.overlap = mode == "overlap"
-    fill_s: list[float] = []
-    inner = masks._forbidden
+    inner = masks._row_masks
+    fill_s: dict[str, list[float]] = {m: [] for m in MODES}
+    now = [MODES[0]]
 
     def timed(seqs: Any, v: int) -> Any:       # the mask's own cost, on whichever thread computes it
         t = time.perf_counter()
         out = inner(seqs, v)
-        fill_s.append((time.perf_counter() - t) / max(1, len(seqs)))
+        fill_s[now[0]].append((time.perf_counter() - t) / max(1, len(seqs)))
         return out
 
-    masks._forbidden = timed
-    rows = _Rows(b, prompt, -(-(len(prompt) + steps + 1) // runner.block_size), mode, spec, SamplingParams,
-                 ScheduledSeq)
-    step_s: list[float] = []
+    masks._row_masks = timed
+    per_row = blocks_per_row(runner, len(prompt), steps)
+    rows = {m: _Rows(b, prompt, k * b * per_row, per_row, m, spec, SamplingParams, ScheduledSeq)
+            for k, m in enumerate(MODES)}
+    wall: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
     try:
         for i in range(steps + 1):
-            out = SchedulerOutput(step_id=i, seqs=rows.step(prefill=i == 0), finished_ids=rows.finished)
-            rows.finished = []
-            t = time.perf_counter()
-            res = runner.execute(out)
-            if i:                                   # step 0 is the prefill
-                step_s.append(time.perf_counter() - t)
-            if res.errors:
-                raise RuntimeError(f"step failed: {res.errors}")
-            rows.feed(res.sampled, eos)
+            for m in MODES:
+                now[0] = m
+                masks.overlap = m == "overlap"
+                out = SchedulerOutput(step_id=i, seqs=rows[m].step(prefill=i == 0), finished_ids=rows[m].finished)
+                rows[m].finished = []
+                t, c = time.perf_counter(), time.thread_time()
+                res = runner.execute(out)
+                if i:                                   # step 0 is the prefill
+                    wall[m].append(time.perf_counter() - t)
+                    cpu[m].append(time.thread_time() - c)
+                if res.errors:
+                    raise RuntimeError(f"step failed: {res.errors}")
+                rows[m].feed(res.sampled, eos)
     finally:
-        del masks._forbidden
+        del masks._row_masks
         masks.overlap = None
-        runner.execute(SchedulerOutput(step_id=-1, seqs=[], finished_ids=[rows.rid(r) for r in range(b)]))
-    return {"step_ms_p50": statistics.median(step_s) * 1e3, "step_ms_mean": statistics.fmean(step_s) * 1e3,
-            "mask_us_per_token_p50": statistics.median(fill_s) * 1e6 if fill_s else None,
-            "mask_us_per_token_mean": statistics.fmean(fill_s) * 1e6 if fill_s else None,
-            "replies": len(rows.replies), "tokens": [t[len(prompt):] for t in rows.tokens],
-            "texts": list(rows.replies.values())}
+        done = [r.rid(k) for r in rows.values() for k in range(b)]
+        runner.execute(SchedulerOutput(step_id=-1, seqs=[], finished_ids=done))
+    return {m: {"step_ms_p50": statistics.median(wall[m]) * 1e3, "step_ms_mean": statistics.fmean(wall[m]) * 1e3,
+                "step_cpu_ms_mean": statistics.fmean(cpu[m]) * 1e3,
+                "mask_us_per_token_p50": statistics.median(fill_s[m]) * 1e6 if fill_s[m] else None,
+                "mask_us_per_token_mean": statistics.fmean(fill_s[m]) * 1e6 if fill_s[m] else None,
+                "replies": len(rows[m].replies), "tokens": [t[len(prompt):] for t in rows[m].tokens],
+                "texts": list(rows[m].replies.values())} for m in MODES}
 
 
 def compile_ms(tok: Any, vocab_size: int, schema: dict, repeats: int = 5) -> dict[str, float]:
@@ -139,30 +156,33 @@ def main(argv: list[str] | None = None) -> int:
     from chatserve.text import Tokenizer
 
     batches = [int(x) for x in args.batch.split(",")]
-    blocks = max(batches) * -(-(64 + args.steps + 1) // 16)
+    tok = Tokenizer.from_model(ModelConfig().resolved_model())
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Review the film Alien (1979) as a JSON record."}])
+    blocks = len(MODES) * max(batches) * -(-(len(prompt) + args.steps + 1) // CacheConfig().block_size)
     runner = ModelRunner(ModelConfig(num_threads=args.num_threads), CacheConfig(num_blocks=blocks), progress=False)
     runner.warm_up()
-    tok = Tokenizer.from_model(runner.model_path)
     eos = set(tok.eos_token_ids)
     rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": STRUCTURED_SCHEMA, "strict": True}}
     spec = GrammarCompiler(tok, runner.vocab_size).compile(response_format_spec(rf))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Review the film Alien (1979) as a JSON record."}])
     res: dict[str, Any] = {"compile": compile_ms(tok, runner.vocab_size, STRUCTURED_SCHEMA), "batches": {}}
     print(f"compile: {res['compile']}", file=sys.stderr, flush=True)
     for b in batches:
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for _ in range(args.rounds):
-            for m in MODES:
-                runs[m].append(measure(runner, spec, prompt, b, args.steps, m, eos))
-                print(f"batch {b} {m}: mean step {runs[m][-1]['step_ms_mean']:.2f} ms", file=sys.stderr, flush=True)
+            for m, r in measure(runner, spec, prompt, b, args.steps, eos).items():
+                runs[m].append(r)
+                print(f"batch {b} {m}: mean step {r['step_ms_mean']:.2f} ms, step-thread CPU "
+                      f"{r['step_cpu_ms_mean']:.2f} ms", file=sys.stderr, flush=True)
         same = all(a["tokens"] == o["tokens"] for a, o in zip(runs["inline"], runs["overlap"]))
         valid = [_parses(tok, t) for m in ("inline", "overlap") for r in runs[m] for t in r["texts"]]
         row: dict[str, Any] = {"identical_tokens": same, "replies_parsed": f"{sum(valid)}/{len(valid)}"}
         for m in MODES:
             row[m] = {k: statistics.median(r[k] for r in runs[m]) if runs[m][0][k] is not None else None
-                      for k in ("step_ms_p50", "step_ms_mean", "mask_us_per_token_p50", "mask_us_per_token_mean")}
-        row["schema_vs_plain"] = row["inline"]["step_ms_mean"] / row["plain"]["step_ms_mean"]
-        row["overlap_vs_plain"] = row["overlap"]["step_ms_mean"] / row["plain"]["step_ms_mean"]
+                      for k in ("step_ms_p50", "step_ms_mean", "step_cpu_ms_mean", "mask_us_per_token_p50",
+                                "mask_us_per_token_mean")}
+        for key in ("step_ms_mean", "step_cpu_ms_mean"):
+            row[f"schema_vs_plain_{key}"] = row["inline"][key] / row["plain"][key]
+            row[f"overlap_vs_plain_{key}"] = row["overlap"][key] / row["plain"][key]
         res["batches"][b] = row
     res["torch_threads_decode"] = torch.get_num_threads()
     print(json.dumps(res, indent=2) if args.json else _report(res))
@@ -187,9 +207,11 @@ def _report(res: dict[str, Any]) -> str:
             r = row[m]
             mask = "" if r["mask_us_per_token_mean"] is None else (
                 f"  mask/token p50 {r['mask_us_per_token_p50']:.0f} µs mean {r['mask_us_per_token_mean']:.0f} µs")
-            lines.append(f"  {m:8s} step p50 {r['step_ms_p50']:7.2f} ms  mean {r['step_ms_mean']:7.2f} ms{mask}")
-        lines.append(f"  schema/plain (mean step) inline {row['schema_vs_plain']:.3f}, "
-                     f"overlap {row['overlap_vs_plain']:.3f}")
+            lines.append(f"  {m:8s} step p50 {r['step_ms_p50']:7.2f} ms  mean {r['step_ms_mean']:7.2f} ms  "
+                         f"step-thread CPU {r['step_cpu_ms_mean']:7.2f} ms{mask}")
+        for key, what in (("step_ms_mean", "mean step"), ("step_cpu_ms_mean", "step-thread CPU")):
+            lines.append(f"  schema/plain ({what}) inline {row['schema_vs_plain_' + key]:.3f}, "
+                         f"overlap {row['overlap_vs_plain_' + key]:.3f}")
     return "\n".join(lines)
 
 

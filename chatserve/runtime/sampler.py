@@ -85,7 +85,7 @@ class Sampler:
         if c_rows:
             self._grammar_masks().apply(logits, seqs, c_rows)   # in place: logits are this step's own
             token_list, logprobs = self._choose(logits, seqs)
-            self._masks.accept(seqs, c_rows, token_list)
+            self._masks.accept(seqs, c_rows, token_list, logits.shape[1])
             return token_list, logprobs
         return self._choose(logits, seqs)
 

@@ -23,6 +23,7 @@ from chatserve.structured.spec import StructuredSpec
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}",
                 "coerce_one_of": True}
 CACHE_SIZE = 256
+ENCODE_CACHE_SIZE = 4096     # distinct strings llguidance asked to tokenize, kept per tokenizer table
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,19 @@ class _TokenTable:
         self.special_token_ids = sorted(specials | set(range(n, vocab_size)))
         self.tokens = [(tok.token_bytes(i) if i < n else b"") or b"<|pad|>" for i in range(vocab_size)]
         self._encode = tok.encode
+        self._encoded: dict[str | bytes, list[int]] = {}
 
     def __call__(self, text: str | bytes) -> list[int]:
-        return self._encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+        """Token ids of a text, remembered: llguidance tokenizes the bytes a grammar forces (a key
+        name, `","`) while it computes masks, the same few strings over and over, each time calling
+        back into Python from the mask fill."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= ENCODE_CACHE_SIZE:
+                self._encoded.clear()
+            ids = self._encoded[text] = self._encode(
+                text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+        return list(ids)
 
 
 def ll_tokenizer(tok: Any, vocab_size: int) -> llguidance.LLTokenizer:

@@ -2,13 +2,13 @@
 
 Lives beside the sampler (runtime side, torch): a request's matcher is created from its compiled spec
 on first use, caught up with the tokens it already has (a resumed preempted request, a restart), fed
-each sampled token, and dropped when the request ends. The mask can be computed during the forward
-(`prefetch`). Not compilation (compiler.py).
+each sampled token, and dropped when the request ends. Masks are computed ahead on a helper thread,
+between steps and during the forward. Not compilation (compiler.py).
 """
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -41,36 +41,46 @@ class _State:
 class GrammarMasks:
     """Matchers by request id; fills one int32 bitmask [R, ceil(V/32)] for the R constrained rows.
 
-    The mask of step N depends only on tokens accepted before step N, so `prefetch` computes it on a
-    helper thread while step N's forward runs (llguidance releases the GIL while it fills). It does so
-    only when the step leaves a core idle (fewer torch threads than cores: decode steps on CPU, see
-    ModelRunner._set_step_threads); otherwise a helper thread takes a core from the forward's OpenMP
-    team, and the fill runs on the step thread just before the mask is applied (docs/benchmarks.md).
-    On CUDA that inline fill overlaps the forward anyway (nothing synchronizes before the sampler).
+    The mask of step N depends only on tokens accepted before step N, so it is computed ahead on a
+    helper thread (llguidance releases the GIL while it fills): right after step N-1 accepts its
+    tokens (`accept`), while the engine hands the tokens out and schedules step N and the forward's
+    threads are idle, and, for rows that had none ahead, during step N's forward (`prefetch`) when
+    the step leaves a core idle (fewer torch threads than cores: decode steps on CPU, see
+    ModelRunner._set_step_threads; otherwise a helper thread would take a core from the forward's
+    OpenMP team). Rows without a mask computed ahead are filled on the step thread just before the
+    mask is applied (docs/benchmarks.md).
     """
 
-    overlap: bool | None = None   # None: when a core is idle; True/False force it (tests, benchmarks)
+    overlap: bool | None = None   # None: as above; True: the helper always; False: never (tests, benchmarks)
 
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
         self._helper: ThreadPoolExecutor | None = None
-        self._pending: tuple[list[tuple[str, int]], Future] | None = None   # rows, their forbidden tokens
+        self._pending: tuple[list[tuple[str, int]], Future] | None = None   # rows, their bitmask
+        self._buffer: np.ndarray | None = None    # the additive mask of the last CPU step, reused
 
     def drop(self, request_ids: Sequence[str]) -> None:
-        self._settle()
+        if self._pending is not None:     # the helper may be creating states; its bitmask stays usable
+            wait([self._pending[1]])
         for rid in request_ids:
             self._states.pop(rid, None)
 
     def prefetch(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> None:
-        """Start computing the forbidden tokens of these constrained rows on the helper thread."""
-        self._settle()
-        overlap = self.overlap if self.overlap is not None else torch.get_num_threads() < available_cores()
-        if not overlap or not seqs:
+        """Before the forward: start the bitmask of these constrained rows on the helper thread, unless
+        the one computed after the last step already covers them."""
+        want = [_row_key(s) for s in seqs]
+        if self._pending is not None and set(want) <= set(self._pending[0]):
             return
+        overlap = self.overlap if self.overlap is not None else torch.get_num_threads() < available_cores()
+        if overlap and seqs:
+            self._settle()
+            seqs = list(seqs)
+            self._pending = (want, self._submit(self._row_masks, seqs, vocab_size))
+
+    def _submit(self, fn: Any, *args: Any) -> Future:
         if self._helper is None:
             self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        seqs = list(seqs)
-        self._pending = ([_row_key(s) for s in seqs], self._helper.submit(self._forbidden, seqs, vocab_size))
+        return self._helper.submit(fn, *args)
 
     def _settle(self) -> tuple[list[tuple[str, int]], torch.Tensor] | None:
         """Wait for the prefetched mask (the helper must be done with the matchers before anyone else)."""
@@ -86,38 +96,35 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
         """Set the logits of tokens the grammar forbids to -inf, in place, for `rows` of the batch."""
         # logits: [B, V] float32; rows: indices of constrained rows
-        V = logits.shape[1]
-        want = [_row_key(seqs[i]) for i in rows]
-        done = self._settle()
-        if done is not None and set(want) <= set(done[0]):
-            pos = {key: k for k, key in enumerate(done[0])}
-            forbid_t = done[1] if want == done[0] else done[1][[pos[key] for key in want]]
+        bitmask = self._bitmask([seqs[i] for i in rows], logits.shape[1], self._settle())
+        if logits.device.type == "cpu":
+            self._buffer = add_bitmask(logits, rows, bitmask, self._buffer)
         else:
-            forbid_t = self._forbidden([seqs[i] for i in rows], V)
-        forbid_t = forbid_t.to(logits.device, non_blocking=True)                 # [R, V] bool
-        if len(rows) == logits.shape[0]:
-            logits.masked_fill_(forbid_t, float("-inf"))
-        else:
-            for r, i in enumerate(rows):
-                logits[i].masked_fill_(forbid_t[r], float("-inf"))
+            fill_bitmask(logits, rows, bitmask)
 
-    def _forbidden(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
-        """[R, V] bool, True where row r's grammar forbids the token (CPU)."""
-        bitmask = self._fill(seqs, vocab_size)   # [R, W] int32
-        # one bit per token, token 32*w + b at bit b of word w (little-endian words → bytes → bits);
-        # the words are inverted first, so the unpacked bits are the forbidden tokens
-        forbid = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(forbid[:, :vocab_size].view(np.bool_))
+    def _bitmask(self, seqs: list[ScheduledSeq], vocab_size: int,
+                 done: tuple[list[tuple[str, int]], torch.Tensor] | None) -> torch.Tensor:
+        """The rows' bitmask: the rows computed ahead (`done`) taken from there, the others filled now."""
+        want = [_row_key(s) for s in seqs]
+        if done is None:
+            return self._row_masks(seqs, vocab_size)
+        keys, ahead = done
+        if want == keys:
+            return ahead
+        pos = {key: k for k, key in enumerate(keys)}
+        have = [r for r, key in enumerate(want) if key in pos]
+        if not have:
+            return self._row_masks(seqs, vocab_size)
+        out = torch.empty(len(want), ahead.shape[1], dtype=torch.int32)       # [R, W]
+        out[have] = ahead[[pos[want[r]] for r in have]]
+        missing = [r for r, key in enumerate(want) if key not in pos]
+        if missing:
+            out[missing] = self._row_masks([seqs[r] for r in missing], vocab_size)
+        return out
 
-    def _fill(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
-        matchers = [self._state(s, vocab_size).matcher for s in seqs]
-        bitmask = torch.zeros(len(seqs), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
-        words = bitmask.shape[1]
-        # one matcher after the other: llguidance's parallel executor hands rows to a thread pool,
-        # which on a busy small machine costs far more than the masks (docs/benchmarks.md)
-        for i, m in enumerate(matchers):
-            m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
-        return bitmask
+    def _row_masks(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> torch.Tensor:
+        """[R, ceil(V/32)] int32 on the CPU: bit b of word w set where row r's grammar allows token 32*w + b."""
+        return _fill([self._state(s, vocab_size).matcher for s in seqs], vocab_size)
 
     # ── state ───────────────────────────────────────────────────────────────────────────────────
     def _state(self, s: ScheduledSeq, vocab_size: int) -> _State:
@@ -138,8 +145,12 @@ class GrammarMasks:
             st.consumed = len(out)
         return st
 
-    def accept(self, seqs: Sequence[ScheduledSeq], rows: list[int], tokens: Sequence[int]) -> None:
-        """Feed each constrained row its sampled token."""
+    def accept(self, seqs: Sequence[ScheduledSeq], rows: list[int], tokens: Sequence[int], vocab_size: int) -> None:
+        """Feed each constrained row its sampled token; then start the next step's masks of the rows
+        whose grammar goes on, on the helper thread (unless `overlap` is False)."""
+        self._settle()
+        ahead: list[tuple[str, int]] = []
+        matchers: list[llguidance.LLMatcher] = []
         for i in rows:
             st = self._states.get(seqs[i].request_id)
             if st is None:
@@ -148,3 +159,70 @@ class GrammarMasks:
                 log.warning("request %s: grammar rejected token %d: %s", seqs[i].request_id, tokens[i],
                             st.matcher.get_error())
             st.consumed += 1
+            if not (st.matcher.is_stopped() or st.matcher.is_error()):
+                ahead.append((seqs[i].request_id, st.consumed))
+                matchers.append(st.matcher)
+        if ahead and self.overlap is not False:
+            self._pending = (ahead, self._submit(_fill, matchers, vocab_size))
+
+
+def _fill(matchers: Sequence[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+    """[R, ceil(V/32)] int32: each matcher's allowed tokens in its row."""
+    bitmask = torch.zeros(len(matchers), (vocab_size + 31) // 32, dtype=torch.int32)  # [R, W]
+    words = bitmask.shape[1]
+    # one matcher after the other: llguidance's parallel executor hands rows to a thread pool,
+    # which on a busy small machine costs far more than the masks (docs/benchmarks.md)
+    for i, m in enumerate(matchers):
+        m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+    return bitmask
+
+
+# byte value → the additive mask of its 8 tokens: 0.0 where bit k of the byte is set (allowed), -inf where not
+_BYTE_MASKS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, np.float32(0.0),
+                       np.float32(-np.inf)).astype(np.float32)                   # [256, 8]
+
+
+def add_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor,
+                buffer: np.ndarray | None = None) -> np.ndarray:
+    """CPU: logits[rows] += 0 / -inf from the packed bitmask, by a byte → 8 floats table lookup.
+
+    torch's masked_fill_ with a [R, V] bool mask is a scalar loop on the CPU, several times slower than
+    one vectorized add of a float mask, and either torch op is a parallel region of the step's OpenMP
+    team, which stalls whenever one of its threads is descheduled; numpy adds on this thread alone
+    (docs/benchmarks.md). Adding 0.0 leaves an allowed logit unchanged and finite + -inf is -inf, so
+    the logits equal masked_fill's. Returns the float mask's buffer, for the next call to reuse."""
+    # logits: [B, V] float; bitmask: [R, W] int32 (CPU), token 32*w + b at bit b of word w
+    R, W = bitmask.shape
+    V = logits.shape[1]
+    if buffer is None or buffer.shape[0] < R or buffer.shape[1] != 4 * W:
+        buffer = np.empty((R, 4 * W, 8), dtype=np.float32)
+    out = buffer[:R]
+    # little-endian words: byte j of word w holds tokens 32*w + 8*j ... + 7, bit k ↔ token + k
+    np.take(_BYTE_MASKS, bitmask.numpy().view(np.uint8), axis=0, out=out, mode="clip")   # [R, 4W, 8]
+    add = out.reshape(R, 32 * W)[:, :V]
+    if logits.dtype != torch.float32:
+        x = torch.from_numpy(add)
+        for r, i in enumerate(rows):
+            logits[i].add_(x[r])
+        return buffer
+    lg = logits.numpy()                        # a view: the add is in place on the logits
+    if len(rows) == logits.shape[0]:           # rows ascend, so these are all rows
+        np.add(lg, add, out=lg)
+    else:
+        for r, i in enumerate(rows):
+            np.add(lg[i], add[r], out=lg[i])
+    return buffer
+
+
+def fill_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Any device: the packed bitmask travels (1 bit per token), is unpacked there and masked_fill_ed."""
+    R, W = bitmask.shape
+    V = logits.shape[1]
+    bits = bitmask.to(logits.device, non_blocking=True)                              # [R, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    forbid = (((bits.unsqueeze(-1) >> shifts) & 1) == 0).view(R, 32 * W)[:, :V]       # [R, V] bool
+    if len(rows) == logits.shape[0]:          # rows ascend, so these are all rows
+        logits.masked_fill_(forbid, float("-inf"))
+    else:
+        for r, i in enumerate(rows):
+            logits[i].masked_fill_(forbid[r], float("-inf"))

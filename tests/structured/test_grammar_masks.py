@@ -9,8 +9,8 @@ import torch
 from chatserve.core.outputs import ScheduledSeq
 from chatserve.core.request import SamplingParams
 from chatserve.runtime.sampler import Sampler
-from chatserve.structured.compiler import GrammarCompiler, GrammarError
-from chatserve.structured.matchers import GrammarMasks
+from chatserve.structured.compiler import GrammarCompiler, GrammarError, _TokenTable
+from chatserve.structured.matchers import GrammarMasks, add_bitmask, fill_bitmask
 from chatserve.structured.response_format import response_format_spec
 from chatserve.structured.spec import StructuredSpec
 
@@ -91,17 +91,18 @@ def test_lost_state_is_rebuilt_from_the_output_so_far(tok, compiler):
     texts = {tok.decode([i]) for i in allowed}
     assert "," in texts and "}" not in texts and '"' not in texts      # more digits or the next key
     # and a dropped token (a shorter output than the matcher has seen) is rolled back
-    masks.accept([_seq("r", spec, prefix)], [0], [tok.encode(",")[0]])
+    masks.accept([_seq("r", spec, prefix)], [0], [tok.encode(",")[0]], tok.vocab_size)
     logits = torch.zeros(1, tok.vocab_size)
     masks.apply(logits, [_seq("r", spec, prefix)], [0])
     assert set((logits[0] == 0).nonzero().squeeze(1).tolist()) == allowed
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, None])
 def test_mask_prefetched_during_the_forward_samples_the_same_tokens(tok, compiler, overlap):
-    """Seeded sampling at temperature 1 over random logits: masks computed on the helper thread before
-    the step (prefetch, as the runner does during the forward) give the tokens the inline fill gives,
-    also when a prefetched row drops out of the step (its forward failed) or a row was not prefetched."""
+    """Seeded sampling at temperature 1 over random logits: masks computed on the helper thread ahead
+    (after the last step's tokens, and before the step as the runner does during the forward; None:
+    the server's rule) give the tokens the inline fill gives, also when a prefetched row drops out of
+    the step (its forward failed), comes back, or was not prefetched."""
     spec = _spec(compiler)
 
     def run(prefetch: bool) -> list[list[int]]:
@@ -124,3 +125,34 @@ def test_mask_prefetched_during_the_forward_samples_the_same_tokens(tok, compile
 
     inline, fetched = run(False), run(True)
     assert inline[0] and inline == fetched
+
+
+@pytest.mark.parametrize("vocab", [96, 100])
+def test_both_bitmask_applications_equal_masked_fill(vocab):
+    """The CPU path (a float mask added) and the device path (unpacked there, masked_fill_) give exactly
+    the logits masked_fill_ with the unpacked bits gives: all rows, some rows, a reused buffer."""
+    g = torch.Generator().manual_seed(3)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+    bitmask[1] = -1                     # everything allowed
+    bitmask[2, :-1] = 0                 # only the last word's tokens may be allowed
+    forbid = torch.tensor([[not (int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(3)])
+    for batch, rows in ((3, [0, 1, 2]), (5, [0, 2, 3])):
+        logits = torch.randn(batch, vocab, generator=g)
+        want = logits.clone()
+        for r, i in enumerate(rows):
+            want[i].masked_fill_(forbid[r], float("-inf"))
+        added, filled = logits.clone(), logits.clone()
+        buffer = add_bitmask(added, rows, bitmask)
+        fill_bitmask(filled, rows, bitmask)
+        assert torch.equal(added, want) and torch.equal(filled, want)
+        again = logits[:1].clone()
+        assert add_bitmask(again, [0], bitmask[2:], buffer) is buffer        # fewer rows: the same buffer
+        assert torch.equal(again, logits[:1].masked_fill(forbid[2:], float("-inf")))
+
+
+def test_token_table_remembers_encodings(tok):
+    table = _TokenTable(tok, tok.vocab_size)
+    first = table(b',"genre"')
+    first.append(-1)                                    # a caller's list is its own
+    assert table(b',"genre"') == table(',"genre"') == tok.encode(',"genre"')
