@@ -85,6 +85,8 @@ class ModelRunner:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
                                  weight_quant=weight_quant)
+        if getattr(self.model, "chain", None) is not None and not model.num_threads:
+            self._threads_small = self._threads_big
         del weights
         self.block_size = int(cache.block_size)
         self.kv_cache_dtype = cache.kv_cache_dtype
@@ -98,8 +100,10 @@ class ModelRunner:
 
     def _set_step_threads(self, num_threads: int | None) -> None:
         """CPU threads per step: all (or num_threads) for steps of many tokens (compute-bound prefill);
-        with num_threads auto, one core fewer for small (decode) steps, which are memory-bound and
-        stall on the OpenMP barrier whenever the event loop takes a core (docs/benchmarks.md)."""
+        with num_threads auto, one core fewer for small (decode) steps run by torch ops, which stall on
+        the OpenMP barrier whenever the event loop takes a core. A model with the C decode chain keeps
+        every core for them: its steps are a few dozen kernels that gain from the second core's memory
+        bandwidth far more than they lose to the event loop (docs/benchmarks.md)."""
         self._threads_big = set_num_threads(num_threads)
         self._threads_small = self._threads_big if num_threads else max(1, self._threads_big - 1)
 
