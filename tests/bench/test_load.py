@@ -18,6 +18,9 @@ def _run(capsys, fake, *args: str, expect_rc: int | None = 0) -> dict:
 
 
 def test_healthy_server_with_cancellations(capsys, fake):
+    # 30 ms a token: a stream cancelled after 1-4 chunks is still running when the cancel arrives, even when
+    # a loaded box delays the client (at 2 ms the server could finish first and see no disconnect)
+    fake.state.token_delay = 0.03
     r = _run(capsys, fake, "--concurrency", "8", "--cancel-fraction", "0.5", "--max-requests", "40",
              "--max-tokens", "8:16")
     assert r["requests_sent"] == r["accepted"] == 40
