@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from chatserve_kernels import cpu_attention, cpu_ops, cpu_qmatmul
+from chatserve_kernels.cpu_ops import _DTYPES
 from chatserve_kernels.cpu_qmatmul import PackedWeight
 from chatserve_kernels.metadata import AttentionMetadata
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @dataclass
@@ -49,16 +48,16 @@ class DecodeChain:
         self._ops = cpu_ops._lib()
         self._qmm = cpu_qmatmul._lib().chatserve_qmm
         self._attn = cpu_attention._lib()
+        self._q_probe = torch.empty(0, heads, head_dim, dtype=dtype)    # what takes() asks cpu_attention about
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[tuple[torch.Tensor, ...]]) -> bool:
         """This step is one the chain runs: 1..max_rows rows, each a 1-token sequence, every slot valid,
-        plain contiguous caches of the activation dtype."""
+        unquantized caches the C decode attention takes for queries of the activation dtype."""
         M = x.shape[0]
         if not (0 < M <= self.max_rows and meta.is_decode_only and x.dtype == self.dtype):
             return False
-        k = caches[0][0]
-        return (len(caches[0]) == 2 and k.dtype == self.dtype and k.is_contiguous()
-                and k.shape[1] <= 64 and meta.all_slots_valid)
+        return (len(caches[0]) == 2 and cpu_attention.supports(self._q_probe, caches[0][0], caches[0][1])
+                and meta.all_slots_valid)
 
     def _buffers(self, M: int) -> tuple[torch.Tensor, ...]:
         if M not in self._bufs:

@@ -81,7 +81,8 @@ static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask
 }
 
 /* Tiles [t0, t1) for MB rows of x: the accumulators stay in registers across the K loop, and each row's
- * dot products run in NC = 4/MB independent chains so that the dot instructions' latency is hidden. */
+ * dot products run in NC independent chains (4/MB for 8-bit; half that for 4-bit, whose two planes already
+ * double them) so that the dot instructions' latency is hidden. */
 #define TILE_HEAD(MB, GB)                                                                                  \
         for (int64_t t = t0; t < t1; t++) {                                                                \
             const uint8_t *wt = w + t * G * (GB);                                                          \
@@ -89,14 +90,16 @@ static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask
             for (int m = 0; m < MB; m++) acc[m] = accl[m] = _mm512_setzero_ps();                           \
             for (int64_t g = 0; g < G; g++) {                                                              \
                 const uint8_t *wg = wt + g * (GB);
-#define TILE_TAIL(MB, NC, SUM)                                                                             \
+/* The group's exact int32 dots ia[MB][NC] → acc += Σ dots · scale · sx, accl += low · Σx; then the tile's rows. */
+#define TILE_TAIL(MB, NC)                                                                                  \
                 const __m512i slv = _mm512_loadu_si512(sl + (t * G + g) * 32);                             \
                 const __m512 s = _mm512_cvtph_ps(_mm512_castsi512_si256(slv));                             \
-                const __m512 l = LOW(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(slv, 1)), s);               \
+                const __m512 l = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(slv, 1));                       \
                 for (int m = 0; m < MB; m++) {                                                             \
-                    __m512 sum = SUM(ia[m][0]);                                                            \
-                    for (int c = 1; c < NC; c++) sum = _mm512_add_ps(sum, SUM(ia[m][c]));                  \
-                    acc[m] = _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(XSCALE(m, g))), acc[m]); \
+                    __m512i dots = ia[m][0];                                                               \
+                    for (int c = 1; c < NC; c++) dots = _mm512_add_epi32(dots, ia[m][c]);                  \
+                    const __m512 sm = _mm512_mul_ps(s, _mm512_set1_ps(sx[m * G + g]));                     \
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), sm, acc[m]);                        \
                     accl[m] = _mm512_fmadd_ps(l, _mm512_set1_ps(xs[m * G + g]), accl[m]);                  \
                 }                                                                                          \
             }                                                                                              \
@@ -107,9 +110,6 @@ static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask
         }
 
 /* 8-bit codes × int8 x (xq [MB, K], scales sx [MB, G]): exact integer dots, then scaled per group. */
-#define CVT_I32(v) _mm512_cvtepi32_ps(v)
-#define XSCALE(m, g) sx[(m) * G + (g)]
-#define LOW(l, s) (l)
 #define QMM_TILES_I8(MB, NC)                                                                               \
     static void qmm_i8_##MB(const uint8_t *w, const uint16_t *sl, int64_t G, int64_t K,      \
                             const int8_t *xq, const float *sx, const float *xs, int64_t t0, int64_t t1,    \
@@ -125,20 +125,15 @@ static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask
                         ia[m][j % NC] = _mm512_dpbusd_epi32(ia[m][j % NC], v, _mm512_set1_epi32(q[0]));    \
                     }                                                                                      \
                 }                                                                                          \
-        TILE_TAIL(MB, NC, CVT_I32)                                                                         \
+        TILE_TAIL(MB, NC)                                                                         \
     }
 QMM_TILES_I8(1, 4)
 QMM_TILES_I8(2, 2)
 QMM_TILES_I8(4, 1)
 QMM_TILES_I8(8, 1)
-#undef XSCALE
-#undef LOW
 
 /* 4-bit codes × 15-bit x in two int8 planes (xh, xl [MB, K]): two exact integer dots per chunk, joined as
  * 256 · Σ code·xh + Σ code·xl, then scaled per group. */
-#define JOIN(v) _mm512_cvtepi32_ps(v)
-#define XSCALE(m, g) sx[(m) * G + (g)]
-#define LOW(l, s) (l)
 #define QMM_TILES_I16(MB, NC)                                                                              \
     static void qmm_i16_##MB(const uint8_t *w, const uint16_t *sl, int64_t G, int64_t K, const int8_t *xh, \
                              const int8_t *xl, const float *sx, const float *xs, int64_t t0, int64_t t1,   \
@@ -165,14 +160,12 @@ QMM_TILES_I8(8, 1)
                 for (int m = 0; m < MB; m++)                                                               \
                     for (int c = 0; c < NC; c++)                                                           \
                         ia[m][c] = _mm512_add_epi32(_mm512_slli_epi32(ih[m][c], 8), il[m][c]);             \
-        TILE_TAIL(MB, NC, JOIN)                                                                            \
+        TILE_TAIL(MB, NC)                                                                            \
     }
 QMM_TILES_I16(1, 2)
 QMM_TILES_I16(2, 1)
 QMM_TILES_I16(4, 1)
 QMM_TILES_I16(8, 1)
-#undef XSCALE
-#undef LOW
 #endif
 
 
