@@ -16,9 +16,10 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model, tmp_path_factory):
-    """One tiny-model server shared by the tests that only need a roomy, default-configured engine."""
+    """One tiny-model server shared by the tests that only need a roomy, default-configured engine
+    (float32, so greedy outputs do not depend on batch composition)."""
     srv = start_real_server(str(tmp_path_factory.mktemp("tiny-srv")), "--model", tiny_model,
                             "--kv-blocks", "512", "--max-model-len", "1024", "--max-num-seqs", "64",
-                            "--max-waiting-requests", "512", startup_timeout=120)
+                            "--max-waiting-requests", "512", "--dtype", "float32", startup_timeout=120)
     yield srv
     srv.stop()
