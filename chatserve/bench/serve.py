@@ -199,19 +199,23 @@ def make_jobs(args: argparse.Namespace, seed: int, tokenizer: Any) -> list[Job]:
 async def run_structured(client: httpx.AsyncClient, args: argparse.Namespace, opts: RunOptions,
                          tokenizer: Any, seed: int) -> dict[str, Any]:
     """The structured workload against itself without the schema, in one run: each round sends the
-    constrained requests, then as many unconstrained ones (other prompts, same lengths) that each
-    generate exactly (ignore_eos) as many tokens as their constrained twin did. Both arms then see the
-    same batch sizes, lengths and load, and the TPOT ratio is the grammar's cost."""
+    constrained requests, then their unconstrained twins (the same prompts, each generating exactly, with
+    ignore_eos, as many tokens as its constrained request did), the prefix cache reset before each arm.
+    Both arms then see the same prompts, cache state, batch sizes and reply lengths, and the TPOT ratio
+    is the grammar's cost."""
     arms: dict[str, tuple[list[Record], float]] = {"schema": ([], 0.0), "plain": ([], 0.0)}
     plain_opts = RunOptions(**{**opts.__dict__, "ignore_eos": True})
+    resets = 0
     for r in range(args.rounds):
         jobs = make_jobs(args, seed + 7919 * r, tokenizer)
+        resets += await reset_prefix_cache(client)
         recs, dur = await run_jobs(client, jobs, opts, tokenizer)
         produced = {rec.job: rec.output_tokens for rec in recs if rec.ok and rec.output_tokens > 1}
-        twins = make_jobs(args, seed + 7919 * r + 1, tokenizer)
+        twins = make_jobs(args, seed + 7919 * r, tokenizer)          # the same prompts
         for twin in twins:
             twin.extra.pop("response_format", None)
             twin.turns[0].max_tokens = produced.get(twin.tag, twin.turns[0].max_tokens)
+        resets += await reset_prefix_cache(client)
         p_recs, p_dur = await run_jobs(client, twins, plain_opts, tokenizer)
         arms["schema"] = (arms["schema"][0] + recs, arms["schema"][1] + dur)
         arms["plain"] = (arms["plain"][0] + p_recs, arms["plain"][1] + p_dur)
@@ -221,6 +225,7 @@ async def run_structured(client: httpx.AsyncClient, args: argparse.Namespace, op
     res["tpot_ratio"] = {k: (res["tpot_ms"][k] / plain["tpot_ms"][k]) if res["tpot_ms"][k] and plain["tpot_ms"][k]
                          else None for k in ("mean", "p50")}
     res["rounds"] = args.rounds
+    res["prefix_cache_resets"] = resets
     return res
 
 

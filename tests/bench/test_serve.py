@@ -171,6 +171,11 @@ def test_structured_workload_pairs_each_reply_with_an_unconstrained_twin(capsys,
     assert r["unconstrained"]["output_tokens"] == r["output_tokens"] > 0 and r["rounds"] == 2
     assert r["json_parsed"] == 0                 # the fake's words are not JSON
     assert r["tpot_ratio"]["p50"] > 0
+    # the twins are the same prompts, each arm starting from a reset prefix cache
+    def prompt(b): return json.dumps(b["messages"])
+    assert sorted(map(prompt, twins)) == sorted(map(prompt, constrained))
+    assert len(set(map(prompt, constrained))) == 8
+    assert fake.state.resets == r["prefix_cache_resets"] == 4
 
 
 def test_editing_workload_sends_a_text_with_typos_to_fix(capsys, fake):
