@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -20,6 +20,7 @@ from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_T
 GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 from chatserve.structured.chat_request import chat_constraints, tool_message_fields
 from chatserve.tools.request import ToolPlan
 
@@ -294,15 +295,21 @@ def render_prompt(state, messages: list[dict], options: dict[str, Any]) -> list[
     return ids
 
 
-def parse_chat_body(body: dict, state) -> ChatRequest:
-    """Validate a /v1/chat/completions body and tokenize it with the chat template."""
-    r = validate(s.ChatCompletionRequest, body)
+def _parse_body(model: type[M], body: dict, state, parse: Callable[[M, dict, Any], R]) -> R:
+    """`body` validated as `model`, then `parse(r, body, state)`; an APIError passes through, anything
+    else it raises becomes a 400 (whatever unforeseen thing user input trips is still the input's fault)."""
+    r = validate(model, body)
     try:
-        return _parse_chat(r, body, state)
+        return parse(r, body, state)
     except APIError:
         raise
-    except Exception as e:  # anything unforeseen in user input is still the input's fault
+    except Exception as e:
         raise invalid(f"invalid request: {type(e).__name__}: {e}"[:500], None, "invalid_request") from e
+
+
+def parse_chat_body(body: dict, state) -> ChatRequest:
+    """Validate a /v1/chat/completions body and tokenize it with the chat template."""
+    return _parse_body(s.ChatCompletionRequest, body, state, _parse_chat)
 
 
 def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
@@ -342,13 +349,8 @@ def _check_min_tokens(params: SamplingParams) -> None:
 
 # ---- completions ----------------------------------------------------------------------------------
 def parse_completion_body(body: dict, state) -> CompletionRequest:
-    r = validate(s.CompletionRequest, body)
-    try:
-        return _parse_completion(r, body, state)
-    except APIError:
-        raise
-    except Exception as e:
-        raise invalid(f"invalid request: {type(e).__name__}: {e}"[:500], None, "invalid_request") from e
+    """Validate a /v1/completions body and tokenize its prompt(s)."""
+    return _parse_body(s.CompletionRequest, body, state, _parse_completion)
 
 
 def _prompts(r: s.CompletionRequest, state) -> list[tuple[list[int], str | None]]:
