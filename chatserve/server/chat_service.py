@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+from chatserve.core.request import SamplingParams
 from chatserve.deltas import Delta
 from chatserve.engine import AdmissionError
 from chatserve.server.collect import collect_chat, collect_completion
@@ -22,6 +23,7 @@ from chatserve.server.logprobs import (chat_logprobs, completion_logprobs, echo_
 from chatserve.server.protocol import (ChatRequest, CompletionRequest, GenerationRequest,
                                        parse_chat_body, parse_completion_body)
 from chatserve.server.sse import ChunkStreamResponse, FiniteJSONResponse, dumps, sse_response
+from chatserve.server.state import ServerState
 
 # sse_response, collect_* and the JSON helpers live in sse.py and collect.py; importable from here too
 __all__ = ["precheck", "parse_chat_body", "parse_completion_body", "stream_chat", "stream_completion",
@@ -31,18 +33,15 @@ __all__ = ["precheck", "parse_chat_body", "parse_completion_body", "stream_chat"
 log = logging.getLogger("chatserve.server")
 
 
-def precheck(state) -> None:
+def precheck(state: ServerState) -> None:
     """Cheap overload check before parsing and tokenizing: 503 + Retry-After when the queue is full."""
-    check = getattr(state.engine, "check_capacity", None)
-    if check is None:
-        return
     try:
-        check()
+        state.engine.check_capacity()
     except AdmissionError as e:
         raise admission_error(e.code, e.message, e.retry_after) from None
 
 
-def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, request_id: str,
+def submit(state: ServerState, req: GenerationRequest, *, owner: str, keep_warm: bool, request_id: str,
            rate_key: str | None = None):
     """Admission to the engine queue (rate limits were charged by prompt_guard.admit). Raises
     APIError (400/503)."""
@@ -57,9 +56,9 @@ def submit(state, req: GenerationRequest, *, owner: str, keep_warm: bool, reques
         raise admission_error(e.code, e.message, e.retry_after) from None
 
 
-def _shared_prefix_tokens(state, req: GenerationRequest) -> int:
+def _shared_prefix_tokens(state: ServerState, req: GenerationRequest) -> int:
     """Leading tokens of an operator-shared system prompt (cached across owners), else 0."""
-    prompts = getattr(state, "shared_prompts", None)
+    prompts = state.shared_prompts
     if prompts is None or not isinstance(req, ChatRequest):
         return 0
     return prompts.shared_tokens(req.messages, req.prompt_ids)
@@ -102,13 +101,12 @@ class _Usage:
                 "chatserve": {"ttft_s": r(self.ttft), "tokens_per_s": tps, "queue_s": r(self.queue)}}
 
 
-def _stop_reason(d, params) -> str | int | None:
+def _stop_reason(d: Delta, params: SamplingParams) -> str | int | None:
     """vLLM's stop_reason: the stop string or stop token id that ended the sample (None for EOS/length)."""
     if d.finish_reason != "stop":
         return None
-    matched = getattr(d, "stop_reason", None)
-    if matched is not None:
-        return matched
+    if d.stop_reason is not None:
+        return d.stop_reason
     if d.token_ids and d.token_ids[-1] in params.stop_token_ids:
         return d.token_ids[-1]
     return None

@@ -18,8 +18,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from typing import TYPE_CHECKING
 
 from starlette.requests import HTTPConnection
+
+if TYPE_CHECKING:
+    from chatserve.server.state import ServerState
 
 COOKIE_NAME = "chatserve_uid"
 SCOPE_KEY_ID = "chatserve_key_id"      # set in scope["state"] by the API-key middleware
@@ -70,11 +74,10 @@ def rate_key_of(conn: HTTPConnection) -> str:
     return f"ip:{client.host if client else 'unknown'}"
 
 
-def cache_salt(state, owner: str) -> str | None:
+def cache_salt(state: ServerState, owner: str) -> str | None:
     """HMAC-SHA256(session_secret, owner), hex: one owner's cached prefixes never serve another.
     None (one cache for everyone) when the operator chose --share-prefix-cache."""
-    config = getattr(state, "config", None)
-    if config is not None and config.server.share_prefix_cache:
+    if state.config.server.share_prefix_cache:
         return None
     return hmac.new(state.session_secret, owner.encode("utf-8"), hashlib.sha256).hexdigest()
 

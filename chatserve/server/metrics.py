@@ -6,8 +6,13 @@ a vLLM dashboard works with the prefix swapped. Not the periodic stats line (ser
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from chatserve.engine import AsyncEngine
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST      # what generate_latest writes, as prometheus_client names it
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -60,7 +65,7 @@ _STAT_METRICS = (
 
 
 class _EngineCollector:
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model = model_name
 
@@ -92,20 +97,18 @@ class _EngineCollector:
         yield g
 
     def _cache_info(self) -> dict[str, str]:
-        e = self.engine
-        cache = getattr(getattr(e, "config", None), "cache", None)
-        return {"block_size": str(getattr(e, "block_size", "")),
-                "num_gpu_blocks": str(getattr(e, "num_blocks", "")),
-                "cache_dtype": str(getattr(getattr(e, "runner", None), "kv_cache_dtype", None)
-                                   or getattr(cache, "kv_cache_dtype", "auto")),
-                "enable_prefix_caching": str(bool(getattr(cache, "enable_prefix_caching", True))),
-                "max_model_len": str(getattr(e, "max_model_len", ""))}
+        e, cache = self.engine, self.engine.config.cache
+        # the dtype the runner resolved "auto" to; a scripted runner (tests) has none: the configured one
+        dtype = getattr(e.runner, "kv_cache_dtype", None) or cache.kv_cache_dtype
+        return {"block_size": str(e.block_size), "num_gpu_blocks": str(e.num_blocks), "cache_dtype": str(dtype),
+                "enable_prefix_caching": str(bool(cache.enable_prefix_caching)),
+                "max_model_len": str(e.max_model_len)}
 
 
 class Metrics:
     """Owns the registry; `render()` gives the exposition text."""
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(engine, model_name))
         r, lab = self.registry, ["model_name"]

@@ -121,13 +121,13 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     st = state_of(request)
-    if getattr(st.engine, "ready", False):
+    if st.engine.ready:
         # Redis down or refusing our password: still serving (sessions kept in process, rate limits
         # per process), so 200, but the body says what is degraded and why (no host or password).
         if st.redis_check is not None and not st.redis_check.ok:
             return JSONResponse({"status": "degraded", "model": st.model_name, **st.redis_check.ready_info()})
         return JSONResponse({"status": "ready", "model": st.model_name})
-    why = "draining" if not getattr(st.engine, "accepting", True) else "loading"
+    why = "draining" if not st.engine.accepting else "loading"
     return JSONResponse({"status": why}, status_code=503, headers={"Retry-After": "5"})
 
 
@@ -162,8 +162,7 @@ async def detokenize(request: Request) -> Response:
 async def reset_prefix_cache(request: Request) -> Response:
     """Forget every cached prefix no running request holds ({"reset": false} while some do)."""
     st = state_of(request)
-    reset = getattr(st.engine, "reset_prefix_cache", None)
-    return JSONResponse({"reset": bool(reset()) if reset is not None else False})
+    return JSONResponse({"reset": st.engine.reset_prefix_cache()})
 
 
 async def metrics(request: Request) -> Response:

@@ -336,6 +336,7 @@ def test_http_api_without_keys_is_one_owner_per_client_address(shared_fake_serve
 def test_identity_and_cache_salt():
     from starlette.requests import Request
 
+    from chatserve.config import EngineConfig
     from chatserve.server.identity import api_owner_of, cache_salt, owner_of
 
     def conn(headers=(), state=None):
@@ -348,6 +349,7 @@ def test_identity_and_cache_salt():
 
     class S:
         session_secret = b"s" * 32
+        config = EngineConfig()
     assert cache_salt(S, "key:a") != cache_salt(S, "key:b")
     assert cache_salt(S, "key:a") == cache_salt(S, "key:a") and len(cache_salt(S, "key:a")) == 64
 
