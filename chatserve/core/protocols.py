@@ -71,6 +71,8 @@ class SchedulerLike(Protocol):
 
     def retry_after(self) -> float: ...
 
+    def progress(self, request_id: str) -> dict | None: ...
+
 
 class TokenizerLike(Protocol):
     """What the engine and the HTTP layer need from a tokenizer."""

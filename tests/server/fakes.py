@@ -88,6 +88,9 @@ class FakeScheduler:
     def retry_after(self) -> float:
         return 1.0
 
+    def progress(self, request_id: str) -> dict | None:
+        return None
+
     def add_request(self, req: Request) -> None:
         self.add_group([req])
 
