@@ -48,7 +48,7 @@ def max_token_bytes(tokenizer: Any) -> int:
     U+FFFD, which only over-counts. Without a `tokenizers` backend: the longest vocabulary entry in
     UTF-8, also an upper bound. (A normalizer that shrinks text would break the bound; none of the
     supported families has one.)"""
-    backend = getattr(tokenizer, "_backend", None)
+    backend = getattr(tokenizer, "backend", None)      # None: a tokenizer without a `tokenizers` backend
     try:
         n = backend.get_vocab_size(with_added_tokens=True)
         texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
@@ -148,8 +148,9 @@ class PromptGuard:
         self.max_bytes = max_model_len * max_token_bytes(tokenizer)
         self.process: TokenizerProcess | None = None
         self.tokenizer = tokenizer
-        if getattr(tokenizer, "_backend", None) is not None and hasattr(tokenizer, "apply_chat_template"):
-            self.process = TokenizerProcess(tokenizer._backend)
+        backend = getattr(tokenizer, "backend", None)
+        if backend is not None and hasattr(tokenizer, "apply_chat_template"):
+            self.process = TokenizerProcess(backend)
             self.tokenizer = OffloadingTokenizer(tokenizer, self.process)
 
     def check_size(self, nbytes: int, param: str | None) -> None:

@@ -174,6 +174,11 @@ class Tokenizer:
         """Ids that `skip_special_tokens` drops."""
         return self._special_ids
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` tokenizer underneath (the prompt guard copies it into its helper process)."""
+        return self._backend
+
     def _token_id(self, text: str | None) -> int | None:
         return None if text is None else self._backend.token_to_id(text)
 
