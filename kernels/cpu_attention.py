@@ -21,7 +21,8 @@ _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 @functools.lru_cache(maxsize=1)
-def _lib():
+def c_decode_attention():
+    """The compiled decode attention (a ctypes function), or None where it cannot be built or is switched off."""
     lib = cpu_build.load(SOURCE)
     if lib is None:
         return None
@@ -33,7 +34,7 @@ def _lib():
 
 
 def available() -> bool:
-    return _lib() is not None
+    return c_decode_attention() is not None
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -53,7 +54,7 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     q, out: [T, q_heads, D]; caches [num_blocks, block_size, kv_heads, D]. Returns False (nothing
     written) when the kernel is unavailable or cannot take these tensors: use the torch twin then."""
-    fn = _lib()
+    fn = c_decode_attention()
     if fn is None or not supports(q, k_cache, v_cache) or out.dtype != q.dtype or out.stride(-1) != 1:
         return False
     tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens

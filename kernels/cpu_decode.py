@@ -45,9 +45,9 @@ class DecodeChain:
         self.hidden = final_norm.shape[0]
         self.inter = layers[0].down.k
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._ops = cpu_ops._lib()
-        self._qmm = cpu_qmatmul._lib().chatserve_qmm
-        self._attn = cpu_attention._lib()
+        self._ops = cpu_ops.library()
+        self._qmm = cpu_qmatmul.library().chatserve_qmm
+        self._attn = cpu_attention.c_decode_attention()
         self._q_probe = torch.empty(0, heads, head_dim, dtype=dtype)    # what takes() asks cpu_attention about
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[tuple[torch.Tensor, ...]]) -> bool:

@@ -19,7 +19,8 @@ _i64, _i32, _vp, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_
 
 
 @functools.lru_cache(maxsize=1)
-def _lib():
+def library():
+    """The compiled fused ops (ctypes), or None where they cannot be built or are switched off."""
     lib = cpu_build.load(SOURCE)
     if lib is None:
         return None
@@ -34,7 +35,7 @@ def _lib():
 
 def usable(t: torch.Tensor) -> bool:
     """The fused ops can run on tensors like t (CPU, fp32 or bf16) and the library is built."""
-    return t.device.type == "cpu" and t.dtype in _DTYPES and _lib() is not None
+    return t.device.type == "cpu" and t.dtype in _DTYPES and library() is not None
 
 
 def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,7 +44,7 @@ def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, w: torch.Tensor, eps
     if add is not None:
         assert add.is_contiguous() and add.shape == h.shape and add.dtype == h.dtype
     out = torch.empty_like(h)
-    _lib().chatserve_add_rms_norm(_DTYPES[h.dtype], h.data_ptr(), None if add is None else add.data_ptr(),
+    library().chatserve_add_rms_norm(_DTYPES[h.dtype], h.data_ptr(), None if add is None else add.data_ptr(),
                                   w.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], float(eps),
                                   torch.get_num_threads())
     return out
@@ -58,5 +59,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     pos = positions
     if pos.dtype != torch.int64 or not pos.is_contiguous():       # a no-op .to() still dispatches
         pos = pos.to(torch.int64).contiguous()
-    _lib().chatserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+    library().chatserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
                           pos.data_ptr(), T, heads, D, torch.get_num_threads())

@@ -20,7 +20,8 @@ _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 @functools.lru_cache(maxsize=1)
-def _lib():
+def library():
+    """The compiled VNNI matmul (ctypes), or None where it cannot be built or is switched off."""
     lib = cpu_build.load(SOURCE)
     if lib is None or lib.chatserve_qmm_tile() != TILE:
         return None
@@ -31,7 +32,7 @@ def _lib():
 
 def available() -> bool:
     """The VNNI kernel is built for this CPU (and not switched off with CHATSERVE_CPU_KERNELS=0)."""
-    return _lib() is not None
+    return library() is not None
 
 
 @dataclass
@@ -103,7 +104,7 @@ def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.n, dtype=x.dtype)
-    rc = _lib().chatserve_qmm(*w.ptrs, w.bits, w.n, w.k,
+    rc = library().chatserve_qmm(*w.ptrs, w.bits, w.n, w.k,
                               x.data_ptr(), x.shape[0], y.data_ptr(), int(x.dtype == torch.bfloat16),
                               torch.get_num_threads())
     if rc:

@@ -101,7 +101,7 @@ def test_silu_mul_matches_torch(dt):
     g = torch.Generator().manual_seed(1)
     gu = (torch.randn(3, 2 * 96, generator=g) * 4).to(dt)
     out = torch.empty(3, 96, dtype=dt)
-    cpu_ops._lib().chatserve_silu_mul(cpu_ops._DTYPES[dt], gu.data_ptr(), out.data_ptr(), 3, 96, 1)
+    cpu_ops.library().chatserve_silu_mul(cpu_ops._DTYPES[dt], gu.data_ptr(), out.data_ptr(), 3, 96, 1)
     gate, up = gu.chunk(2, -1)
     ref = torch.nn.functional.silu(gate) * up
     tol = 1e-6 if dt == torch.float32 else 1e-2
@@ -113,7 +113,7 @@ def test_store_rows_writes_each_slot_and_skips_minus_one():
     k_cache, v_cache = torch.zeros(4, 2, 3, 8), torch.zeros(4, 2, 3, 8)      # [blocks, block_size, hkv, d]
     src = torch.arange(3 * 64, dtype=torch.float32).reshape(3, 64)        # rows: [k (24) | v (24) | pad]
     slots = torch.tensor([5, -1, 0])
-    cpu_ops._lib().chatserve_store_rows(src.data_ptr(), src.data_ptr() + 24 * 4, 64 * 4, k_cache.data_ptr(),
+    cpu_ops.library().chatserve_store_rows(src.data_ptr(), src.data_ptr() + 24 * 4, 64 * 4, k_cache.data_ptr(),
                                         v_cache.data_ptr(), slots.data_ptr(), 3, 24 * 4)
     flat_k, flat_v = k_cache.view(8, 24), v_cache.view(8, 24)
     assert torch.equal(flat_k[5], src[0, :24]) and torch.equal(flat_v[5], src[0, 24:48])
