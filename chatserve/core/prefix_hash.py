@@ -37,7 +37,6 @@ class PrefixHasher:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.seed: int = random_seed() if seed is None else (seed & _MASK64)
-        self._struct = struct.Struct(f"<16s16s{block_size}I")
         self._extra_cache: dict[tuple[str, str], bytes] = {}
 
     def extra_key(self, cache_salt: str | None, model_key: str = "") -> bytes:
@@ -53,17 +52,13 @@ class PrefixHasher:
                 self._extra_cache[key] = d
         return d
 
-    def hash_block(self, parent: BlockHash, tokens: Sequence[int], extra: bytes) -> BlockHash:
-        """Hash of one full block (len(tokens) must equal block_size)."""
-        return xxhash.xxh3_128_digest(self._struct.pack(parent, extra, *tokens), self.seed)
-
     @staticmethod
     def pack(token_ids: Sequence[int]) -> bytes:
         """token_ids as little-endian uint32 (the block encoding; pack once, slice per block)."""
         return struct.pack(f"<{len(token_ids)}I", *token_ids)
 
     def hash_packed(self, parent: BlockHash, packed_block: bytes, extra: bytes) -> BlockHash:
-        """hash_block() of a block already packed with pack() (4 * block_size bytes)."""
+        """Hash of one full block packed with pack() (4 * block_size bytes) under its parent's hash."""
         return xxhash.xxh3_128_digest(parent + extra + packed_block, self.seed)
 
     def iter_hashes(self, token_ids: Sequence[int], extra: bytes, parent: BlockHash = ROOT_HASH,
@@ -80,8 +75,3 @@ class PrefixHasher:
         for off in range(0, len(buf), stride):
             parent = self.hash_packed(parent, buf[off:off + stride], extra)
             yield parent
-
-    def hash_blocks(self, token_ids: Sequence[int], extra: bytes, parent: BlockHash = ROOT_HASH,
-                    start_block: int = 0, num_blocks: int | None = None) -> list[BlockHash]:
-        """Chained hashes of full blocks start_block.. of token_ids (parent = hash of block start_block-1)."""
-        return list(self.iter_hashes(token_ids, extra, parent, start_block, num_blocks))
