@@ -87,7 +87,6 @@ class RedisSessionStore:
         self._healthy = True
         self._last_error: str | None = None
         self._recovery: asyncio.Task | None = None
-        self._lock: asyncio.Lock | None = None
         self.flushed_writes = 0
 
     # ── plumbing ──────────────────────────────────────────────────────────────────────────────
@@ -350,13 +349,6 @@ class RedisSessionStore:
 
     def describe(self) -> str:
         return f"sessions: redis at {redact_url(self.url)} (persisted, TTL {self.ttl_s // 86400} d)"
-
-    async def ping(self) -> bool:
-        try:
-            await self._call(self._redis().ping())
-            return True
-        except _RedisDown:
-            return False
 
     async def aclose(self) -> None:
         if self._outbox and self._healthy:
