@@ -90,10 +90,6 @@ class Request:
     first_scheduled_time: float | None = None
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -128,12 +128,6 @@ def check_token_ids(ids: list[int], param: str, vocab_size: int | None) -> list[
     return list(ids)
 
 
-def parse_token_ids(v: Any, param: str, vocab_size: int | None) -> list[int]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        raise invalid(f"'{param}' must be a list of token ids", param, "invalid_type")
-    return check_token_ids(v, param, vocab_size)
-
-
 def _logit_bias(v: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
     out: dict[int, float] = {}
     for k, b in (v or {}).items():

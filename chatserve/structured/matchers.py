@@ -27,11 +27,6 @@ def _row_key(s: ScheduledSeq) -> tuple[str, int]:
     return s.request_id, len(s.output_token_ids)
 
 
-def constrained_rows(seqs: Sequence[ScheduledSeq]) -> list[int]:
-    """Rows whose request carries an output constraint (usually none: then nothing else runs)."""
-    return [i for i, s in enumerate(seqs) if getattr(s.params, "structured", None) is not None]
-
-
 @dataclass
 class _State:
     matcher: llguidance.LLMatcher

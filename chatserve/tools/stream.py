@@ -25,10 +25,6 @@ class ToolCallStream:
         self._content_sent = 0
         self._calls_sent: list[tuple[str, int]] = []   # (id, argument characters sent) per call
 
-    @property
-    def has_calls(self) -> bool:
-        return bool(self._calls_sent)
-
     def push(self, text: str, final: bool = False) -> dict:
         """The chat delta (`content` and/or `tool_calls`) for new text; {} when nothing is certain yet."""
         self._text += text
