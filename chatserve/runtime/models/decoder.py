@@ -8,6 +8,7 @@ cache; plain tensors and torch functions (no nn.Module: no hook dispatch on the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,28 +128,30 @@ class DecoderModel:
                 rotaries[local] = Rotary(cos.to(self.device, dtype), sin.to(self.device, dtype), fused_ops)
             return rotaries[local]
 
-        self.layers: list[DecoderLayer] = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            window = config.layer_window(i)
-            qkv_w, qkv_b, o_w, o_b = self.read_attention(r, p + "self_attn.")
-            gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
-            norms = self.read_norms(r, p)
-            q_norm = r(p + "self_attn.q_norm.weight", config.qk_norm)
-            k_norm = r(p + "self_attn.k_norm.weight", config.qk_norm)
-            r.check_missing()
-            nw = self._norm_weight
-            self.layers.append(DecoderLayer(
-                input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
-                q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b),
-                post_attn_norm=nw(norms[1]), pre_ffn_norm=nw(norms[2]),
-                mlp=GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), config.hidden_act),
-                post_ffn_norm=nw(norms[3]),
-                rotary=rotary(local=window is not None and config.local_rope_theta is not None),
-                attention=Attention(scale, window, config.attn_logit_softcap)))
+        self.layers: list[DecoderLayer] = [self._read_layer(r, i, scale, rotary) for i in range(config.num_layers)]
         r.check_all_taken()
         self._rotaries = list(rotaries.values())
         self.chain = self._decode_chain(fused_ops)
+
+    def _read_layer(self, r: WeightReader, i: int, scale: float, rotary: Callable[[bool], Rotary]) -> DecoderLayer:
+        """Layer i's weights (taken from r) as a DecoderLayer; rotary(local) gives the shared RoPE tables."""
+        config, p = self.config, f"model.layers.{i}."
+        window = config.layer_window(i)
+        qkv_w, qkv_b, o_w, o_b = self.read_attention(r, p + "self_attn.")
+        gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
+        norms = self.read_norms(r, p)
+        q_norm = r(p + "self_attn.q_norm.weight", config.qk_norm)
+        k_norm = r(p + "self_attn.k_norm.weight", config.qk_norm)
+        r.check_missing()
+        nw = self._norm_weight
+        return DecoderLayer(
+            input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
+            q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b),
+            post_attn_norm=nw(norms[1]), pre_ffn_norm=nw(norms[2]),
+            mlp=GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), config.hidden_act),
+            post_ffn_norm=nw(norms[3]),
+            rotary=rotary(window is not None and config.local_rope_theta is not None),
+            attention=Attention(scale, window, config.attn_logit_softcap))
 
     def _decode_chain(self, fused_ops: bool) -> cpu_decode.DecodeChain | None:
         """The C chain for few-row decode steps, where every layer is the plain pre-norm SwiGLU one with
