@@ -31,7 +31,7 @@ def auto_weight_quant(weights: LoadedWeights, device: torch.device) -> str | Non
     """int4 on CPU for a GGUF stored in 4 bits (the default model: Q4_1), where the int4 kernels
     rebuild the stored weights and decode faster than fp32 at batch 1 (docs/benchmarks.md);
     dense weights otherwise (requantizing 8/16-bit weights costs quality; CUDA has no int4 path here)."""
-    return "int4" if device.type == "cpu" and getattr(weights, "four_bit", False) else None
+    return "int4" if device.type == "cpu" and weights.four_bit else None
 
 
 def gpu_kv_budget(free_bytes: int, total_bytes: int, utilization: float) -> int:
@@ -85,7 +85,7 @@ class ModelRunner:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
                                  weight_quant=weight_quant)
-        if getattr(self.model, "chain", None) is not None and not model.num_threads:
+        if self.model.chain is not None and not model.num_threads:
             self._threads_small = self._threads_big
         del weights
         self.block_size = int(cache.block_size)

@@ -81,7 +81,7 @@ class Sampler:
         B = len(seqs)
         if B == 0:
             return [], []
-        c_rows = [i for i in range(B) if getattr(seqs[i].params, "structured", None) is not None]
+        c_rows = [i for i in range(B) if seqs[i].params.structured is not None]
         if c_rows:
             self._grammar_masks().apply(logits, seqs, c_rows)   # in place: logits are this step's own
             token_list, logprobs = self._choose(logits, seqs)
