@@ -11,9 +11,12 @@ import multiprocessing
 import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from chatserve.server.errors import APIError
+
+if TYPE_CHECKING:
+    from chatserve.server.state import ServerState
 
 T = TypeVar("T")
 
@@ -176,23 +179,23 @@ def prompt_bytes(body: dict) -> int:
     return sum(text_bytes(body[k]) for k in PROMPT_FIELDS if k in body)
 
 
-def check_text_size(state: Any, body: dict) -> int:
+def check_text_size(state: ServerState, body: dict) -> int:
     """Raise 400 context_length_exceeded when the body's prompt text cannot fit the context; its bytes."""
     nbytes = prompt_bytes(body)
-    guard: PromptGuard | None = getattr(state, "prompt_guard", None)
+    guard = state.prompt_guard
     if guard is not None:
         guard.check_size(nbytes, _param_of(body))
     return nbytes
 
 
-async def admit(state: Any, body: dict, build: Callable[[dict, Any], T], *, rate_key: str) -> T:
+async def admit(state: ServerState, body: dict, build: Callable[[dict, Any], T], *, rate_key: str) -> T:
     """Size bound → rate-limit precheck → `build(body, state)` (validation + tokenizing; in a worker
     thread when the text is big) → charge the rate limiter with the request's real token cost.
 
     `build` returns a request with `prompt_ids` and `params` (max_tokens, n). Raises APIError
     (400 too long, 429 rate limited, or whatever `build` raises)."""
     nbytes = check_text_size(state, body)
-    limiter = getattr(state, "rate_limiter", None)
+    limiter = state.rate_limiter
     if limiter is not None:
         await limiter.check(rate_key)
     if nbytes > BIG_INPUT_BYTES or body.get("response_format") or body.get("tools"):

@@ -171,7 +171,7 @@ def _min_tokens_banned(r: s.SamplingFields, state) -> list[int]:
     """The ids min_tokens holds back: the stop token ids and (unless ignore_eos) the model's EOS ids."""
     if not r.min_tokens:
         return []
-    eos = [] if r.ignore_eos else list(getattr(state.tokenizer, "eos_token_ids", ()) or ())
+    eos = [] if r.ignore_eos else list(state.tokenizer.eos_token_ids)
     return sorted(set(r.stop_token_ids or []) | set(eos))
 
 

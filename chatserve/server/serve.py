@@ -136,9 +136,9 @@ class StatsLine:
             prev, t_prev = s, now
 
 
-async def warm_tokenizer_process(state) -> None:
+async def warm_tokenizer_process(state: ServerState) -> None:
     """Spawn the prompt guard's tokenizer process in the background, not at the first big prompt."""
-    proc = getattr(state.prompt_guard, "process", None)
+    proc = state.prompt_guard.process if state.prompt_guard is not None else None
     if proc is not None:
         asyncio.get_running_loop().run_in_executor(None, proc.start)
 

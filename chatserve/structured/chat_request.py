@@ -66,7 +66,7 @@ def chat_constraints(body: dict, messages: list[dict], state: Any) -> ChatConstr
     """Validate and compile the request's constraint fields. Raises APIError (400) naming the problem."""
     try:
         spec = response_format_spec(body.get("response_format"))
-        parser = getattr(state.config.server, "tool_call_parser", None) or default_parser_name(
+        parser = state.config.server.tool_call_parser or default_parser_name(
             getattr(state.tokenizer, "chat_template", None))
         plan = tool_plan(body, parser)
     except RequestFieldError as e:

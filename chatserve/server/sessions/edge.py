@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers, MutableHeaders
@@ -16,6 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatserve.server.errors import APIError
 from chatserve.server.identity import COOKIE_NAME
+
+if TYPE_CHECKING:
+    from chatserve.server.state import ServerState
 
 COOKIE_RE = re.compile(r"^[A-Za-z0-9_-]{32,64}$")
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -33,9 +36,8 @@ def is_foreign(headers: Headers, allowed_origins: tuple[str, ...] = ()) -> bool:
     return urlsplit(origin).netloc != headers.get("host", "")
 
 
-def allowed_origins_of(state: Any) -> tuple[str, ...]:
-    cfg = getattr(getattr(state, "config", None), "server", None)
-    return tuple(getattr(cfg, "cors_origins", ()) or ())
+def allowed_origins_of(state: ServerState) -> tuple[str, ...]:
+    return tuple(state.config.server.cors_origins)
 
 
 def check_origin(conn: HTTPConnection) -> None:

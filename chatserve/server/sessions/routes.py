@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -28,6 +28,9 @@ from chatserve.server.sessions.store import (SessionStore, StoreUnavailable, mak
                                              new_session_id, public_status, valid_session_id)
 from chatserve.server.sessions.turns import TurnService, busy, not_found
 from chatserve.server.ws import CLIENT_CANCEL
+
+if TYPE_CHECKING:
+    from chatserve.server.state import ServerState
 
 log = logging.getLogger("chatserve.sessions")
 
@@ -340,15 +343,14 @@ routes = [
 ]
 
 
-def install(app: Any, state: Any) -> None:
+def install(app: Any, state: ServerState) -> None:
     """Give the app its session store (from state.config.server.redis_url unless state.sessions is
     set), the turn service, the browser edge middleware, the /v1/ws session message types, and a
     shutdown hook that lets running replies finish (up to the drain timeout), saves the rest and
     closes the store."""
-    store = getattr(state, "sessions", None)
-    cfg = getattr(getattr(state, "config", None), "server", None)
+    store, cfg = state.sessions, state.config.server
     if store is None:
-        store = make_session_store(getattr(cfg, "redis_url", None))
+        store = make_session_store(cfg.redis_url)
         state.sessions = store
     turns = TurnService(app.state, state, store)
     app.state.session_store = store
@@ -358,6 +360,6 @@ def install(app: Any, state: Any) -> None:
     app.add_middleware(BrowserEdgeMiddleware, allowed_origins=allowed_origins_of(state))
 
     async def shutdown() -> None:
-        await turns.shutdown(float(getattr(cfg, "drain_timeout", 0) or 0))
+        await turns.shutdown(float(cfg.drain_timeout or 0))
 
     state.shutdown_hooks.append(shutdown)
