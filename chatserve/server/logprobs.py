@@ -6,7 +6,12 @@ Only formatting of the engine's `TokenLogprob`s; the chunks that carry them are 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chatserve.core.outputs import TokenLogprob
+    from chatserve.deltas import Delta
+    from chatserve.server.state import ServerState
 
 LOGPROB_FLOOR = -9999.0    # what -inf (or a NaN) logprob is written as: JSON has no infinities
 
@@ -34,7 +39,7 @@ def token_bytes(tok: Any, tid: int, text: str) -> list[int]:
     return list(text.encode("utf-8", "replace"))
 
 
-def chat_logprobs(state: Any, d: Any) -> dict | None:
+def chat_logprobs(state: ServerState, d: Delta) -> dict | None:
     """A chat choice's logprobs of one delta: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     if not d.logprobs:
         return None
@@ -48,7 +53,7 @@ def chat_logprobs(state: Any, d: Any) -> dict | None:
                         for lp in d.logprobs]}
 
 
-def completion_logprobs(state: Any, d: Any, offset: int) -> dict | None:
+def completion_logprobs(state: ServerState, d: Delta, offset: int) -> dict | None:
     """The legacy completions logprobs of one delta, text offsets counted from `offset`."""
     if not d.logprobs:
         return None
@@ -64,7 +69,7 @@ def completion_logprobs(state: Any, d: Any, offset: int) -> dict | None:
     return out
 
 
-def vllm_prompt_logprobs(state: Any, lps: list, k: int) -> list[dict | None]:
+def vllm_prompt_logprobs(state: ServerState, lps: list[TokenLogprob], k: int) -> list[dict | None]:
     """vLLM's prompt_logprobs: null for the first prompt token, then per position {token id:
     {logprob, rank, decoded_token}} for the prompt token and the k most likely."""
     tok = state.tokenizer
@@ -78,7 +83,7 @@ def vllm_prompt_logprobs(state: Any, lps: list, k: int) -> list[dict | None]:
     return out
 
 
-def echo_logprobs(state: Any, ids: list[int], lps: list, k: int) -> dict:
+def echo_logprobs(state: ServerState, ids: list[int], lps: list[TokenLogprob], k: int) -> dict:
     """The legacy completions logprobs of an echoed prompt: every prompt token, its logprob (null for
     the first) and the k most likely tokens at its position with the prompt token itself (up to k + 1)."""
     tok = state.tokenizer
