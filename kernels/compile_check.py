@@ -23,6 +23,15 @@ _ALIGNED = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "st
             "stride_kt", "stride_kh", "stride_vt", "stride_vh"}
 
 
+def _attention_args(q: str, c: str, mode: int) -> dict:
+    """The non-constexpr arg types the decode and extend kernels share (scales fp32 when quantized)."""
+    s = "f32" if mode else c
+    return dict(q_ptr=q, k_ptr=c, v_ptr=c, ks_ptr=s, vs_ptr=s, out_ptr=q, part_o_ptr="f32",
+                part_lse_ptr="f32", block_tables_ptr="pi32", seq_lens_ptr="pi32", qsl_ptr="pi32",
+                sm_scale_log2="fp32", window="i32", tokens_per_split="i32", num_splits="i32",
+                **{n: "i32" for n in _ATTN_STRIDES})
+
+
 def _variants(tl) -> list[tuple[str, str, dict, dict, int, int]]:
     """(label, kernel name, non-constexpr arg types, constexprs, num_warps, num_stages)."""
     from chatserve_kernels.extend_attention import extend_num_warps
@@ -35,11 +44,7 @@ def _variants(tl) -> list[tuple[str, str, dict, dict, int, int]]:
             ("bf16", "bf16", 0, True, True, 64, 128), ("f32", "f32", 0, True, False, 64, 32),
             ("f16", "i8", 1, True, False, 128, 64), ("bf16", "fp8", 1, False, False, 64, 128),
             ("bf16", "fp8", 2, True, False, 128, 64), ("f32", "i8", 1, True, True, 64, 32)]:
-        s = "f32" if mode else c
-        args = dict(q_ptr=q, k_ptr=c, v_ptr=c, ks_ptr=s, vs_ptr=s, out_ptr=q, part_o_ptr="f32",
-                    part_lse_ptr="f32", block_tables_ptr="pi32", seq_lens_ptr="pi32", qsl_ptr="pi32",
-                    sm_scale_log2="fp32", window="i32", tokens_per_split="i32", num_splits="i32",
-                    **{n: "i32" for n in _ATTN_STRIDES})
+        args = _attention_args(q, c, mode)
         consts = dict(NUM_Q_HEADS=32, GROUP=4, GROUP_PAD=16, HEAD_DIM=d, D_PAD=d, BLOCK_SIZE=16, BLOCK_N=bn,
                       SCALE_MODE=mode, COMPUTE=comp[q], PRECISION="ieee" if q == "f32" else "tf32",
                       SPLIT=split, WINDOW=win)
@@ -56,11 +61,7 @@ def _variants(tl) -> list[tuple[str, str, dict, dict, int, int]]:
             ("bf16", "i8", 1, False, True, 128, 8, 16, False), ("f16", "fp8", 2, True, False, 64, 2, 64, False),
             ("bf16", "bf16", 0, False, True, 128, 4, 4, True), ("bf16", "i8", 1, True, True, 64, 8, 2, True),
             ("f32", "f32", 0, False, True, 64, 4, 4, True)]:
-        s = "f32" if mode else c
-        args = dict(q_ptr=q, k_ptr=c, v_ptr=c, ks_ptr=s, vs_ptr=s, out_ptr=q, part_o_ptr="f32",
-                    part_lse_ptr="f32", block_tables_ptr="pi32", seq_lens_ptr="pi32", qsl_ptr="pi32",
-                    sm_scale_log2="fp32", window="i32", tokens_per_split="i32", num_splits="i32",
-                    **{n: "i32" for n in _ATTN_STRIDES})
+        args = _attention_args(q, c, mode)
         fp32 = q == "f32"
         consts = dict(NUM_Q_HEADS=32, GROUP=gp, GROUP_PAD=gp, BLOCK_M=bm, HEAD_DIM=d, D_PAD=d, BLOCK_SIZE=16,
                       BLOCK_N=32 if fp32 else 64, SCALE_MODE=mode, COMPUTE=comp[q],
