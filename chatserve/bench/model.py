@@ -279,7 +279,6 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from chatserve.config import ModelConfig
     from chatserve.runtime.device import set_num_threads
     from chatserve.runtime.model_runner import ModelRunner
     from chatserve.runtime.weights import load_weights
@@ -310,47 +309,53 @@ def run(args: argparse.Namespace) -> dict:
         runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
                              num_blocks=need, num_threads=threads, weights=weights, progress=False,
                              weight_quant=quant or None)
-        entry: dict = {"dtype": dtype, "resolved_dtype": str(runner.dtype).replace("torch.", ""),
-                       "weight_quant": runner.weight_quant, "decode": [], "prefill": []}
-        for b in batches:
-            d = _decode(runner, b, args.context, args.steps)
-            if bandwidth:
-                d["weight_bytes_per_step"] = runner.model.decode_weight_bytes(b)
-                d["floor_ms"] = d["weight_bytes_per_step"] / bandwidth * 1e3
-                d["vs_floor"] = d["step_ms_median"] / d["floor_ms"]
-            entry["decode"].append(d)
-            if not args.json:
-                floor = (f"; floor {d['floor_ms']:.1f} ms = {d['weight_bytes_per_step'] / 1e6:.0f} MB of weights "
-                         f"/ bandwidth, step {d['vs_floor']:.2f}x it" if bandwidth else "")
-                print(f"{dtype:12s} decode batch {b:3d}: {d['tokens_per_s']:8.1f} tok/s "
-                      f"(step {d['step_ms_median']:.1f} ms median, best {d['tokens_per_s_best']:.1f} tok/s{floor})",
-                      file=sys.stderr, flush=True)
-        rss0 = _peak_rss_mib()
-        for n in prefill_lengths:
-            p = _prefill(runner, n, args.repeats, args.prefill_chunk, warmup=not entry["prefill"])
-            p["vs_shortest"] = p["tokens_per_s"] / (entry["prefill"][0] if entry["prefill"] else p)["tokens_per_s"]
-            p["peak_rss_growth_mib"] = p["peak_rss_mib"] - rss0
-            entry["prefill"].append(p)
-            if not args.json:
-                print(f"{dtype:12s} prefill {n} tokens (steps of {p['chunk']}): {p['tokens_per_s']:8.1f} tok/s "
-                      f"({p['ms_median']:.0f} ms, {p['vs_shortest']:.2f}x the shortest's tok/s, peak RSS "
-                      f"+{p['peak_rss_growth_mib']:.0f} MiB)", file=sys.stderr, flush=True)
-        entry["interference"] = []
-        for cap in caps:
-            it = _interference(runner, cap, args.context, args.interference_prompt)
-            entry["interference"].append(it)
-            if not args.json:
-                print(f"{dtype:12s} cap {cap}: 4 streams' ITL p50/p99 {it['itl_alone_ms_p50']:.1f}/"
-                      f"{it['itl_alone_ms_p99']:.1f} ms alone, {it['itl_mixed_ms_p50']:.1f}/"
-                      f"{it['itl_mixed_ms_p99']:.1f} ms beside a {it['prompt']}-token prefill (p99 "
-                      f"{it['itl_p99_ratio']:.2f}x); the prompt's TTFT {it['prompt_ttft_s']:.2f} s in "
-                      f"{it['steps']} steps; CPU time: ITL p50/p99 {it['itl_alone_cpu_ms_p50']:.1f}/"
-                      f"{it['itl_alone_cpu_ms_p99']:.1f} alone, {it['itl_mixed_cpu_ms_p50']:.1f}/"
-                      f"{it['itl_mixed_cpu_ms_p99']:.1f} beside it (p99 {it['itl_cpu_p99_ratio']:.2f}x), "
-                      f"TTFT {it['prompt_ttft_cpu_s']:.2f} s", file=sys.stderr, flush=True)
-        report["results"].append(entry)
+        report["results"].append(_bench_dtype(runner, dtype, args, batches, prefill_lengths, caps, bandwidth))
         del runner
     return report
+
+
+def _bench_dtype(runner, dtype: str, args: argparse.Namespace, batches: list[int], prefill_lengths: list[int],
+                 caps: list[int], bandwidth: float | None) -> dict:
+    """One --dtypes entry on its runner: decode per batch size, prefill per length, interference per cap."""
+    entry: dict = {"dtype": dtype, "resolved_dtype": str(runner.dtype).replace("torch.", ""),
+                   "weight_quant": runner.weight_quant, "decode": [], "prefill": []}
+    for b in batches:
+        d = _decode(runner, b, args.context, args.steps)
+        if bandwidth:
+            d["weight_bytes_per_step"] = runner.model.decode_weight_bytes(b)
+            d["floor_ms"] = d["weight_bytes_per_step"] / bandwidth * 1e3
+            d["vs_floor"] = d["step_ms_median"] / d["floor_ms"]
+        entry["decode"].append(d)
+        if not args.json:
+            floor = (f"; floor {d['floor_ms']:.1f} ms = {d['weight_bytes_per_step'] / 1e6:.0f} MB of weights "
+                     f"/ bandwidth, step {d['vs_floor']:.2f}x it" if bandwidth else "")
+            print(f"{dtype:12s} decode batch {b:3d}: {d['tokens_per_s']:8.1f} tok/s "
+                  f"(step {d['step_ms_median']:.1f} ms median, best {d['tokens_per_s_best']:.1f} tok/s{floor})",
+                  file=sys.stderr, flush=True)
+    rss0 = _peak_rss_mib()
+    for n in prefill_lengths:
+        p = _prefill(runner, n, args.repeats, args.prefill_chunk, warmup=not entry["prefill"])
+        p["vs_shortest"] = p["tokens_per_s"] / (entry["prefill"][0] if entry["prefill"] else p)["tokens_per_s"]
+        p["peak_rss_growth_mib"] = p["peak_rss_mib"] - rss0
+        entry["prefill"].append(p)
+        if not args.json:
+            print(f"{dtype:12s} prefill {n} tokens (steps of {p['chunk']}): {p['tokens_per_s']:8.1f} tok/s "
+                  f"({p['ms_median']:.0f} ms, {p['vs_shortest']:.2f}x the shortest's tok/s, peak RSS "
+                  f"+{p['peak_rss_growth_mib']:.0f} MiB)", file=sys.stderr, flush=True)
+    entry["interference"] = []
+    for cap in caps:
+        it = _interference(runner, cap, args.context, args.interference_prompt)
+        entry["interference"].append(it)
+        if not args.json:
+            print(f"{dtype:12s} cap {cap}: 4 streams' ITL p50/p99 {it['itl_alone_ms_p50']:.1f}/"
+                  f"{it['itl_alone_ms_p99']:.1f} ms alone, {it['itl_mixed_ms_p50']:.1f}/"
+                  f"{it['itl_mixed_ms_p99']:.1f} ms beside a {it['prompt']}-token prefill (p99 "
+                  f"{it['itl_p99_ratio']:.2f}x); the prompt's TTFT {it['prompt_ttft_s']:.2f} s in "
+                  f"{it['steps']} steps; CPU time: ITL p50/p99 {it['itl_alone_cpu_ms_p50']:.1f}/"
+                  f"{it['itl_alone_cpu_ms_p99']:.1f} alone, {it['itl_mixed_cpu_ms_p50']:.1f}/"
+                  f"{it['itl_mixed_cpu_ms_p99']:.1f} beside it (p99 {it['itl_cpu_p99_ratio']:.2f}x), "
+                  f"TTFT {it['prompt_ttft_cpu_s']:.2f} s", file=sys.stderr, flush=True)
+    return entry
 
 
 def _model_path(args: argparse.Namespace) -> str:
