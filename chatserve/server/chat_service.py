@@ -134,7 +134,7 @@ def _failure_chunk(d: Delta) -> dict:
     return engine_error_body(d.error or "generation failed", d.error_code)
 
 
-async def stream_chat(state, req: ChatRequest, *, owner: str, keep_warm: bool = False,
+async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool = False,
                       request_id: str | None = None, rate_key: str | None = None) -> AsyncIterator[dict]:
     """chat.completion.chunk dicts: a choice's first chunk carries the role with its first text (so
     time to first chunk is time to first token), then content deltas, one finish_reason per choice,
@@ -205,7 +205,7 @@ async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _submit_all(state, req: CompletionRequest, prompts: list, *, owner: str, rid: str,
+def _submit_all(state: ServerState, req: CompletionRequest, prompts: list, *, owner: str, rid: str,
                 rate_key: str | None) -> list:
     streams: list = []
     try:
@@ -220,7 +220,7 @@ def _submit_all(state, req: CompletionRequest, prompts: list, *, owner: str, rid
     return streams
 
 
-async def stream_completion(state, req: CompletionRequest, *, owner: str, request_id: str | None = None,
+async def stream_completion(state: ServerState, req: CompletionRequest, *, owner: str, request_id: str | None = None,
                             rate_key: str | None = None) -> AsyncIterator[dict]:
     """text_completion chunk dicts (no role chunk), then a usage chunk; errors as in stream_chat.
     Prompt p's sample j is choice p * n + j; with echo, a choice's first text starts with its prompt."""

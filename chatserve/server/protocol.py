@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -16,13 +16,16 @@ from chatserve.core.request import SamplingParams
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.schemas import openai as s
 from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_TOP_LOGPROBS  # noqa: F401
+from chatserve.structured.chat_request import chat_constraints, tool_message_fields
+from chatserve.tools.request import ToolPlan
 
 GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
-from chatserve.structured.chat_request import chat_constraints, tool_message_fields
-from chatserve.tools.request import ToolPlan
+
+if TYPE_CHECKING:
+    from chatserve.server.state import ServerState
 
 
 @dataclass
@@ -112,7 +115,7 @@ def new_id(prefix: str) -> str:
 
 
 # ---- shared parts ---------------------------------------------------------------------------------
-def check_model(name: str | None, state) -> str:
+def check_model(name: str | None, state: ServerState) -> str:
     if name is None:
         return state.model_name
     if name not in state.model_names():
@@ -142,7 +145,8 @@ def _logit_bias(v: dict[str, float] | None, vocab_size: int | None) -> dict[int,
 _MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def sampling_params(r: s.SamplingFields, state, *, n: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(r: s.SamplingFields, state: ServerState, *, n: int,
+                    logprobs: int | None) -> SamplingParams:
     """The sampling fields shared by chat and completions (max_tokens is set by the caller). A field the
     client did not send takes the model's generation-config value when it ships one (--generation-config)."""
     defaults = {k: v for k, v in state.sampling_defaults.items()
@@ -167,7 +171,7 @@ def sampling_params(r: s.SamplingFields, state, *, n: int, logprobs: int | None)
     )
 
 
-def _min_tokens_banned(r: s.SamplingFields, state) -> list[int]:
+def _min_tokens_banned(r: s.SamplingFields, state: ServerState) -> list[int]:
     """The ids min_tokens holds back: the stop token ids and (unless ignore_eos) the model's EOS ids."""
     if not r.min_tokens:
         return []
@@ -274,7 +278,7 @@ def template_options(r: s.ChatCompletionRequest | s.TokenizeRequest) -> dict[str
     return kw
 
 
-def render_prompt(state, messages: list[dict], options: dict[str, Any]) -> list[int]:
+def render_prompt(state: ServerState, messages: list[dict], options: dict[str, Any]) -> list[int]:
     if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise invalid("'continue_final_message' needs an assistant message last", "continue_final_message")
     try:
@@ -289,7 +293,8 @@ def render_prompt(state, messages: list[dict], options: dict[str, Any]) -> list[
     return ids
 
 
-def _parse_body(model: type[M], body: dict, state, parse: Callable[[M, dict, Any], R]) -> R:
+def _parse_body(model: type[M], body: dict, state: ServerState,
+                parse: Callable[[M, dict, ServerState], R]) -> R:
     """`body` validated as `model`, then `parse(r, body, state)`; an APIError passes through, anything
     else it raises becomes a 400 (whatever unforeseen thing user input trips is still the input's fault)."""
     r = validate(model, body)
@@ -301,12 +306,12 @@ def _parse_body(model: type[M], body: dict, state, parse: Callable[[M, dict, Any
         raise invalid(f"invalid request: {type(e).__name__}: {e}"[:500], None, "invalid_request") from e
 
 
-def parse_chat_body(body: dict, state) -> ChatRequest:
+def parse_chat_body(body: dict, state: ServerState) -> ChatRequest:
     """Validate a /v1/chat/completions body and tokenize it with the chat template."""
     return _parse_body(s.ChatCompletionRequest, body, state, _parse_chat)
 
 
-def _parse_chat(r: s.ChatCompletionRequest, body: dict, state) -> ChatRequest:
+def _parse_chat(r: s.ChatCompletionRequest, body: dict, state: ServerState) -> ChatRequest:
     model = check_model(r.model, state)
     messages = normalize_messages(body["messages"])
     stream, include_usage = _stream_flags(r)
@@ -342,12 +347,12 @@ def _check_min_tokens(params: SamplingParams) -> None:
 
 
 # ---- completions ----------------------------------------------------------------------------------
-def parse_completion_body(body: dict, state) -> CompletionRequest:
+def parse_completion_body(body: dict, state: ServerState) -> CompletionRequest:
     """Validate a /v1/completions body and tokenize its prompt(s)."""
     return _parse_body(s.CompletionRequest, body, state, _parse_completion)
 
 
-def _prompts(r: s.CompletionRequest, state) -> list[tuple[list[int], str | None]]:
+def _prompts(r: s.CompletionRequest, state: ServerState) -> list[tuple[list[int], str | None]]:
     p = r.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
         items: list = [p]
@@ -365,7 +370,7 @@ def _prompts(r: s.CompletionRequest, state) -> list[tuple[list[int], str | None]
     return out
 
 
-def _parse_completion(r: s.CompletionRequest, body: dict, state) -> CompletionRequest:
+def _parse_completion(r: s.CompletionRequest, body: dict, state: ServerState) -> CompletionRequest:
     model = check_model(r.model, state)
     prompts = _prompts(r, state)
     stream, include_usage = _stream_flags(r)

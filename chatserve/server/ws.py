@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -23,6 +23,9 @@ from chatserve.server.identity import cache_owner_of, owner_of, rate_key_of
 from chatserve.server.prompt_guard import admit
 from chatserve.server.protocol import new_id, parse_chat_body, parse_completion_body
 
+if TYPE_CHECKING:
+    from chatserve.server.state import ServerState
+
 log = logging.getLogger("chatserve.ws")
 MAX_INFLIGHT_PER_SOCKET = 32
 MAX_CLIENT_ID = 128
@@ -30,7 +33,7 @@ CLIENT_CANCEL = "cancelled by the client"   # the CancelledError's message for a
 
 
 class _Socket:
-    def __init__(self, ws: WebSocket, state) -> None:
+    def __init__(self, ws: WebSocket, state: ServerState) -> None:
         self.ws, self.state = ws, state
         self.owner = owner_of(ws)          # sessions (extension handlers)
         self.cache_owner = cache_owner_of(ws)   # prefix cache: per key, per browser, else per client

@@ -7,7 +7,7 @@ messages and tools go to the chat template. Raises APIError 400 before anything 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from chatserve.server.errors import APIError, invalid
 from chatserve.structured.compiler import GrammarError, compiler_for
@@ -16,6 +16,9 @@ from chatserve.structured.spec import StructuredSpec
 from chatserve.tools.parsers import default_parser_name
 from chatserve.tools.prompt import fallback_messages, template_knows_tools
 from chatserve.tools.request import ToolPlan, tool_plan
+
+if TYPE_CHECKING:
+    from chatserve.server.state import ServerState
 
 HANDLED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
 
@@ -28,7 +31,7 @@ class ChatConstraints:
     tools: ToolPlan | None                 # how to read tool calls back (None: no tools)
 
 
-def model_vocab_size(state: Any) -> int:
+def model_vocab_size(state: ServerState) -> int:
     """The width of the model's logits (a grammar's bitmask covers exactly this many tokens)."""
     cfg = getattr(getattr(state.engine, "runner", None), "config", None)
     v = getattr(cfg, "vocab_size", None)
@@ -62,7 +65,7 @@ def tool_message_fields(m: dict, where: str) -> dict:
     return out
 
 
-def chat_constraints(body: dict, messages: list[dict], state: Any) -> ChatConstraints:
+def chat_constraints(body: dict, messages: list[dict], state: ServerState) -> ChatConstraints:
     """Validate and compile the request's constraint fields. Raises APIError (400) naming the problem."""
     try:
         spec = response_format_spec(body.get("response_format"))
