@@ -230,8 +230,18 @@ class Sampler:
             n = min(k, s.params.logprobs or 0)
             # -inf alternatives (tokens a grammar mask forbids) are not alternatives
             top = [(i, v) for i, v in zip(top_i[r][:n], top_v[r][:n]) if v != float("-inf")] if n else []
+            top = _chosen_first_among_ties(top, chosen[r], chosen_lp[r])
             out.append(TokenLogprob(token_id=chosen[r], logprob=chosen_lp[r], top=top))
         return out
+
+
+def _chosen_first_among_ties(top: list[tuple[int, float]], chosen: int, chosen_lp: float
+                             ) -> list[tuple[int, float]]:
+    """topk orders equal values arbitrarily: the chosen token leads the alternatives that tie with it,
+    so a greedy token is always the first of its top_logprobs."""
+    if not top or top[0][0] == chosen or chosen_lp != top[0][1]:
+        return top
+    return [(chosen, chosen_lp)] + [t for t in top if t[0] != chosen][:len(top) - 1]
 
 
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

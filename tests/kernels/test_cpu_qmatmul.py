@@ -43,3 +43,17 @@ def test_quantize_round_trips_a_grouped_4bit_matrix():
     c2, s2, l2 = Q.quantize(w, 4)
     assert torch.equal(c2, codes.to(torch.int32))
     assert torch.allclose(Q.dequantize(c2, s2, l2), w, atol=1e-5)
+
+
+def test_linear_float_out_keeps_the_kernels_float32_result():
+    """The LM head's logits: bf16 rows in, float32 out, not rounded through bf16 (rounded logits tie)."""
+    from chatserve.runtime.models.layers import Linear
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(512, 128, generator=g) * 0.05).bfloat16()
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    head = Linear(w, None, "int8")
+    y = head.float_out(x)                                   # [3, 512]
+    assert y.dtype == torch.float32 and head.qw is not None
+    assert (y.bfloat16().float() != y).any()                # not on the bf16 grid
+    torch.testing.assert_close(y.bfloat16(), head(x), rtol=0, atol=0)

@@ -217,6 +217,18 @@ def test_logprobs_sanity():
     assert math.isclose(float(torch.logsumexp(full, 0)), 0.0, abs_tol=1e-5)    # a distribution
 
 
+def test_greedy_token_leads_its_ties_in_top_logprobs():
+    # bf16 logits tie often; argmax and topk may break a tie differently, yet the greedy token is the best
+    logits = torch.zeros(6, 300)
+    for r in range(6):
+        logits[r, torch.arange(r, 300, 7)] = 4.0          # 43 tokens share the maximum
+    seqs = [seq(f"g{r}", temperature=0.0, logprobs=5) for r in range(6)]
+    toks, lps = Sampler()(logits, seqs)
+    for r, (tok, lp) in enumerate(zip(toks, lps)):
+        assert logits[r, tok] == 4.0 and lp.top[0][0] == tok and len(lp.top) == 5
+        assert len({t for t, _ in lp.top}) == 5 and all(v == lp.top[0][1] for _, v in lp.top)
+
+
 def test_logprobs_reflect_bias_and_penalties():
     logits = torch.tensor([3.0, 1.0, 0.0, 0.0])
     lp = processed(logits, logit_bias={0: -100.0})

@@ -265,6 +265,6 @@ class DecoderModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, H] (already normed by forward) → logits [B, V] in float32."""
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head.float_out(hidden)
         cap = self.config.final_logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap

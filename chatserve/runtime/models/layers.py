@@ -128,6 +128,15 @@ class Linear:
             return F.linear(x, self.w, self.b)
         return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
 
+    def float_out(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ + b in float32. cpu_qmatmul's output takes x's dtype, so it gets float32 rows and its
+        result is never rounded to bf16 (bf16 logits tie, and a tie makes greedy decoding arbitrary);
+        the other kernels compute in their own dtype and are cast up."""
+        # x: [T, K] → [T, N] float32
+        if self.qw is not None and x.shape[0] <= self.small_m and x.dim() == 2:
+            return self(x.float())
+        return self(x).float()
+
 
 # ---------------------------------------------------------------------------------------------
 # norms and RoPE: one backend per model, picked at build
