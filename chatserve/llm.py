@@ -72,7 +72,7 @@ class LLM:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         if self._eos is None:
-            ids = set(self.runner.config.eos_token_ids)
+            ids = set(self.runner.eos_token_ids)
             try:
                 ids |= set(self.tokenizer.eos_token_ids)
             except Exception:  # noqa: BLE001 — no tokenizer files: the model config's EOS only

@@ -21,6 +21,12 @@ class Runner(Protocol):
     model_key: str          # names the weights and dtype in prefix hashes (blocks of another model never match)
     kv_window: int | None   # the model reads at most this many past positions (sliding window), or None
 
+    @property
+    def vocab_size(self) -> int: ...            # the width of the model's logits (may exceed the tokenizer's)
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...   # the model config's end-of-sequence ids (may be empty)
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
 

@@ -148,6 +148,10 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
     # ---------------------------------------------------------------------------------------
     SMALL_STEP_TOKENS = 8
 

@@ -33,9 +33,9 @@ class ChatConstraints:
 
 def model_vocab_size(state: ServerState) -> int:
     """The width of the model's logits (a grammar's bitmask covers exactly this many tokens)."""
-    cfg = getattr(getattr(state.engine, "runner", None), "config", None)
-    v = getattr(cfg, "vocab_size", None)
-    return int(v) if isinstance(v, int) and v > 0 else int(state.vocab_size or state.tokenizer.vocab_size)
+    runner = state.engine.runner            # None only before the engine has loaded
+    v = runner.vocab_size if runner is not None else 0
+    return v if v > 0 else int(state.vocab_size or state.tokenizer.vocab_size)
 
 
 def tool_message_fields(m: dict, where: str) -> dict:

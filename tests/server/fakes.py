@@ -187,6 +187,8 @@ class FakeRunner:
 
     num_blocks = 256
     max_model_len = 256
+    vocab_size = VOCAB
+    eos_token_ids = (EOS,)
 
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay
