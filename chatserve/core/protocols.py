@@ -20,6 +20,7 @@ class Runner(Protocol):
     model_path: str
     model_key: str          # names the weights and dtype in prefix hashes (blocks of another model never match)
     kv_window: int | None   # the model reads at most this many past positions (sliding window), or None
+    kv_cache_dtype: str     # the KV cache's storage setting, as configured (--kv-cache-dtype; "auto" = the model dtype)
 
     @property
     def vocab_size(self) -> int: ...            # the width of the model's logits (may exceed the tokenizer's)

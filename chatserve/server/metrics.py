@@ -98,8 +98,8 @@ class _EngineCollector:
 
     def _cache_info(self) -> dict[str, str]:
         e, cache = self.engine, self.engine.config.cache
-        # the dtype the runner resolved "auto" to; a scripted runner (tests) has none: the configured one
-        dtype = getattr(e.runner, "kv_cache_dtype", None) or cache.kv_cache_dtype
+        # the runner's setting (before the engine has loaded a runner: the configured one)
+        dtype = e.runner.kv_cache_dtype if e.runner is not None else cache.kv_cache_dtype
         return {"block_size": str(e.block_size), "num_gpu_blocks": str(e.num_blocks), "cache_dtype": str(dtype),
                 "enable_prefix_caching": str(bool(cache.enable_prefix_caching)),
                 "max_model_len": str(e.max_model_len)}

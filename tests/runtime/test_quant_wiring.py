@@ -35,7 +35,7 @@ def test_engine_load_passes_both_to_the_runner(monkeypatch):
             seen.update(weight_quant=model.weight_quant, kv_cache_dtype=cache.kv_cache_dtype)
             self.num_blocks, self.max_model_len, self.block_size = 8, 64, 16
             self.model_path, self.model_key, self.kv_window = model.model, "stub", None
-            self.vocab_size, self.eos_token_ids = 64, ()
+            self.vocab_size, self.eos_token_ids, self.kv_cache_dtype = 64, (), cache.kv_cache_dtype
 
         def warm_up(self) -> float:
             return 0.0

@@ -190,8 +190,9 @@ class FakeRunner:
     vocab_size = VOCAB
     eos_token_ids = (EOS,)
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self, delay: float = 0.0, kv_cache_dtype: str = "auto") -> None:
         self.delay = delay
+        self.kv_cache_dtype = kv_cache_dtype      # the engine config's (fake_engine passes it)
         self.calls = 0
         self.raise_next = False
         self.thread_ids: set[int] = set()
@@ -279,6 +280,7 @@ def fake_engine(config=None, *, delay: float = 0.0, max_waiting: int = 64, max_r
     from chatserve.engine import AsyncEngine
     kv = FakeKV()
     sched = FakeScheduler(kv, max_waiting=max_waiting, max_running=max_running)
-    return AsyncEngine(config or EngineConfig(), runner=FakeRunner(delay), tokenizer=FakeTokenizer(),
+    config = config or EngineConfig()
+    return AsyncEngine(config, runner=FakeRunner(delay, config.cache.kv_cache_dtype), tokenizer=FakeTokenizer(),
                        scheduler=sched, kv=kv, detokenizer_factory=FakeDetok,
                        max_buffered_deltas=max_buffered_deltas)
