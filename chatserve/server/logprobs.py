@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from chatserve.core.outputs import TokenLogprob
+    from chatserve.core.protocols import TokenizerLike
     from chatserve.deltas import Delta
     from chatserve.server.state import ServerState
 
@@ -28,15 +29,9 @@ def token_text(tok: Any, tid: int) -> str:
         return tok.decode([tid])
 
 
-def token_bytes(tok: Any, tid: int, text: str) -> list[int]:
+def token_bytes(tok: TokenizerLike, tid: int) -> list[int]:
     """The token's own bytes (part of a UTF-8 character stays that part), not its display text's."""
-    get = getattr(tok, "token_bytes", None)
-    if get is not None:
-        try:
-            return list(get(tid))
-        except Exception:
-            pass
-    return list(text.encode("utf-8", "replace"))
+    return list(tok.token_bytes(tid))
 
 
 def chat_logprobs(state: ServerState, d: Delta) -> dict | None:
@@ -47,7 +42,7 @@ def chat_logprobs(state: ServerState, d: Delta) -> dict | None:
 
     def entry(tid: int, v: float) -> dict:
         t = token_text(tok, tid)
-        return {"token": t, "logprob": finite(v), "bytes": token_bytes(tok, tid, t)}
+        return {"token": t, "logprob": finite(v), "bytes": token_bytes(tok, tid)}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                         for lp in d.logprobs]}

@@ -232,6 +232,9 @@ class FakeTokenizer:
     def token_str(self, i: int) -> str:
         return chr(97 + i) if i < 26 else chr(65 + (i - 26) % 26)
 
+    def token_bytes(self, i: int) -> bytes:
+        return self.token_str(i).encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         ids: list[int] = []
         for m in messages:
