@@ -86,6 +86,10 @@ class TokenizerLike(Protocol):
 
     eos_token_ids: frozenset[int]
     vocab_size: int
+    bos_token_id: int | None
+
+    @property
+    def special_token_ids(self) -> frozenset[int]: ...   # ids that skip_special_tokens drops
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 

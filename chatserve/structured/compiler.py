@@ -10,11 +10,10 @@ import collections
 import json
 import threading
 from dataclasses import dataclass, replace
-from typing import Any
-
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from chatserve.core.protocols import TokenizerLike
 from chatserve.structured.spec import StructuredSpec
 
 # JSON as models write it (indented or not), but whitespace between tokens is bounded: a run of at most
@@ -42,12 +41,12 @@ class GrammarError(ValueError):
 class _TokenTable:
     """What llguidance's TokenizerWrapper reads from a tokenizer: each id's bytes, EOS, specials, encode."""
 
-    def __init__(self, tok: Any, vocab_size: int) -> None:
+    def __init__(self, tok: TokenizerLike, vocab_size: int) -> None:
         n = int(tok.vocab_size)
-        specials = set(getattr(tok, "special_token_ids", ()) or ())
-        eos = sorted(getattr(tok, "eos_token_ids", ()) or ())
+        specials = set(tok.special_token_ids)
+        eos = sorted(tok.eos_token_ids)
         self.eos_token_id = eos[0] if eos else None
-        self.bos_token_id = getattr(tok, "bos_token_id", None)
+        self.bos_token_id = tok.bos_token_id
         # ids past the tokenizer (a model's padded vocabulary) are specials nobody can sample
         self.special_token_ids = sorted(specials | set(range(n, vocab_size)))
         self.tokens = [(tok.token_bytes(i) if i < n else b"") or b"<|pad|>" for i in range(vocab_size)]
@@ -67,9 +66,9 @@ class _TokenTable:
         return list(ids)
 
 
-def ll_tokenizer(tok: Any, vocab_size: int) -> llguidance.LLTokenizer:
+def ll_tokenizer(tok: TokenizerLike, vocab_size: int) -> llguidance.LLTokenizer:
     """An llguidance tokenizer over the model's whole vocabulary (ids >= tok.vocab_size are padding)."""
-    eos = sorted(getattr(tok, "eos_token_ids", ()) or ())
+    eos = sorted(tok.eos_token_ids)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tok, vocab_size)),
                                   n_vocab=vocab_size, eos_token=eos or None)
 
@@ -106,7 +105,7 @@ class GrammarCompiler:
     a template matcher; each request's matcher is a deep copy of it (cheap).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: TokenizerLike, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
         self._tok = tokenizer
         self.vocab_size = int(vocab_size)
         self._ll: llguidance.LLTokenizer | None = None
@@ -161,7 +160,7 @@ _compilers: dict[tuple[int, int], GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
+def compiler_for(tokenizer: TokenizerLike, vocab_size: int) -> GrammarCompiler:
     """The process's one compiler (and cache) for this tokenizer and vocabulary size."""
     key = (id(tokenizer), int(vocab_size))
     with _compilers_lock:

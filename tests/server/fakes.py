@@ -222,6 +222,8 @@ class FakeRunner:
 class FakeTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = VOCAB
+    bos_token_id = None              # none declared (the 1 that encode and the chat template put first is a marker)
+    special_token_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return ([1] if add_special_tokens else []) + [(ord(c) - 97) % VOCAB for c in text]   # 1: the fake BOS
