@@ -80,12 +80,20 @@ class ScriptedChat:
                 self.aborted += 1
 
 
+class IdleEngine:
+    """Stands in for the AsyncEngine a session turn asks for progress: it knows no request."""
+
+    def progress(self, request_id: str) -> dict | None:
+        return None
+
+
 def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None,
              api_keys: tuple[str, ...] = ()) -> Starlette:
     """The smallest app that serves the session routes, the real /v1/ws, and a /metrics with the KV
-    usage gauge (the fake's running generations); no engine."""
+    usage gauge (the fake's running generations); no engine but an IdleEngine for progress."""
     cfg = EngineConfig(server=ServerConfig(redis_url=redis_url, api_keys=api_keys))
-    state = ServerState(config=cfg, engine=None, tokenizer=None, model_name="fake-model", sessions=store)
+    state = ServerState(config=cfg, engine=IdleEngine(), tokenizer=None,  # type: ignore[arg-type]
+                        model_name="fake-model", sessions=store)
 
     async def metrics(request: Any) -> PlainTextResponse:
         usage = 0.25 * backend.active

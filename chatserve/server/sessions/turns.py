@@ -362,12 +362,12 @@ class TurnService:
 
     async def _tick(self, turn: LiveTurn) -> None:
         """Progress events until the first token; the partial reply and heartbeat saved periodically."""
-        progress = getattr(getattr(self.state, "engine", None), "progress", None)
+        engine = self.state.engine
         saved_len, saved_at = 0, time.monotonic()
         while True:
             await asyncio.sleep(TICK_S)
-            if callable(progress) and not turn.text:
-                p = progress(turn.request_id)
+            if not turn.text:
+                p = engine.progress(turn.request_id)
                 if p is not None:
                     ev = {"object": "chatserve.turn.progress", "turn_id": turn.id, **p}
                     if ev != turn.progress:
