@@ -85,7 +85,8 @@ class ModelRunner:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
                                  weight_quant=weight_quant)
-        if self.model.chain is not None and not model.num_threads:
+        if not model.num_threads and (self.model.chain is not None
+                                      or self.model.decode_matmul_bytes() >= self.BIG_MATMUL_BYTES):
             self._threads_small = self._threads_big
         del weights
         self.block_size = int(cache.block_size)
@@ -98,11 +99,16 @@ class ModelRunner:
         self._prompt_rows: dict[str, torch.Tensor] = {}   # this step's prompt-logprobs hidden rows
         self.load_seconds = time.perf_counter() - t0
 
+    # A decode matmul reading this many weight bytes or more runs long enough that a second core's memory
+    # bandwidth outweighs the OpenMP barrier stalls the event loop causes (docs/benchmarks.md).
+    BIG_MATMUL_BYTES = 8 << 20
+
     def _set_step_threads(self, num_threads: int | None) -> None:
         """CPU threads per step: all (or num_threads) for steps of many tokens (compute-bound prefill);
         with num_threads auto, one core fewer for small (decode) steps run by torch ops, which stall on
-        the OpenMP barrier whenever the event loop takes a core. A model with the C decode chain keeps
-        every core for them: its steps are a few dozen kernels that gain from the second core's memory
+        the OpenMP barrier whenever the event loop takes a core. A model with the C decode chain, or whose
+        decode matmuls are big (BIG_MATMUL_BYTES), keeps every core for them: the chain's steps are a few
+        dozen kernels, and a big matmul's time dwarfs a stall, so both gain from the second core's memory
         bandwidth far more than they lose to the event loop (docs/benchmarks.md)."""
         self._threads_big = set_num_threads(num_threads)
         self._threads_small = self._threads_big if num_threads else max(1, self._threads_big - 1)

@@ -35,6 +35,21 @@ def test_attributes_and_budget_sizing(tiny_dirs, runner):
     assert r.num_blocks == 10 and r.kv_caches[0][0].dtype == torch.bfloat16
 
 
+def test_small_steps_keep_every_core_for_big_decode_matmuls(tiny_dirs, monkeypatch):
+    """num_threads auto: decode steps of torch ops leave a core to the event loop unless the model's
+    decode matmuls are big enough (BIG_MATMUL_BYTES) that the second core's bandwidth wins."""
+    import os
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores")
+    small = ModelRunner(tiny_dirs["llama"], num_blocks=8, block_size=4, progress=False)
+    per_matmul = small.model.decode_matmul_bytes()
+    assert per_matmul == small.model.decode_weight_bytes(1) / (4 * 2 + 1) > 0
+    assert small._threads_small == small._threads_big - 1
+    monkeypatch.setattr(ModelRunner, "BIG_MATMUL_BYTES", int(per_matmul))
+    big = ModelRunner(tiny_dirs["llama"], num_blocks=8, block_size=4, progress=False)
+    assert big._threads_small == big._threads_big >= 2
+
+
 def test_gpu_memory_utilization_sizing_rule():
     """KV budget = free - total * (1 - utilization): the device share this process may use, less what
     is already taken (weights, other processes). Verified here by arithmetic only; GPU run pending."""

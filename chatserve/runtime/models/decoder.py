@@ -263,6 +263,10 @@ class DecoderModel:
         embed_rows = rows * self.embed.shape[1] * self.embed.element_size()
         return sum(m.bytes_read(rows) for m in lins) + sum(n.numel() * n.element_size() for n in norms) + embed_rows
 
+    def decode_matmul_bytes(self) -> float:
+        """Mean weight bytes of one matmul of a one-token decode step (the layers' four and the LM head)."""
+        return self.decode_weight_bytes(1) / (4 * len(self.layers) + 1)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, H] (already normed by forward) → logits [B, V] in float32."""
         logits = self.lm_head.float_out(hidden)
