@@ -15,8 +15,8 @@ for d in ("server", "sessions"):
 
 import server_support as server_helpers  # noqa: E402
 import session_fakes  # noqa: E402,F401
-from server_support import (free_port, metric, poll_metrics, start_fake_server,  # noqa: E402,F401
-                            start_real_server)
+from server_support import (away_from_a_minute_boundary, free_port, metric, poll_metrics,  # noqa: E402,F401
+                            start_fake_server, start_real_server)
 
 
 def kv_used(url: str, headers: dict | None = None) -> float:

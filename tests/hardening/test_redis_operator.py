@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from hardening_support import free_port, start_fake_server
+from hardening_support import away_from_a_minute_boundary, free_port, start_fake_server
 
 from chatserve.server.redis_check import RedisCheck
 
@@ -46,6 +46,7 @@ def test_rate_limit_holds_across_two_replicas_on_one_redis(redis_server):
     b = start_fake_server(redis_url=redis_server.url, rate_limit_rpm=3)
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        away_from_a_minute_boundary()
         codes = [httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=10).status_code
                  for srv in (a, b, a, b, a)]
         # 3 per minute for this client in all: two processes must not give it 2 × 3

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from hardening_support import start_fake_server, start_real_server
+from hardening_support import away_from_a_minute_boundary, start_fake_server, start_real_server
 
 M = [{"role": "user", "content": "hi"}]
 
@@ -84,6 +84,7 @@ def test_per_key_rate_limits_requests_and_tokens():
         def post(key):
             return httpx.post(srv.url + "/v1/chat/completions", json={"messages": M, "max_tokens": 1},
                               headers=_h(key), timeout=10)
+        away_from_a_minute_boundary()
         codes = [post("k1").status_code for _ in range(4)]
         assert codes == [200, 200, 200, 429]
         r = post("k1")
@@ -102,6 +103,7 @@ def test_per_key_rate_limits_requests_and_tokens():
         def post_tokens(n):
             return httpx.post(srv.url + "/v1/chat/completions", json={"messages": M, "max_tokens": n},
                               headers=_h("k1"), timeout=10)
+        away_from_a_minute_boundary()
         assert post_tokens(40).status_code == 200
         assert post_tokens(40).status_code == 200
         r = post_tokens(40)                               # prompt + max_tokens over 100 per minute

@@ -115,6 +115,15 @@ def start_real_server(tmp_dir: str, *args: str, startup_timeout: float = 240) ->
     raise RuntimeError(f"chatserve serve not ready in {startup_timeout}s:\n{srv.log()[-4000:]}")
 
 
+def away_from_a_minute_boundary(margin: float = 15.0) -> None:
+    """Sleep past the next clock minute when it is near: the rate limiter's sliding window counter weighs
+    the previous minute's count (its windows are aligned to the epoch), so a burst that straddles a
+    boundary is counted approximately and may pass one request more than the limit."""
+    left = 60.0 - time.time() % 60.0
+    if left < margin:
+        time.sleep(left + 0.5)
+
+
 def metric(text: str, name: str) -> float:
     """Sum of a metric's samples in Prometheus text (labels ignored)."""
     total, found = 0.0, False

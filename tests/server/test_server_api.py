@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_support import metric, poll_metrics, raw_post, start_fake_server
+from server_support import away_from_a_minute_boundary, metric, poll_metrics, raw_post, start_fake_server
 
 MSG = [{"role": "user", "content": "abc"}]
 
@@ -357,6 +357,7 @@ def test_identity_and_cache_salt():
 def test_rate_limit_429():
     srv = start_fake_server(rate_limit_rpm=2)
     try:
+        away_from_a_minute_boundary()
         codes = [httpx.post(srv.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1},
                             timeout=10) for _ in range(3)]
         assert [r.status_code for r in codes] == [200, 200, 429]
