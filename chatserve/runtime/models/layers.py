@@ -108,7 +108,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] → [T, N]
-        if self.qw is not None and x.shape[0] <= self.small_m and x.dim() == 2:
+        if self._takes_qmm(x):
             y = cpu_qmatmul.matmul(x if x.dtype in (torch.float32, torch.bfloat16) else x.float(), self.qw)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if self.b is None else y + self.b
@@ -133,9 +133,11 @@ class Linear:
         result is never rounded to bf16 (bf16 logits tie, and a tie makes greedy decoding arbitrary);
         the other kernels compute in their own dtype and are cast up."""
         # x: [T, K] → [T, N] float32
-        if self.qw is not None and x.shape[0] <= self.small_m and x.dim() == 2:
-            return self(x.float())
-        return self(x).float()
+        return self(x.float()) if self._takes_qmm(x) else self(x).float()
+
+    def _takes_qmm(self, x: torch.Tensor) -> bool:
+        """x (a step of at most small_m rows, 2-D) goes through cpu_qmatmul's packed copy."""
+        return self.qw is not None and x.shape[0] <= self.small_m and x.dim() == 2
 
 
 # ---------------------------------------------------------------------------------------------
