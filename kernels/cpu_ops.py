@@ -45,8 +45,8 @@ def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, w: torch.Tensor, eps
         assert add.is_contiguous() and add.shape == h.shape and add.dtype == h.dtype
     out = torch.empty_like(h)
     library().chatserve_add_rms_norm(_DTYPES[h.dtype], h.data_ptr(), None if add is None else add.data_ptr(),
-                                  w.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], float(eps),
-                                  torch.get_num_threads())
+                                     w.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], float(eps),
+                                     torch.get_num_threads())
     return out
 
 
@@ -60,4 +60,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     if pos.dtype != torch.int64 or not pos.is_contiguous():       # a no-op .to() still dispatches
         pos = pos.to(torch.int64).contiguous()
     library().chatserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
-                          pos.data_ptr(), T, heads, D, torch.get_num_threads())
+                             pos.data_ptr(), T, heads, D, torch.get_num_threads())

@@ -105,8 +105,8 @@ def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.n, dtype=x.dtype)
     rc = library().chatserve_qmm(*w.ptrs, w.bits, w.n, w.k,
-                              x.data_ptr(), x.shape[0], y.data_ptr(), int(x.dtype == torch.bfloat16),
-                              torch.get_num_threads())
+                                 x.data_ptr(), x.shape[0], y.data_ptr(), int(x.dtype == torch.bfloat16),
+                                 torch.get_num_threads())
     if rc:
         raise MemoryError("cpu_qmatmul: scratch allocation failed")
     return y
