@@ -13,9 +13,9 @@ from chatserve.server.errors import APIError, invalid
 from chatserve.structured.compiler import GrammarError, compiler_for
 from chatserve.structured.response_format import RequestFieldError, response_format_spec
 from chatserve.structured.spec import StructuredSpec
-from chatserve.tools.parsers import default_parser_name
-from chatserve.tools.prompt import fallback_messages, template_knows_tools
-from chatserve.tools.request import ToolPlan, tool_plan
+from chatserve.toolcalls.parsers import default_parser_name
+from chatserve.toolcalls.prompt import fallback_messages, template_knows_tools
+from chatserve.toolcalls.request import ToolPlan, tool_plan
 
 if TYPE_CHECKING:
     from chatserve.server.state import ServerState

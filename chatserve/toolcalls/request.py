@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from chatserve.structured.response_format import RequestFieldError, schema_spec
 from chatserve.structured.spec import StructuredSpec
-from chatserve.tools.parsers import PARSERS, ForcedArrayParser, ForcedNamedParser, ToolCallParser
-from chatserve.tools.stream import ToolCallStream
+from chatserve.toolcalls.parsers import PARSERS, ForcedArrayParser, ForcedNamedParser, ToolCallParser
+from chatserve.toolcalls.stream import ToolCallStream
 
 MAX_TOOLS = 128
 
