@@ -16,7 +16,7 @@ from chatserve.core.request import SamplingParams
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.schemas import openai as s
 from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_TOP_LOGPROBS  # noqa: F401
-from chatserve.structured.chat_request import chat_constraints, tool_message_fields
+from chatserve.server.chat_constraints import chat_constraints, tool_message_fields
 from chatserve.toolcalls.request import ToolPlan
 
 GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
