@@ -10,7 +10,7 @@ import asyncio
 import logging
 from typing import Any
 
-from chatserve.server.sessions import redact_url
+from chatserve.server.sessions.store import redact_url
 
 log = logging.getLogger("chatserve.server")
 CHECK_TIMEOUT_S = 2.0
