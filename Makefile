@@ -8,7 +8,7 @@ PORT    ?= 8000
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-deploy bench-memory clean
+.PHONY: install serve lint test test-fast test-deploy bench-memory clean
 
 install: $(STAMP)
 
@@ -25,7 +25,11 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(BIN)/chatserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install
+# The import layers (.importlinter; docs/architecture.md explains them).
+lint: install
+	$(BIN)/lint-imports
+
+test: install lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 test-fast: install

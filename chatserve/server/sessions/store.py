@@ -57,8 +57,3 @@ def public_status(store: SessionStore) -> dict[str, Any]:
 def touch(s: Session) -> None:
     s.updated = max(time.time(), s.updated)
     s.rev += 1
-
-
-def redact_url(url: str) -> str:
-    """The URL with any user:password part replaced, for banners and logs."""
-    return re.sub(r"//[^@/]*@", "//***@", url)
