@@ -25,9 +25,10 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(BIN)/chatserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-# The import layers (.importlinter; docs/architecture.md explains them).
+# The import layers (.importlinter; docs/architecture.md explains them) and ruff (pyproject.toml).
 lint: install
 	$(BIN)/lint-imports
+	$(BIN)/ruff check chatserve kernels tests
 
 test: install lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)

@@ -2,8 +2,9 @@
 
 Dispatches: on CUDA, 1-token sequences go to the split-K decode kernel, longer chunks to the extend
 kernel (both in one batch when it is mixed); on CPU, decode rows go to a C kernel that reads the blocks
-in place (cpu_attention), long chunks to torch's tiled flash kernel (cpu_extend), short ones to the twin. Each new token attends to every cached token of
-its sequence and causally to the new tokens before it. The K/V of this step must already be stored.
+in place (cpu_attention), long chunks to torch's tiled flash kernel (cpu_extend), short ones to the
+twin. Each new token attends to every cached token of its sequence and causally to the new tokens
+before it. The K/V of this step must already be stored.
 """
 from __future__ import annotations
 

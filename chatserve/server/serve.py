@@ -12,12 +12,11 @@ import os
 import signal
 import sys
 import time
-from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING
 
 from chatserve import version
-from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments, parse_bytes
+from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
 from chatserve.server.redis_check import redact_url
