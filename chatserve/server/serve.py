@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from chatserve import version
 from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments
+from chatserve.config import parse_bytes  # noqa: F401  (re-exported: tests/server/test_server_cli.py imports it here)
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
 from chatserve.server.redis_check import redact_url
