@@ -25,10 +25,11 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(BIN)/chatserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-# The import layers (.importlinter; docs/architecture.md explains them) and ruff (pyproject.toml).
+# The import layers (.importlinter; docs/architecture.md explains them), ruff and mypy (pyproject.toml).
 lint: install
 	$(BIN)/lint-imports
 	$(BIN)/ruff check chatserve kernels tests
+	$(BIN)/mypy
 
 test: install lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)

@@ -5,7 +5,7 @@ Pure Python, no torch: the runtime's ModelRunner satisfies `Runner` without this
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from chatserve.core.outputs import RequestEvent, RunnerOutput, SchedulerOutput
 from chatserve.core.request import FinishReason, Request
@@ -14,13 +14,26 @@ from chatserve.core.request import FinishReason, Request
 class Runner(Protocol):
     """Runs one scheduled step on the model (on the engine's step thread)."""
 
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    model_path: str
-    model_key: str          # names the weights and dtype in prefix hashes (blocks of another model never match)
-    kv_window: int | None   # the model reads at most this many past positions (sliding window), or None
-    kv_cache_dtype: str     # the KV cache's storage setting, as configured (--kv-cache-dtype; "auto" = the model dtype)
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_path(self) -> str: ...
+
+    @property
+    def model_key(self) -> str: ...   # the weights and dtype in prefix hashes (another model's blocks never match)
+
+    @property
+    def kv_window(self) -> int | None: ...   # at most this many past positions are read (sliding window), or None
+
+    @property
+    def kv_cache_dtype(self) -> str: ...     # --kv-cache-dtype as configured ("auto" = the model dtype)
 
     @property
     def vocab_size(self) -> int: ...            # the width of the model's logits (may exceed the tokenizer's)
@@ -52,10 +65,17 @@ class KVCache(Protocol):
 class SchedulerLike(Protocol):
     """Queues, admission and the step plan (core/scheduler.py, or a scripted fake in tests)."""
 
-    num_preemptions: int
-    spec_num_drafts: int            # speculative decoding totals (0 when it is off)
-    spec_num_draft_tokens: int
-    spec_num_accepted_tokens: int
+    @property
+    def num_preemptions(self) -> int: ...
+
+    @property
+    def spec_num_drafts(self) -> int: ...            # speculative decoding totals (0 when it is off)
+
+    @property
+    def spec_num_draft_tokens(self) -> int: ...
+
+    @property
+    def spec_num_accepted_tokens(self) -> int: ...
 
     @property
     def num_running(self) -> int: ...
@@ -74,11 +94,11 @@ class SchedulerLike(Protocol):
 
     def update(self, out: SchedulerOutput, res: RunnerOutput) -> list[RequestEvent]: ...
 
-    def finish_request(self, request_id: str, reason: FinishReason) -> None: ...
+    def finish_request(self, request_id: str, reason: FinishReason) -> RequestEvent | None: ...
 
     def retry_after(self) -> float: ...
 
-    def progress(self, request_id: str) -> dict | None: ...
+    def progress(self, request_id: str) -> dict[str, Any] | None: ...
 
 
 class TokenizerLike(Protocol):

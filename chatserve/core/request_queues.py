@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 from operator import attrgetter
+from typing import Any
 
 from chatserve.core.live_request import LiveRequest
 from chatserve.core.request import RequestStatus
@@ -85,7 +86,7 @@ class RequestQueues:
         ents = self.entries
         return sum(len(s) for lid, s in siblings.items() if ents[lid].req.status is _RUNNING)
 
-    def progress(self, request_id: str) -> dict | None:
+    def progress(self, request_id: str) -> dict[str, Any] | None:
         """Where a request's prompt stands: {"phase": "queued", "queue_position": 1-based} while it
         waits, {"phase": "prefill", "prefill_done", "prefill_total", "cached_tokens"} while its prompt
         is being computed, None once it decodes (or is unknown). O(waiting) while queued."""

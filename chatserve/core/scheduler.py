@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chatserve.config import SchedulerConfig
 # AdmissionError is re-exported: callers catch it from here
@@ -116,7 +116,7 @@ class Scheduler:
         e = self._entries.get(request_id)
         return None if e is None else e.req
 
-    def progress(self, request_id: str) -> dict | None:
+    def progress(self, request_id: str) -> dict[str, Any] | None:
         """Where a request's prompt stands (queued, prefill, None once it decodes): RequestQueues.progress."""
         return self._queues.progress(request_id)
 

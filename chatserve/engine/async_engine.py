@@ -10,7 +10,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from chatserve.config import EngineConfig
 from chatserve.core.errors import ErrorCode
@@ -49,7 +49,7 @@ class AsyncEngine:
         self._in_step = False
         self._accepting = True
         self._stopping = False
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         # the model is loaded and every step runs on this one thread: torch's OpenMP keeps a team of
         # workers per calling thread, and steps slow down when more than one thread has used it
         # (see load)
@@ -85,6 +85,19 @@ class AsyncEngine:
         self.runner, self.tokenizer, self.kv, self.scheduler = (parts.runner, parts.tokenizer, parts.kv,
                                                                 parts.scheduler)
         self.warm_up_seconds = parts.warm_up_seconds
+
+    @property
+    def _sched(self) -> SchedulerLike:
+        """The scheduler, once loaded (every caller runs after load() or start())."""
+        if self.scheduler is None:
+            raise RuntimeError("the engine is not loaded: call load() or start() first")
+        return self.scheduler
+
+    @property
+    def _runner(self) -> Runner:
+        if self.runner is None:
+            raise RuntimeError("the engine is not loaded: call load() or start() first")
+        return self.runner
 
     @property
     def max_model_len(self) -> int:
@@ -157,9 +170,9 @@ class AsyncEngine:
             reqs.append(req)
         detoks = [self._new_detok(r.params, prompt_ids) for r in reqs]
         if n == 1:
-            self.scheduler.add_request(reqs[0])
+            self._sched.add_request(reqs[0])
         else:
-            self.scheduler.add_group(reqs)
+            self._sched.add_group(reqs)
         stream = self._streams.open(request_id, reqs, detoks, self.abort)
         assert self._wake is not None
         self._wake.set()
@@ -177,7 +190,7 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    def progress(self, request_id: str) -> dict | None:
+    def progress(self, request_id: str) -> dict[str, Any] | None:
         """The scheduler's view of a queued or prefilling request (Scheduler.progress), for the
         session layer's progress events; None once it decodes. Read on the event loop."""
         return self.scheduler.progress(request_id) if self.scheduler is not None else None
@@ -193,21 +206,18 @@ class AsyncEngine:
         self._streams.abort(request_id)
 
     def _finish_in_scheduler(self, rid: str, reason: FinishReason) -> None:
-        self.scheduler.finish_request(rid, reason)
+        self._sched.finish_request(rid, reason)
 
     def _free(self, rid: str) -> None:
         if self._in_step:
             self._pending_aborts.add(rid)     # the runner may be reading this request right now
         else:
-            self.scheduler.finish_request(rid, FinishReason.ABORT)
+            self._sched.finish_request(rid, FinishReason.ABORT)
             if self._wake is not None:
                 self._wake.set()
 
     def _new_detok(self, p: SamplingParams, prompt_ids: list[int]) -> Detokenizer:
-        factory = self._detok_factory
-        if factory is None:
-            from chatserve.text import IncrementalDetokenizer
-            factory = IncrementalDetokenizer
+        factory = self._detok_factory or _incremental_detokenizer()
         extra = {} if p.skip_special_tokens else {"skip_special_tokens": False}
         return factory(self.tokenizer, stop=list(p.stop), include_stop_str=p.include_stop_str_in_output,
                        prompt_tail=list(prompt_ids[-4:]), **extra)
@@ -217,12 +227,12 @@ class AsyncEngine:
         assert self._wake is not None
         while not self._stopping:
             try:
-                if not self.scheduler.has_unfinished:
+                if not self._sched.has_unfinished:
                     self._wake.clear()
-                    if not self.scheduler.has_unfinished and not self._stopping:
+                    if not self._sched.has_unfinished and not self._stopping:
                         await self._wake.wait()
                     continue
-                out: SchedulerOutput = self.scheduler.schedule()
+                out: SchedulerOutput = self._sched.schedule()
                 if out.is_empty and not out.finished_ids:
                     # nothing runnable right now: wait for a new request or an abort, briefly
                     self._wake.clear()
@@ -232,7 +242,7 @@ class AsyncEngine:
                         pass
                     continue
                 res = await self._execute(out)
-                events = self.scheduler.update(out, res)
+                events = self._sched.update(out, res)
                 self._stats.steps += 1
                 self._streams.observe("iteration_tokens", out.num_batched_tokens)
                 self.last_step_time = time.monotonic()
@@ -252,7 +262,7 @@ class AsyncEngine:
         self._in_step = True
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._step_pool, self.runner.execute, out)
+            return await loop.run_in_executor(self._step_pool, self._runner.execute, out)
         except Exception as e:
             log.exception("model step failed")
             self._stats.step_errors += 1
@@ -264,7 +274,7 @@ class AsyncEngine:
     def _apply_pending_aborts(self) -> None:
         pending, self._pending_aborts = self._pending_aborts, set()
         for rid in pending:
-            self.scheduler.finish_request(rid, FinishReason.ABORT)
+            self._sched.finish_request(rid, FinishReason.ABORT)
 
     # ---- stats and shutdown -------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -308,3 +318,10 @@ class AsyncEngine:
         if self._pending_aborts and self.scheduler is not None:
             self._apply_pending_aborts()
         self._step_pool.shutdown(wait=False)
+
+
+def _incremental_detokenizer() -> Callable[..., Detokenizer]:
+    """The default detokenizer (chatserve.text, imported at first use)."""
+    from chatserve.text import IncrementalDetokenizer
+    return IncrementalDetokenizer
+

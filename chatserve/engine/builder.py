@@ -74,12 +74,13 @@ def build_engine_parts(config: EngineConfig, *, runner: Runner | None = None,
         runner = warm_up_runner = build_runner(config, progress=progress)
     if tokenizer is None and with_tokenizer:
         tokenizer = load_tokenizer(config)
-    max_len = effective_max_model_len(config, runner)
+    built: Runner = runner
+    max_len = effective_max_model_len(config, built)
     if scheduler is None:
-        kv, scheduler = build_scheduler(config, runner, max_len, runner.model_key)
+        kv, scheduler = build_scheduler(config, built, max_len, built.model_key)
     elif kv is None:
-        kv = scheduler.kv   # type: ignore[attr-defined]
-    parts = EngineParts(runner, tokenizer, kv, scheduler, max_len)  # type: ignore[arg-type]
+        kv = scheduler.kv   # type: ignore[attr-defined]  # a ready scheduler without kv=: it must carry its own (Scheduler.kv; fakes too)
+    parts = EngineParts(built, tokenizer, kv, scheduler, max_len)
     if warm_up and warm_up_runner is not None:     # a runner given ready-made is the caller's to warm
         parts.warm_up_seconds = warm_up_runner.warm_up()
         log.info("warm-up: kernels compiled, one dummy prefill + decode ran in %.2f s",

@@ -11,13 +11,12 @@ import time
 
 from typing import Any
 
-from chatserve.engine.builder import build_engine_parts
+from chatserve.engine.builder import build_engine_parts, load_tokenizer
 from chatserve.config import EngineConfig, default_model_path
 from chatserve.config import settings as settings_of_all
 from chatserve.core.outputs import RequestEvent
-from chatserve.core.protocols import Runner
+from chatserve.core.protocols import Runner, TokenizerLike
 from chatserve.core.request import FinishReason, Request, SamplingParams
-from chatserve.text import Tokenizer
 
 
 # the offline driver's defaults where they differ from the server's: exact float32 on the CPU, dense
@@ -57,16 +56,17 @@ class LLM:
         self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
         self.model_path = self.config.model.resolved_model()
         self._eos = frozenset(eos_token_ids) if eos_token_ids is not None else None
-        self._tokenizer: Tokenizer | None = None
+        self._tokenizer: TokenizerLike | None = None
         self._ids = itertools.count()
         self.num_steps = 0
         self._idle_steps = 0
         self.step_seconds = 0.0
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> TokenizerLike:
+        """The model's tokenizer, under chat_template= (--chat-template) when given: the builder's one way."""
         if self._tokenizer is None:
-            self._tokenizer = Tokenizer.from_model(self.model_path)
+            self._tokenizer = load_tokenizer(self.config)
         return self._tokenizer
 
     @property
@@ -82,7 +82,7 @@ class LLM:
 
     # ---------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list:
+                 ) -> list[Any]:
         """Token ids generated for each prompt (EOS included when it ended the sequence).
 
         n == 1 → list[int] for that prompt; n > 1 → list of n such lists.

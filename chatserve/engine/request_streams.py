@@ -228,6 +228,8 @@ class RequestStreams:
             self.groups.pop(g.request_id, None)
 
     def _observe_finish(self, seq: SampleState, d: Delta) -> None:
+        if d.e2e_s is None:         # a finishing delta carries its timings; nothing to observe without them
+            return
         self.observe("e2e", d.e2e_s)
         if d.queue_s is not None:
             self.observe("queue", max(0.0, d.queue_s))
