@@ -97,7 +97,7 @@ def test_generation_config_defaults_and_the_effective_max_tokens(tmp_path):
 
     def state(flag: int | None, defaults: dict) -> ServerState:
         cfg = EngineConfig(server=ServerConfig(max_tokens_default=flag))
-        return ServerState(config=cfg, engine=None, tokenizer=None, model_name="m",  # type: ignore[arg-type]
+        return ServerState(config=cfg, engine=None, tokenizer=None, model_name="m",  # type: ignore[arg-type]  # no engine: only the config is read
                            sampling_defaults=defaults)
     assert state(None, {}).default_max_tokens is None                            # OpenAI: the rest of the context
     assert state(None, shipped).default_max_tokens == 512

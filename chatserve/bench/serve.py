@@ -80,7 +80,7 @@ def _as_text(x: Any, tokenizer: Any) -> str:
 def _completion_prompt(job: Job, user: Any, history: list[tuple[Any, str]], tokenizer: Any) -> Any:
     """Plain concatenation; a token-id list when the workload was built with a tokenizer."""
     if isinstance(user, list):
-        ids: list[int] = list(job.system or [])  # type: ignore[arg-type]
+        ids: list[int] = list(job.system or [])  # type: ignore[arg-type]  # Job.system is str | list[int]: ids here
         for u, reply in history:
             ids += list(u) + tokenizer.encode(reply)
         return ids + list(user)
@@ -88,7 +88,7 @@ def _completion_prompt(job: Job, user: Any, history: list[tuple[Any, str]], toke
     for u, reply in history:
         parts += [u, reply]
     parts.append(user)
-    return "\n".join(parts)  # type: ignore[arg-type]
+    return "\n".join(parts)  # type: ignore[arg-type]  # text workload: every part is a str here
 
 
 async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], opts: RunOptions,

@@ -89,11 +89,11 @@ def summarize(records: list[Record], duration: float, *, slo_ttft_ms: float | No
         res["slo"] = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "met": len(good)}
     with_cache = [r for r in ok if r.cached_tokens is not None]
     res["usage_cached_fraction"] = (
-        sum(r.cached_tokens for r in with_cache) / max(1, sum(r.prompt_tokens for r in with_cache))  # type: ignore[misc]
+        sum(r.cached_tokens or 0 for r in with_cache) / max(1, sum(r.prompt_tokens for r in with_cache))
         if with_cache else None)
     later = [r for r in with_cache if r.turn >= 1]
     res["usage_cached_fraction_turn2plus"] = (
-        sum(r.cached_tokens for r in later) / max(1, sum(r.prompt_tokens for r in later))  # type: ignore[misc]
+        sum(r.cached_tokens or 0 for r in later) / max(1, sum(r.prompt_tokens for r in later))
         if later else None)
     checked = [r for r in records if r.json_ok is not None]
     if checked:

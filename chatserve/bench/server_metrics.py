@@ -71,10 +71,10 @@ def prefix_hit_rate(before: dict[str, float] | None, after: dict[str, float] | N
     q1 = lookup(after, "prefix_cache_queries_total", "gpu_prefix_cache_queries_total")
     h0 = lookup(before, "prefix_cache_hits_total", "gpu_prefix_cache_hits_total")
     h1 = lookup(after, "prefix_cache_hits_total", "gpu_prefix_cache_hits_total")
-    if None in (q0, q1, h0, h1):
+    if q0 is None or q1 is None or h0 is None or h1 is None:
         return None
-    dq = q1 - q0  # type: ignore[operator]
-    return (h1 - h0) / dq if dq > 0 else None  # type: ignore[operator]
+    dq = q1 - q0
+    return (h1 - h0) / dq if dq > 0 else None
 
 
 def blocks_in_use(m: dict[str, float] | None) -> int | None:

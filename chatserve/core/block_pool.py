@@ -139,7 +139,8 @@ class BlockPool:
         for tier in (self._lru, self._warm):
             for b in tier:
                 h = self.block_hash[b]
-                del self.hash_to_block[h]   # type: ignore[arg-type]
+                if h is not None:           # a block in the LRU tiers is hashed (free clean blocks are elsewhere)
+                    del self.hash_to_block[h]
                 self.block_hash[b] = None
                 self._clean.append(b)
             tier.clear()

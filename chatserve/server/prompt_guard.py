@@ -203,6 +203,6 @@ async def admit(state: ServerState, body: dict, build: Callable[[dict, Any], T],
     else:
         req = build(body, state)
     if limiter is not None:
-        params = req.params           # type: ignore[attr-defined]
-        await limiter.charge(rate_key, len(req.prompt_ids) + params.max_tokens * params.n)  # type: ignore[attr-defined]
+        params = req.params           # type: ignore[attr-defined]  # T is a GenerationRequest (every build returns one)
+        await limiter.charge(rate_key, len(req.prompt_ids) + params.max_tokens * params.n)  # type: ignore[attr-defined]  # same
     return req

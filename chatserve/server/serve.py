@@ -166,8 +166,8 @@ def nodelay_http_protocol():
     with proto=IPPROTO_TCP, and uvicorn's bind_socket creates them with proto 0."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+    class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # uvicorn picks the class at runtime
+        def connection_made(self, transport) -> None:  # type: ignore[override]  # asyncio's BaseTransport, untyped in uvicorn
             set_nodelay(transport)
             super().connection_made(transport)
 

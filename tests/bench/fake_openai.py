@@ -189,7 +189,7 @@ class FakeServer:
         return self
 
     def reset(self) -> None:
-        self.state.__init__()  # type: ignore[misc]
+        self.state.__init__()  # type: ignore[misc]  # reset the fake's state in place (handlers hold it)
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -92,7 +92,7 @@ def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = N
     """The smallest app that serves the session routes, the real /v1/ws, and a /metrics with the KV
     usage gauge (the fake's running generations); no engine but an IdleEngine for progress."""
     cfg = EngineConfig(server=ServerConfig(redis_url=redis_url, api_keys=api_keys))
-    state = ServerState(config=cfg, engine=IdleEngine(), tokenizer=None,  # type: ignore[arg-type]
+    state = ServerState(config=cfg, engine=IdleEngine(), tokenizer=None,  # type: ignore[arg-type]  # IdleEngine: a fake
                         model_name="fake-model", sessions=store)
 
     async def metrics(request: Any) -> PlainTextResponse:
