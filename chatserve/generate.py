@@ -31,15 +31,14 @@ def main(argv: list[str]) -> int:
         print("chatserve generate: --max-tokens must be >= 1", file=sys.stderr)
         return 2
     from chatserve.core.request import SamplingParams
+    from chatserve.engine.builder import load_tokenizer
     from chatserve.engine.llm import LLM
-    from chatserve.text import Tokenizer, load_chat_template
 
     try:
-        model = config_from_args(args, EngineConfig.from_env(), sections=("model",)).model
+        config = config_from_args(args, EngineConfig.from_env(), sections=("model",))
+        model = config.model
         path = model.resolved_model()
-        tok = Tokenizer.from_model(path)
-        if model.chat_template:
-            tok = tok.with_chat_template(load_chat_template(model.chat_template))
+        tok = load_tokenizer(config)               # the builder's one way: --chat-template applies
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"chatserve generate: {e}", file=sys.stderr)
         return 2
@@ -50,13 +49,14 @@ def main(argv: list[str]) -> int:
     else:
         ids = tok.encode(args.prompt)
     # a KV cache sized to this one request (plus a block of slack), not the server's default budget
-    block_size = 16
+    block_size = config.cache.block_size
     from chatserve.runtime.arch_config import UnsupportedModelError
     try:
         llm = LLM(path, dtype=model.dtype, device=model.device, block_size=block_size,
                   num_blocks=(len(ids) + args.max_tokens) // block_size + 2,
                   num_threads=model.num_threads, progress=args.progress,
-                  eos_token_ids=sorted(set(tok.eos_token_ids)), weight_quant=model.weight_quant)
+                  eos_token_ids=sorted(set(tok.eos_token_ids)), weight_quant=model.weight_quant,
+                  chat_template=model.chat_template)
     except UnsupportedModelError as e:
         print(f"chatserve generate: cannot run {path}: {e}", file=sys.stderr)
         return 2
