@@ -23,6 +23,13 @@ DEFAULT_MODEL_ALIASES = ("smollm2", "SmolLM2-135M-Instruct")   # `model` names t
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_per_tensor")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The offline drivers' defaults (LLM, and ModelRunner built from a model path) where they differ from the
+# server's: exact float32 on the CPU, dense weights, a 1 GiB KV cache, and no admission limits (a script
+# queues everything it submits). Declared once here; chatserve.engine.llm and runtime.model_runner read them.
+OFFLINE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "device": "cpu", "weight_quant": None,
+                                    "kv_cache_memory": 1 << 30, "max_waiting_requests": 1 << 30,
+                                    "max_waiting_tokens": 1 << 40}
+
 # Process-wide switches read at first use, not per-engine settings (no flag). The kernels read the first
 # two themselves (chatserve_kernels/env.py: kernels/ imports nothing of chatserve); tests/test_config.py
 # checks that the names here and there agree.

@@ -12,17 +12,11 @@ import time
 from typing import Any
 
 from chatserve.engine.builder import build_engine_parts, load_tokenizer
-from chatserve.config import EngineConfig, default_model_path
+from chatserve.config import OFFLINE_DEFAULTS, EngineConfig, default_model_path
 from chatserve.config import settings as settings_of_all
 from chatserve.core.outputs import RequestEvent
 from chatserve.core.protocols import Runner, TokenizerLike
 from chatserve.core.request import FinishReason, Request, SamplingParams
-
-
-# the offline driver's defaults where they differ from the server's: exact float32 on the CPU, dense
-# weights, a 1 GiB KV cache, and no admission limits (a script queues everything it submits)
-OFFLINE_DEFAULTS = {"dtype": "float32", "device": "cpu", "weight_quant": None, "kv_cache_memory": 1 << 30,
-                    "max_waiting_requests": 1 << 30, "max_waiting_tokens": 1 << 40}
 
 
 def offline_config(model: str | None, **settings: Any) -> EngineConfig:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 import chatserve_kernels
-from chatserve.config import CacheConfig, ModelConfig
+from chatserve.config import OFFLINE_DEFAULTS, CacheConfig, ModelConfig
 from chatserve.core.ngram_proposer import can_draft
 from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
 from chatserve.core.request import SamplingParams
@@ -348,7 +348,7 @@ def _configs_for_path(path: str, cache: CacheConfig | None, settings: dict[str, 
     unknown = set(settings) - set(_LEGACY_MODEL_KEYS) - set(_LEGACY_CACHE_KEYS)
     if unknown:
         raise TypeError(f"unexpected arguments {sorted(unknown)}")
-    model_kw = {"dtype": "float32", "device": "cpu", "weight_quant": None}
+    model_kw = {k: v for k, v in OFFLINE_DEFAULTS.items() if k in _LEGACY_MODEL_KEYS}   # float32, cpu, dense
     model_kw.update({k: v for k, v in settings.items() if k in _LEGACY_MODEL_KEYS})
     if not isinstance(model_kw["dtype"], str):
         model_kw["dtype"] = str(model_kw["dtype"]).replace("torch.", "")
