@@ -116,3 +116,11 @@ class TokenizerLike(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_bytes(self, token_id: int) -> bytes: ...   # the exact bytes one token stands for (b"": none)
+
+    def token_str(self, token_id: int) -> str: ...       # one token as text, for logprobs and /tokenize
+
+    @property
+    def chat_template(self) -> str | None: ...           # the jinja template in use (None: the model has none)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **options: Any) -> list[int]: ...   # prompt ids; options as Tokenizer's

@@ -58,10 +58,10 @@ def tool_message_fields(m: ChatMessage) -> dict:
 def chat_constraints(r: ChatCompletionRequest, messages: list[dict], state: ServerState) -> ChatConstraints:
     """Check and compile the validated request's constraint fields (the inner shapes of `tools` and
     `response_format`, which the schema leaves open). Raises APIError (400) naming the problem."""
+    template = state.tokenizer.chat_template if state.tokenizer is not None else None
     try:
         spec = response_format_spec(r.response_format)
-        parser = state.config.server.tool_call_parser or default_parser_name(
-            getattr(state.tokenizer, "chat_template", None))
+        parser = state.config.server.tool_call_parser or default_parser_name(template)
         plan = tool_plan(r.tools, r.tool_choice, r.parallel_tool_calls, parser)
     except RequestFieldError as e:
         raise invalid(str(e), e.param) from None
@@ -69,7 +69,7 @@ def chat_constraints(r: ChatCompletionRequest, messages: list[dict], state: Serv
     active = plan is not None and plan.active
     if plan is not None and plan.constraint is not None:
         spec = plan.constraint                      # a forced call: its grammar wins
-    if template_knows_tools(getattr(state.tokenizer, "chat_template", None)):
+    if template_knows_tools(template):
         msgs, template_tools = messages, (plan.tools if active else None)
     elif active or has_history:
         msgs, template_tools = fallback_messages(messages, plan.tools if active else None), None

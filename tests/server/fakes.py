@@ -224,6 +224,7 @@ class FakeTokenizer:
     vocab_size = VOCAB
     bos_token_id = None              # none declared (the 1 that encode and the chat template put first is a marker)
     special_token_ids: frozenset[int] = frozenset()
+    chat_template: str | None = None  # no jinja template: apply_chat_template below is the fake's own
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return ([1] if add_special_tokens else []) + [(ord(c) - 97) % VOCAB for c in text]   # 1: the fake BOS
