@@ -20,6 +20,7 @@ from chatserve.server.body import parse_json_bytes
 from chatserve.server.chat_service import stream_chat, stream_completion
 from chatserve.server.errors import APIError, status_for
 from chatserve.server.identity import cache_owner_of, owner_of, rate_key_of
+from chatserve.server.origin import origin_allowed
 from chatserve.server.prompt_guard import admit
 from chatserve.server.protocol import new_id, parse_chat_body, parse_completion_body
 
@@ -146,28 +147,11 @@ def _cid_of(raw: Any) -> Any:
         return None
 
 
-def origin_allowed(ws: WebSocket, allowed: tuple[str, ...]) -> bool:
-    """Browsers always send Origin on a WebSocket handshake and cannot forge it; without a check any web
-    page could drive the model (and, keyless, a visitor's chats) through its visitors' browsers.
-    Allowed: no Origin (not a browser), the server's own origin (Origin's host:port = Host), or one
-    of the operator's trusted origins (--cors-origin)."""
-    origin = ws.headers.get("origin")
-    if origin is None:
-        return True
-    origin = origin.strip().rstrip("/").lower()
-    if origin in {o.rstrip("/").lower() for o in allowed} or "*" in allowed:
-        return True
-    host = (ws.headers.get("host") or "").strip().lower()
-    scheme, sep, netloc = origin.partition("://")
-    if not sep or scheme not in ("http", "https") or not host:
-        return False
-    default = {"http": ":80", "https": ":443"}[scheme]
-    return netloc == host or netloc + default == host or netloc == host + default
-
-
 async def ws_endpoint(ws: WebSocket) -> None:
     state = ws.app.state.chatserve
-    if not origin_allowed(ws, tuple(state.config.server.cors_origins)):
+    # browsers always send Origin on a handshake and cannot forge it: without this check any web page could
+    # drive the model (and, keyless, a visitor's chats) through its visitors' browsers
+    if not origin_allowed(ws.headers.get("origin"), ws.headers.get("host"), tuple(state.config.server.cors_origins)):
         await ws.close(code=1008, reason="origin not allowed")
         return
     offered = ws.scope.get("subprotocols") or []

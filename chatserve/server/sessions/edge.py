@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import secrets
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import HTTPConnection, cookie_parser
@@ -16,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chatserve.server.errors import APIError
 from chatserve.server.identity import COOKIE_NAME
+from chatserve.server.origin import origin_allowed
 
 if TYPE_CHECKING:
     from chatserve.server.state import ServerState
@@ -29,11 +29,8 @@ UI_HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff
 
 
 def is_foreign(headers: Headers, allowed_origins: tuple[str, ...] = ()) -> bool:
-    """A request that names an Origin other than this host (and not a configured CORS origin)."""
-    origin = headers.get("origin")
-    if origin is None or origin in allowed_origins:
-        return False
-    return urlsplit(origin).netloc != headers.get("host", "")
+    """A request from another origin than this host's (and not a configured CORS one): server/origin.py."""
+    return not origin_allowed(headers.get("origin"), headers.get("host"), allowed_origins)
 
 
 def allowed_origins_of(state: ServerState) -> tuple[str, ...]:
