@@ -1,7 +1,7 @@
 """The web UI in headless Chromium: streaming with stats, Stop, hostile output, reload, identities.
 
 The model is replaced by a scripted backend through the documented hook
-`app.state.session_chat_backend` (see docs/sessions.md), so a test decides exactly what the "model" says.
+`sessions.install(..., backend=...)` (see docs/sessions.md), so a test decides exactly what the "model" says.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Test doubles for session tests: a scripted chat backend, a minimal app, and a real redis-server.
 
-The backend stands in for chat_service (parse_chat_body + stream_chat) through the documented hook
-`app.state.session_chat_backend`; it is not a model and tests nothing about generation itself.
+The backend stands in for chat_service (parse_chat_body + stream_chat), given to
+`sessions.install(app, state, backend=...)`; it is not a model and tests nothing about generation itself.
 """
 from __future__ import annotations
 
@@ -101,8 +101,7 @@ def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = N
 
     app = Starlette(routes=[*sessions.routes, *ws.routes, Route("/metrics", metrics)])
     app.state.chatserve = state
-    app.state.session_chat_backend = backend
-    sessions.install(app, state)
+    sessions.install(app, state, backend=backend)
     if api_keys:
         from chatserve.server.auth import APIKeyMiddleware
         app.add_middleware(APIKeyMiddleware, keys=api_keys)

@@ -27,7 +27,7 @@ from chatserve.server.sessions.session import Session
 from chatserve.server.sessions.store import (SessionStore, StoreUnavailable,
                                              new_session_id, public_status, valid_session_id)
 from chatserve.server.sessions.store_choice import make_session_store
-from chatserve.server.sessions.turns import TurnService, busy, not_found
+from chatserve.server.sessions.turns import ChatBackend, TurnService, busy, not_found
 from chatserve.server.ws import CLIENT_CANCEL
 
 if TYPE_CHECKING:
@@ -344,7 +344,7 @@ routes = [
 ]
 
 
-def install(app: Any, state: ServerState) -> None:
+def install(app: Any, state: ServerState, backend: ChatBackend | None = None) -> None:
     """Give the app its session store (from state.config.server.redis_url unless state.sessions is
     set), the turn service, the browser edge middleware, the /v1/ws session message types, and a
     shutdown hook that lets running replies finish (up to the drain timeout), saves the rest and
@@ -353,7 +353,7 @@ def install(app: Any, state: ServerState) -> None:
     if store is None:
         store = make_session_store(cfg.redis_url)
         state.sessions = store
-    turns = TurnService(app.state, state, store)
+    turns = TurnService(app.state, state, store, backend)   # backend: chat_service unless a test scripts one
     app.state.session_store = store
     app.state.session_turns = turns
     state.ws_handlers.update(ws_handlers(turns))

@@ -13,12 +13,16 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Protocol
 
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.sessions.inputs import TurnRequest
 from chatserve.server.sessions.session import ROOT, Session
 from chatserve.server.sessions.store import SessionStore, StoreUnavailable, valid_session_id
+
+if TYPE_CHECKING:
+    from chatserve.server.protocol import ChatRequest
+    from chatserve.server.state import ServerState
 
 log = logging.getLogger("chatserve.sessions")
 
@@ -29,25 +33,27 @@ _END = object()
 
 
 class ChatBackend(Protocol):
-    """chat_service by default; tests put a scripted one on `app.state.session_chat_backend`.
-    `parse` validates and tokenizes a chat body; it may be a coroutine function."""
+    """What makes a turn's reply: chat_service by default (ChatServiceBackend); tests give a scripted one to
+    `install(app, state, backend=...)`. `parse` validates and tokenizes a chat body (it may be a coroutine
+    function); `stream` yields its chunk dicts."""
 
-    def parse(self, body: dict, state: Any, rate_key: str | None = None) -> Any: ...
-    def stream(self, state: Any, req: Any, *, owner: str, keep_warm: bool, request_id: str | None,
-               rate_key: str | None = None) -> AsyncIterator[dict]: ...
+    def parse(self, body: dict[str, Any], state: ServerState,
+              rate_key: str | None = None) -> ChatRequest | Awaitable[ChatRequest]: ...
+    def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
+               rate_key: str | None = None) -> AsyncGenerator[dict[str, Any], None]: ...
 
 
 class ChatServiceBackend:
     """Adapter over chatserve.server.chat_service (imported on first use). Bodies go through the
     server's prompt guard: size bound, rate limits, then tokenizing where it cannot stall the loop."""
 
-    async def parse(self, body: dict, state: Any, rate_key: str | None = None) -> Any:
+    async def parse(self, body: dict[str, Any], state: ServerState, rate_key: str | None = None) -> ChatRequest:
         from chatserve.server import chat_service, prompt_guard
         return await prompt_guard.admit(state, body, chat_service.parse_chat_body,
                                         rate_key=rate_key or "anonymous")   # set by start()
 
-    def stream(self, state: Any, req: Any, *, owner: str, keep_warm: bool, request_id: str | None,
-               rate_key: str | None = None) -> AsyncIterator[dict]:
+    def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
+               rate_key: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         from chatserve.server import chat_service
         return chat_service.stream_chat(state, req, owner=owner, keep_warm=keep_warm,
                                         request_id=request_id, rate_key=rate_key)
@@ -200,15 +206,11 @@ async def drain(turn: LiveTurn, q: asyncio.Queue) -> AsyncIterator[dict]:
 class TurnService:
     """Starts, follows, cancels and finishes the turns of this process (at most one per session)."""
 
-    def __init__(self, app_state: Any, state: Any, store: SessionStore) -> None:
+    def __init__(self, app_state: Any, state: ServerState, store: SessionStore,
+                 backend: ChatBackend | None = None) -> None:
         self.app_state, self.state, self.store = app_state, state, store
         self.by_session: dict[str, LiveTurn] = {}
-        self._default_backend = ChatServiceBackend()
-
-    @property
-    def backend(self) -> ChatBackend:
-        """Test hook: `app.state.session_chat_backend = obj` stands in for the model (docs/sessions.md)."""
-        return getattr(self.app_state, "session_chat_backend", None) or self._default_backend
+        self.backend: ChatBackend = backend or ChatServiceBackend()
 
     def live(self, owner: str, sid: str) -> LiveTurn | None:
         t = self.by_session.get(sid)
@@ -250,7 +252,7 @@ class TurnService:
                 raise not_found()
             if _chat_key(s, history[0]) != _chat_key(cur, preview):
                 req = await self._parse(s, history[0], treq.overrides, None)   # changed meanwhile
-            turn.model = s.model or getattr(self.state, "model_name", None) or ""
+            turn.model = s.model or self.state.model_name or ""
         except BaseException:
             self.by_session.pop(sid, None)
             raise
@@ -264,15 +266,15 @@ class TurnService:
             raise
         return drain(turn, q)
 
-    async def _parse(self, s: Session, history: list[dict], overrides: dict, rate_key: str | None) -> Any:
+    async def _parse(self, s: Session, history: list[dict], overrides: dict, rate_key: str | None) -> ChatRequest:
         chat: dict[str, Any] = {
-            "model": s.model or getattr(self.state, "model_name", None) or "default",
+            "model": s.model or self.state.model_name or "default",
             "messages": ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else [])
             + [{"role": m["role"], "content": m["content"]} for m in history],
             "stream": True, "stream_options": {"include_usage": True},
             **s.params, **overrides}
         req = self.backend.parse(chat, self.state, rate_key)
-        return await req if inspect.isawaitable(req) else req
+        return await req if inspect.isawaitable(req) else req   # type: ignore[return-value]  # the protocol allows both
 
     # ── following and stopping ────────────────────────────────────────────────────────────────
     def attach(self, owner: str, sid: str) -> AsyncIterator[dict]:
@@ -303,7 +305,7 @@ class TurnService:
         await self.store.aclose()
 
     # ── running ───────────────────────────────────────────────────────────────────────────────
-    async def _run(self, turn: LiveTurn, req: Any, rate_key: str | None) -> None:
+    async def _run(self, turn: LiveTurn, req: ChatRequest, rate_key: str | None) -> None:
         turn.running = True
         t0 = time.perf_counter()
         out = _Outcome()
@@ -318,12 +320,10 @@ class TurnService:
             await asyncio.gather(ticker, return_exceptions=True)
             if turn.saving is not None:              # a partial save is never cut off mid-write
                 await asyncio.gather(turn.saving, return_exceptions=True)
-            aclose = getattr(agen, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()                   # aborts the engine request if still running
-                except Exception:
-                    pass
+            try:
+                await agen.aclose()                  # aborts the engine request if still running
+            except Exception:
+                pass
         if turn.cancelled and out.early is None:
             out.finish = "abort"
             turn.publish({"id": turn.request_id, "object": "chat.completion.chunk",
