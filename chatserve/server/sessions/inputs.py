@@ -56,7 +56,7 @@ def clean_id(v: Any, name: str) -> str:
     return v
 
 
-def apply_settings(s: Session, body: dict, state: Any) -> None:
+def apply_settings(s: Session, body: dict[str, Any], state: Any) -> None:
     """Set title, system_prompt, params, model from a create/PATCH/import body (all validated)."""
     if "title" in body:
         s.title = clean_text(body["title"], "title", MAX_TITLE_CHARS).strip() or "New chat"
@@ -87,7 +87,7 @@ def clean_message(m: Any, param: str) -> dict[str, Any]:
     return msg
 
 
-def import_messages(s: Session, body: dict) -> None:
+def import_messages(s: Session, body: dict[str, Any]) -> None:
     """An export document's messages into `s`: v2's `tree` (every version) when present, else v1's
     flat `messages` as one branch. Ids are new; the structure and the active branch are kept."""
     tree = body.get("tree")
@@ -138,7 +138,7 @@ class TurnRequest:
     stream: bool
 
 
-def parse_turn(body: dict, state: Any) -> TurnRequest:
+def parse_turn(body: dict[str, Any], state: Any) -> TurnRequest:
     """A turn body (HTTP, or the WebSocket `session` message with its session_id), validated by the
     schema /openapi.json publishes (schemas/sessions.TurnRequest)."""
     t = validate(TurnBody, {k: v for k, v in body.items() if k != "session_id"})

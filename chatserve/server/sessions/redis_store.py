@@ -7,6 +7,7 @@ or late write brings a deleted chat back. Not the interface (store.py).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import hashlib
 import json
 import logging
@@ -81,13 +82,13 @@ class RedisSessionStore:
         self.retry_interval_s = retry_interval_s
         self.ns = namespace
         self._client: Any = None
-        self._put = None
-        self._del = None
+        self._put: Any = None          # redis Script objects, registered with the client (_redis)
+        self._del: Any = None
         self._cache: OrderedDict[str, Session] = OrderedDict()     # sessions this process touched
         self._outbox: OrderedDict[str, tuple[str, Session]] = OrderedDict()  # id -> ("put"|"delete", s)
         self._healthy = True
         self._last_error: str | None = None
-        self._recovery: asyncio.Task | None = None
+        self._recovery: asyncio.Task[None] | None = None
         self.flushed_writes = 0
 
     # ── plumbing ──────────────────────────────────────────────────────────────────────────────
@@ -280,11 +281,12 @@ class RedisSessionStore:
         out.sort(key=lambda s: s.updated, reverse=True)
         return [s.clone() for s in out[:limit]]
 
-    async def _multi_data(self, ids: list[str]) -> list[str | None]:
+    async def _multi_data(self, ids: builtins.list[str]) -> builtins.list[str | None]:   # `list` is a method here
         pipe = self._redis().pipeline(transaction=False)
         for sid in ids:
             pipe.hget(self._key(sid), "data")
-        return await pipe.execute()
+        data: builtins.list[str | None] = await pipe.execute()
+        return data
 
     async def update(self, owner: str, sid: str, fn: Mutation) -> Session | None:
         for attempt in range(32):                           # compare-and-set retries

@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
 
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -41,11 +41,12 @@ IMPORT_FORMATS = ("chatserve.session.v1", EXPORT_FORMAT)
 
 
 def _turns(conn: HTTPConnection) -> TurnService:
-    return conn.app.state.session_turns
+    turns: TurnService = conn.app.state.session_turns       # set by install()
+    return turns
 
 
 def _store(conn: HTTPConnection) -> SessionStore:
-    return conn.app.state.session_turns.store
+    return _turns(conn).store
 
 
 def _unavailable(e: StoreUnavailable) -> APIError:
@@ -75,7 +76,7 @@ def _respond(store: SessionStore, content: Any, status: int = 200) -> JSONRespon
     return JSONResponse(content, status_code=status, headers=_store_header(store))
 
 
-async def _body(request: Request) -> dict:
+async def _body(request: Request) -> dict[str, Any]:
     """A write's JSON body: application/json only (forces a CORS preflight on cross-origin pages),
     same origin, then the server's strict reader (NaN, Infinity, 1e400, lone surrogates, deep
     nesting → 400)."""
@@ -90,7 +91,8 @@ def handles_errors(fn: Any) -> Any:
     """Route decorator: APIError and StoreUnavailable become their JSON error responses."""
     async def wrapper(request: Request) -> Response:
         try:
-            return await fn(request)
+            response: Response = await fn(request)
+            return response
         except APIError as e:
             return error_response(e)
         except StoreUnavailable as e:
@@ -109,7 +111,7 @@ async def _get_own(request: Request) -> tuple[SessionStore, Session]:
     return store, s
 
 
-def _public(request: Request, s: Session) -> dict:
+def _public(request: Request, s: Session) -> dict[str, Any]:
     out = s.public()
     live = _turns(request).live(s.owner, s.id)
     if live is not None:                    # this process knows better than the stored heartbeat
@@ -282,7 +284,8 @@ def ws_handlers(turns: TurnService) -> dict[str, Any]:
     "session.attach": {session_id} follows the running one; "session.cancel": {session_id} stops it.
     A {"type": "cancel", "id"} of the first two stops the turn too; a closed socket only stops
     following (the turn goes on, to be re-attached)."""
-    async def follow(owner: str, sid: str, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    async def follow(owner: str, sid: str, chunks: AsyncGenerator[dict[str, Any], None]
+                     ) -> AsyncIterator[dict[str, Any]]:
         try:
             async for c in chunks:
                 yield c
@@ -293,7 +296,7 @@ def ws_handlers(turns: TurnService) -> dict[str, Any]:
         finally:                    # closed at once (not at GC)
             await chunks.aclose()
 
-    async def start(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
+    async def start(state: Any, body: dict[str, Any], owner: str, request_id: str) -> AsyncIterator[dict[str, Any]]:
         sid = str(body.get("session_id", ""))
         try:
             chunks = await turns.start(owner, sid, parse_turn(body, state))
@@ -302,11 +305,11 @@ def ws_handlers(turns: TurnService) -> dict[str, Any]:
         async for c in follow(owner, sid, chunks):
             yield c
 
-    def attach(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
+    def attach(state: Any, body: dict[str, Any], owner: str, request_id: str) -> AsyncIterator[dict[str, Any]]:
         sid = str(body.get("session_id", ""))
         return follow(owner, sid, turns.attach(owner, sid))
 
-    async def cancel(state: Any, body: dict, owner: str, request_id: str) -> AsyncIterator[dict]:
+    async def cancel(state: Any, body: dict[str, Any], owner: str, request_id: str) -> AsyncIterator[dict[str, Any]]:
         turns.cancel(owner, str(body.get("session_id", "")))
         return
         yield {}

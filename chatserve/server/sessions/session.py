@@ -73,7 +73,7 @@ class Session:
     def _new_node(self, parent: str, msg: dict[str, Any], node_id: str | None = None) -> dict[str, Any]:
         if self._next_n < 0:
             self._next_n = max((x.get("n", 0) for x in self.nodes.values()), default=-1) + 1
-        node = {"id": node_id or new_message_id(), "parent": parent, "n": self._next_n}
+        node: dict[str, Any] = {"id": node_id or new_message_id(), "parent": parent, "n": self._next_n}
         self._next_n += 1
         node.update({k: msg[k] for k in MESSAGE_FIELDS if k in msg})
         node.setdefault("created", time.time())
@@ -138,7 +138,9 @@ class Session:
     # ── views ─────────────────────────────────────────────────────────────────────────────────
     def turn_live(self, now: float | None = None) -> bool:
         t = self.turn
-        return bool(t) and (now or time.time()) - float(t.get("heartbeat", 0)) < TURN_STALE_S
+        if not t:
+            return False
+        return (now or time.time()) - float(t.get("heartbeat", 0)) < TURN_STALE_S
 
     def public_messages(self) -> list[dict[str, Any]]:
         live = self.turn_live()

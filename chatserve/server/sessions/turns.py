@@ -12,6 +12,7 @@ import inspect
 import logging
 import secrets
 import time
+from collections.abc import AsyncGenerator as AsyncGeneratorABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Protocol
 
@@ -40,7 +41,7 @@ class ChatBackend(Protocol):
     def parse(self, body: dict[str, Any], state: ServerState,
               rate_key: str | None = None) -> ChatRequest | Awaitable[ChatRequest]: ...
     def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
-               rate_key: str | None = None) -> AsyncGenerator[dict[str, Any], None]: ...
+               rate_key: str | None = None) -> AsyncIterator[dict[str, Any]]: ...
 
 
 class ChatServiceBackend:
@@ -53,7 +54,7 @@ class ChatServiceBackend:
                                         rate_key=rate_key or "anonymous")   # set by start()
 
     def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
-               rate_key: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
+               rate_key: str | None = None) -> AsyncIterator[dict[str, Any]]:
         from chatserve.server import chat_service
         return chat_service.stream_chat(state, req, owner=owner, keep_warm=keep_warm,
                                         request_id=request_id, rate_key=rate_key)
@@ -82,24 +83,24 @@ class LiveTurn:
     model: str = ""
     text: list[str] = field(default_factory=list)
     phase: str = "queued"
-    progress: dict | None = None          # the last progress event sent
-    followers: set = field(default_factory=set)
-    task: asyncio.Task | None = None
-    admitted: asyncio.Future | None = None
+    progress: dict[str, Any] | None = None          # the last progress event sent
+    followers: set[asyncio.Queue[Any]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+    admitted: asyncio.Future[None] | None = None   # set when the turn starts
     cancelled: bool = False
     running: bool = False                 # _run has begun (a task cancelled before that never runs)
     finishing: bool = False
     done: bool = False
-    saving: asyncio.Future | None = None  # the partial save in flight (see TurnService._save_partial)
+    saving: asyncio.Future[Any] | None = None  # the partial save in flight (see TurnService._save_partial)
 
-    def event(self, replay: bool) -> dict:
+    def event(self, replay: bool) -> dict[str, Any]:
         return {"object": "chatserve.turn", "id": self.id, "session_id": self.session_id,
                 "message_id": self.message_id, "parent_id": self.parent_id or None,
                 "user_message_id": self.user_message_id, "replay": replay}
 
-    def follow(self, replay: bool) -> asyncio.Queue:
+    def follow(self, replay: bool) -> asyncio.Queue[Any]:
         """A queue that receives this turn's items from now on (after a replay of the text so far)."""
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue[Any] = asyncio.Queue()
         q.put_nowait(self.event(replay))
         if replay:
             q.put_nowait({"id": self.request_id, "object": "chat.completion.chunk",
@@ -136,7 +137,7 @@ class _Outcome:
     error: str | None = None
     early: BaseException | None = None    # an APIError before the first chunk: raised to the starter
 
-    def take(self, turn: LiveTurn, item: dict) -> None:
+    def take(self, turn: LiveTurn, item: dict[str, Any]) -> None:
         """Fold one chunk into the turn's text and this outcome."""
         self.n_chunks += 1
         for ch in item.get("choices") or []:
@@ -155,7 +156,7 @@ class _Outcome:
             self.error = str((item["error"] or {}).get("message") or "generation failed")
             self.finish = "error"
 
-    def reply(self, turn: LiveTurn, t0: float) -> dict | None:
+    def reply(self, turn: LiveTurn, t0: float) -> dict[str, Any] | None:
         """The reply message to store, or None to drop the placeholder (refused, or nothing said
         before an error)."""
         text = "".join(turn.text)
@@ -168,12 +169,14 @@ class _Outcome:
         return msg
 
 
-async def _follow_stream(turn: LiveTurn, agen: AsyncIterator[dict], out: _Outcome) -> None:
+async def _follow_stream(turn: LiveTurn, agen: AsyncIterator[dict[str, Any]], out: _Outcome) -> None:
     """Publish the stream's chunks to the turn's followers until it ends, fails or is cancelled."""
+    admitted = turn.admitted
+    assert admitted is not None                   # start() sets it before the turn runs
     try:
         async for item in agen:
-            if not turn.admitted.done():
-                turn.admitted.set_result(None)
+            if not admitted.done():
+                admitted.set_result(None)
             out.take(turn, item)
             turn.publish(item)
             if turn.cancelled:               # stopped before this task was running
@@ -191,7 +194,7 @@ async def _follow_stream(turn: LiveTurn, agen: AsyncIterator[dict], out: _Outcom
                                     "code": "generation_failed"}})
 
 
-async def drain(turn: LiveTurn, q: asyncio.Queue) -> AsyncIterator[dict]:
+async def drain(turn: LiveTurn, q: asyncio.Queue[Any]) -> AsyncGenerator[dict[str, Any], None]:
     """Follow a turn: its items until it ends. Leaving early only stops following."""
     try:
         while True:
@@ -217,8 +220,8 @@ class TurnService:
         return t if t is not None and t.owner == owner else None
 
     # ── starting ──────────────────────────────────────────────────────────────────────────────
-    async def start(self, owner: str, sid: str, treq: TurnRequest,
-                    rate_key: str | None = None, cache_owner: str | None = None) -> AsyncIterator[dict]:
+    async def start(self, owner: str, sid: str, treq: TurnRequest, rate_key: str | None = None,
+                    cache_owner: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """Store the user's message and the placeholder, start generating, and return the starter's
         stream. An APIError before the first chunk (validation, overload, rate limit, context too
         long) is raised here, and the placeholder is removed (the user's message stays)."""
@@ -234,7 +237,7 @@ class TurnService:
                         request_id=f"sess-{sid[:8]}-{secrets.token_hex(4)}")
         self.by_session[sid] = turn                          # claimed before any await
         try:
-            history: list[list[dict]] = []
+            history: list[list[dict[str, Any]]] = []
 
             def add_turn(s: Session) -> None:
                 history[:] = [_add_turn(s, treq, turn, user_id, reply_id)]
@@ -266,7 +269,8 @@ class TurnService:
             raise
         return drain(turn, q)
 
-    async def _parse(self, s: Session, history: list[dict], overrides: dict, rate_key: str | None) -> ChatRequest:
+    async def _parse(self, s: Session, history: list[dict[str, Any]], overrides: dict[str, Any],
+                     rate_key: str | None) -> ChatRequest:
         chat: dict[str, Any] = {
             "model": s.model or self.state.model_name or "default",
             "messages": ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else [])
@@ -274,10 +278,10 @@ class TurnService:
             "stream": True, "stream_options": {"include_usage": True},
             **s.params, **overrides}
         req = self.backend.parse(chat, self.state, rate_key)
-        return await req if inspect.isawaitable(req) else req   # type: ignore[return-value]  # the protocol allows both
+        return await req if inspect.isawaitable(req) else req
 
     # ── following and stopping ────────────────────────────────────────────────────────────────
-    def attach(self, owner: str, sid: str) -> AsyncIterator[dict]:
+    def attach(self, owner: str, sid: str) -> AsyncGenerator[dict[str, Any], None]:
         """The running turn's stream from now on, after its text so far (one replay chunk)."""
         turn = self.live(owner, sid) if valid_session_id(sid) else None
         if turn is None or turn.done:
@@ -320,26 +324,28 @@ class TurnService:
             await asyncio.gather(ticker, return_exceptions=True)
             if turn.saving is not None:              # a partial save is never cut off mid-write
                 await asyncio.gather(turn.saving, return_exceptions=True)
-            try:
-                await agen.aclose()                  # aborts the engine request if still running
-            except Exception:
-                pass
+            if isinstance(agen, AsyncGeneratorABC):
+                try:
+                    await agen.aclose()              # aborts the engine request if still running
+                except Exception:
+                    pass
         if turn.cancelled and out.early is None:
             out.finish = "abort"
             turn.publish({"id": turn.request_id, "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": turn.model,
                           "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
         await self._finish(turn, out.reply(turn, t0))
-        if not turn.admitted.done():
+        admitted = turn.admitted
+        if admitted is not None and not admitted.done():
             if out.early is not None:
-                turn.admitted.set_exception(out.early)
+                admitted.set_exception(out.early)
             else:
-                turn.admitted.set_result(None)
+                admitted.set_result(None)
         turn.done = True
         turn.publish(_END)
         turn.followers.clear()
 
-    async def _finish(self, turn: LiveTurn, msg: dict | None) -> None:
+    async def _finish(self, turn: LiveTurn, msg: dict[str, Any] | None) -> None:
         """Store the reply (or drop its placeholder) and clear the session's turn marker."""
         def apply(s: Session) -> None:
             node = s.nodes.get(turn.message_id)
@@ -400,12 +406,12 @@ class TurnService:
             log.debug("session %s: partial reply not saved: %s", turn.session_id, e)
 
 
-def _chat_key(s: Session, history: list[dict]) -> tuple:
+def _chat_key(s: Session, history: list[dict[str, Any]]) -> tuple[Any, ...]:
     return [(m["role"], m["content"]) for m in history], s.params, s.system_prompt, s.model
 
 
 def _add_turn(s: Session, treq: TurnRequest, turn: LiveTurn, user_id: str | None,
-              reply_id: str) -> list[dict]:
+              reply_id: str) -> list[dict[str, Any]]:
     """Add the user's message (a new version when editing) and the placeholder reply; set the turn
     marker. Returns the history the reply answers. Raises APIError when there is nothing to answer."""
     path = s.path()
@@ -440,7 +446,7 @@ def _add_turn(s: Session, treq: TurnRequest, turn: LiveTurn, user_id: str | None
     return base
 
 
-def usage_record(usage: dict | None, t0: float, first: float | None, n_content: int) -> dict:
+def usage_record(usage: dict[str, Any] | None, t0: float, first: float | None, n_content: int) -> dict[str, Any]:
     """The per-turn usage kept with a reply: tokens, cached tokens, TTFT, speed, queue time."""
     now = time.perf_counter()
     u: dict[str, Any] = {}
