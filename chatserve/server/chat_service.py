@@ -164,10 +164,11 @@ async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_
                 started.add(d.index)
                 delta = ({"role": "assistant", "content": None, **delta} if calls is not None
                          else {"role": "assistant", "content": d.text})
-            choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs(state, d),
+            choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs(state.tokenizer, d),
                       "finish_reason": reason, "stop_reason": _stop_reason(d, req.params)}
             if d.prompt_logprobs is not None and req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(state, d.prompt_logprobs, req.prompt_logprobs)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, d.prompt_logprobs,
+                                                                   req.prompt_logprobs)
             yield {**base, "choices": [choice]}
         yield {**base, "choices": [], "usage": usage.to_dict()}
     finally:
@@ -254,16 +255,16 @@ async def stream_completion(state: ServerState, req: CompletionRequest, *, owner
                 started.add(i)
                 text = echo[p] + text
                 offsets[i] = len(echo[p])
-            lp = completion_logprobs(state, d, offsets[i])
+            lp = completion_logprobs(state.tokenizer, d, offsets[i])
             offsets[i] += len(d.text)
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
                       "stop_reason": _stop_reason(d, req.params)}
             if d.prompt_logprobs is not None:           # the choice's first chunk (vLLM streams echo so)
                 if req.echo and req.logprobs is not None:
                     choice["logprobs"] = join_logprobs(
-                        echo_logprobs(state, prompts[p][0], d.prompt_logprobs, req.logprobs), lp)
+                        echo_logprobs(state.tokenizer, prompts[p][0], d.prompt_logprobs, req.logprobs), lp)
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = vllm_prompt_logprobs(state, d.prompt_logprobs,
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, d.prompt_logprobs,
                                                                      req.prompt_logprobs)
             yield {**base, "choices": [choice]}
         yield {**base, "choices": [], "usage": usage.to_dict()}

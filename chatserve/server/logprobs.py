@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from chatserve.core.outputs import TokenLogprob
     from chatserve.core.protocols import TokenizerLike
     from chatserve.engine.deltas import Delta
-    from chatserve.server.state import ServerState
 
 LOGPROB_FLOOR = -9999.0    # what -inf (or a NaN) logprob is written as: JSON has no infinities
 
@@ -34,11 +33,10 @@ def token_bytes(tok: TokenizerLike, tid: int) -> list[int]:
     return list(tok.token_bytes(tid))
 
 
-def chat_logprobs(state: ServerState, d: Delta) -> dict | None:
+def chat_logprobs(tok: TokenizerLike, d: Delta) -> dict | None:
     """A chat choice's logprobs of one delta: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     if not d.logprobs:
         return None
-    tok = state.tokenizer
 
     def entry(tid: int, v: float) -> dict:
         t = token_text(tok, tid)
@@ -48,11 +46,10 @@ def chat_logprobs(state: ServerState, d: Delta) -> dict | None:
                         for lp in d.logprobs]}
 
 
-def completion_logprobs(state: ServerState, d: Delta, offset: int) -> dict | None:
+def completion_logprobs(tok: TokenizerLike, d: Delta, offset: int) -> dict | None:
     """The legacy completions logprobs of one delta, text offsets counted from `offset`."""
     if not d.logprobs:
         return None
-    tok = state.tokenizer
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in d.logprobs:
         t = token_text(tok, lp.token_id)
@@ -64,10 +61,9 @@ def completion_logprobs(state: ServerState, d: Delta, offset: int) -> dict | Non
     return out
 
 
-def vllm_prompt_logprobs(state: ServerState, lps: list[TokenLogprob], k: int) -> list[dict | None]:
+def vllm_prompt_logprobs(tok: TokenizerLike, lps: list[TokenLogprob], k: int) -> list[dict | None]:
     """vLLM's prompt_logprobs: null for the first prompt token, then per position {token id:
     {logprob, rank, decoded_token}} for the prompt token and the k most likely."""
-    tok = state.tokenizer
     out: list[dict | None] = [None]
     for lp in lps:
         entry = {str(lp.token_id): {"logprob": finite(lp.logprob), "rank": lp.rank,
@@ -78,10 +74,9 @@ def vllm_prompt_logprobs(state: ServerState, lps: list[TokenLogprob], k: int) ->
     return out
 
 
-def echo_logprobs(state: ServerState, ids: list[int], lps: list[TokenLogprob], k: int) -> dict:
+def echo_logprobs(tok: TokenizerLike, ids: list[int], lps: list[TokenLogprob], k: int) -> dict:
     """The legacy completions logprobs of an echoed prompt: every prompt token, its logprob (null for
     the first) and the k most likely tokens at its position with the prompt token itself (up to k + 1)."""
-    tok = state.tokenizer
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     for pos, tid in enumerate(ids):

@@ -260,8 +260,6 @@ def test_logprob_bytes_are_the_tokens_own_bytes(tiny_model):
     class D:
         logprobs = [type("LP", (), {"token_id": partial, "logprob": -1.0, "top": []})()]
 
-    class S:
-        tokenizer = tok
-    entry = chat_logprobs(S, D)["content"][0]
+    entry = chat_logprobs(tok, D)["content"][0]
     assert entry["bytes"] == list(tok.token_bytes(partial)) and entry["bytes"] != list("\ufffd".encode())
 
