@@ -404,17 +404,18 @@ def _dry_run(args) -> int:
     global _DEV
     import os
 
-    saved = os.environ.get("CHATSERVE_FORCE_TRITON")
-    os.environ["CHATSERVE_FORCE_TRITON"] = "1"
+    from chatserve_kernels.env import FORCE_TRITON    # the kernels' own switch (kernels/env.py)
+    saved = os.environ.get(FORCE_TRITON)
+    os.environ[FORCE_TRITON] = "1"
     _DEV = "cpu"
     try:
         res = run_decode(args)
     finally:
         _DEV = "cuda"
         if saved is None:
-            os.environ.pop("CHATSERVE_FORCE_TRITON", None)
+            os.environ.pop(FORCE_TRITON, None)
         else:
-            os.environ["CHATSERVE_FORCE_TRITON"] = saved
+            os.environ[FORCE_TRITON] = saved
     print(json.dumps(res, indent=1)) if args.json else print_decode_table(res)
     return 0
 
