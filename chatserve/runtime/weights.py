@@ -86,6 +86,11 @@ _GGUF_LAYER_NAMES = {
     **{f"attn_{g}.{kind}": f"self_attn.{h}_proj.{kind}" for g, h in
        (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")) for kind in ("weight", "bias")},
     **{f"ffn_{n}.{kind}": f"mlp.{n}_proj.{kind}" for n in ("gate", "up", "down") for kind in ("weight", "bias")},
+    # MoE: the router, experts stacked on a first axis [E, ...] (models/moe.read_experts), the shared expert
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    **{f"ffn_{n}_exps.weight": f"mlp.experts.{n}_proj.weight" for n in ("gate", "up", "down")},
+    **{f"ffn_{n}_shexp.weight": f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")},
 }
 # names that differ per architecture (Gemma's four norms; Phi-3's fused gate_up stored as ffn_up)
 _GGUF_ARCH_LAYER_NAMES = {
@@ -93,6 +98,9 @@ _GGUF_ARCH_LAYER_NAMES = {
                "post_attention_norm.weight": "post_attention_layernorm.weight",
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "mixtral": {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+                **{f"ffn_{n}_exps.weight": f"block_sparse_moe.experts.{w}.weight"
+                   for n, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}},
 }
 _GGUF_ARCH_LAYER_NAMES["gemma3"] = _GGUF_ARCH_LAYER_NAMES["gemma2"]
 _GGUF_TOP_NAMES = {

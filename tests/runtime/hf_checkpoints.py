@@ -60,7 +60,19 @@ SPECS: dict[str, tuple[str, dict]] = {
     "rope_longrope": ("LlamaConfig", dict(rope_scaling={"rope_type": "longrope", "long_factor": LONG[:8],
                                                         "short_factor": SHORT[:8], "factor": 4.0,
                                                         "original_max_position_embeddings": 32})),
+    # mixture of experts: 8 experts, top 2 (GGUF: llama.cpp renormalizes the top-k of qwen3moe and
+    # Mixtral, never of qwen2moe and olmoe)
+    "qwen3moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        norm_topk_prob=True)),
+    "qwen3moe_dense_layers": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                                     num_hidden_layers=3, mlp_only_layers=[1],
+                                                     attention_bias=True)),
+    "qwen2moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=48)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
 }
+MOE_SPECS = ("qwen3moe", "qwen3moe_dense_layers", "qwen2moe", "mixtral", "olmoe")
 # the spec's phi3 configs derive head_dim from hidden/heads: keep 16
 for _n in ("phi3", "phi3_longrope", "phi4mini"):
     SPECS[_n][1]["head_dim"] = None
@@ -126,7 +138,8 @@ def save_safetensors(model, path: Path, legacy_rope: bool = False) -> str:
 
 GGUF_ARCH = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA", "Qwen2ForCausalLM": "QWEN2",
              "Qwen3ForCausalLM": "QWEN3", "Gemma2ForCausalLM": "GEMMA2", "Gemma3ForCausalLM": "GEMMA3",
-             "Phi3ForCausalLM": "PHI3"}
+             "Phi3ForCausalLM": "PHI3", "Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
+             "MixtralForCausalLM": "LLAMA", "OlmoeForCausalLM": "OLMOE"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -191,12 +204,16 @@ def save_gguf(model, path: Path) -> str:
     if name == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    _add_moe_keys(w, cfg)
     nm = gguf.get_tensor_name_map(arch, n_layers)
     state = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for hf_name, t in state.items():
         if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        if ".experts." in hf_name:                   # stacked [E, ...] as llama.cpp's converter writes
+            _add_experts(w, hf_name, t.detach().float().numpy())
             continue
         g = nm.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert g is not None, hf_name
@@ -213,3 +230,29 @@ def save_gguf(model, path: Path) -> str:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def _add_moe_keys(w, cfg) -> None:
+    """llama.cpp's MoE keys: expert counts and sizes (Mixtral and OLMoE experts use feed_forward_length)."""
+    n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if not n:
+        return
+    w.add_expert_count(n)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if hasattr(cfg, "moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if hasattr(cfg, "shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _add_experts(w, hf_name: str, arr: np.ndarray) -> None:
+    """transformers' fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as GGUF's
+    ffn_{gate,up,down}_exps [E, I, H] / [E, H, I]."""
+    blk = f"blk.{hf_name.split('.layers.')[1].split('.')[0]}"
+    if hf_name.endswith("gate_up_proj"):
+        gate, up = np.split(arr, 2, axis=1)
+        w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(gate, dtype=np.float32))
+        w.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(up, dtype=np.float32))
+    else:
+        assert hf_name.endswith("down_proj"), hf_name
+        w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(arr, dtype=np.float32))

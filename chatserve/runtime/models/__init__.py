@@ -7,8 +7,11 @@ import torch
 from chatserve.runtime.models.decoder import DecoderModel
 from chatserve.runtime.models.gemma import GemmaModel
 from chatserve.runtime.models.llama import LlamaModel
+from chatserve.runtime.models.mixtral import MixtralModel
+from chatserve.runtime.models.olmoe import OlmoeModel
 from chatserve.runtime.models.phi3 import Phi3Model
 from chatserve.runtime.models.qwen3 import Qwen3Model
+from chatserve.runtime.models.qwen_moe import QwenMoeModel
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 
 FAMILIES: dict[str, type[DecoderModel]] = {
@@ -19,6 +22,10 @@ FAMILIES: dict[str, type[DecoderModel]] = {
     "gemma2": GemmaModel,
     "gemma3": GemmaModel,
     "phi3": Phi3Model,
+    "qwen2moe": QwenMoeModel,
+    "qwen3moe": QwenMoeModel,
+    "mixtral": MixtralModel,
+    "olmoe": OlmoeModel,
 }
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, StepInfo,
                                              pick_ops)
+from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 from chatserve_kernels import AttentionMetadata, cpu_decode
@@ -44,6 +45,9 @@ class WeightReader:
         self.taken.add(name)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
     def skip(self, name: str) -> None:
         """Mark a tensor as knowingly unused (e.g. a tied LM head saved beside the embeddings)."""
         if name in self.tensors:
@@ -61,6 +65,14 @@ class WeightReader:
                                                unused))
 
 
+def _qk_norm(ops, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of q or k before RoPE: per head when w is [d] (Qwen3, Gemma 3), over all the row's heads
+    when w is [n·d] (OLMoE). x: [T, n, d] → [T, n, d]."""
+    T, n, d = x.shape
+    rows = T * n if w.shape[0] == d else T
+    return ops.rms_norm(x.reshape(rows, -1), w).view(T, n, d)
+
+
 def _names(what: str, names: list[str], shown: int = 6) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return f"{what}: {', '.join(names[:shown])}{more}"
@@ -75,7 +87,7 @@ class DecoderLayer:
     o: Linear                                # [H, q_size]
     post_attn_norm: torch.Tensor | None      # [H]  (Gemma: normed before the residual add)
     pre_ffn_norm: torch.Tensor               # [H]
-    mlp: GatedMLP
+    mlp: GatedMLP | MoE                      # MoE: models/moe.py
     post_ffn_norm: torch.Tensor | None       # [H]  (Gemma)
     rotary: Rotary
     attention: Attention
@@ -138,7 +150,7 @@ class DecoderModel:
         config, p = self.config, f"model.layers.{i}."
         window = config.layer_window(i)
         qkv_w, qkv_b, o_w, o_b = self.read_attention(r, p + "self_attn.")
-        gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
+        mlp = self.build_mlp(r, p, i)
         norms = self.read_norms(r, p)
         q_norm = r(p + "self_attn.q_norm.weight", config.qk_norm)
         k_norm = r(p + "self_attn.k_norm.weight", config.qk_norm)
@@ -148,7 +160,7 @@ class DecoderModel:
             input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
             q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b),
             post_attn_norm=nw(norms[1]), pre_ffn_norm=nw(norms[2]),
-            mlp=GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), config.hidden_act),
+            mlp=mlp,
             post_ffn_norm=nw(norms[3]),
             rotary=rotary(window is not None and config.local_rope_theta is not None),
             attention=Attention(scale, window, config.attn_logit_softcap))
@@ -162,6 +174,8 @@ class DecoderModel:
             return None
         layers = []
         for ly in self.layers:
+            if not isinstance(ly.mlp, GatedMLP):
+                return None
             lins = (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)
             plain = (ly.q_norm is None and ly.k_norm is None and ly.post_attn_norm is None
                      and ly.post_ffn_norm is None and not ly.attention.window and not ly.attention.softcap)
@@ -185,6 +199,14 @@ class DecoderModel:
             return None, None, o_w, o_b                   # reported by check_missing
         return torch.cat(ws), (torch.cat(bs) if c.attention_bias else None), o_w, o_b
 
+    def build_mlp(self, r: WeightReader, p: str, i: int) -> GatedMLP | MoE | None:
+        """Layer i's feed-forward block (p: the layer's tensor prefix); MoE families override it.
+        None when a tensor is missing (r records it)."""
+        gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
+        if gu_w is None or down_w is None:
+            return None
+        return GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), self.config.hidden_act)
+
     def read_mlp(self, r: WeightReader, m: str) -> tuple:
         """(gate_up weight [2I, H] (gate rows, then up rows), its bias, down weight [H, I], its bias)."""
         b = self.config.mlp_bias
@@ -207,7 +229,7 @@ class DecoderModel:
             return w
         return (w.float() + self.norm_offset).to(self.dtype)         # (1 + w) in float32, as Gemma does
 
-    def _lin(self, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+    def _lin(self, w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
         return Linear(w, b, self.weight_quant)
 
     # ── forward ──────────────────────────────────────────────────────────────────────────────
@@ -234,10 +256,8 @@ class DecoderModel:
             qkv = layer.qkv(x).view(T, hq + 2 * hkv, d)                   # [T, hq+2hkv, d]
             v = qkv[:, hq + hkv:]
             if layer.q_norm is not None:
-                q = layer.rotary(ops.rms_norm(qkv[:, :hq].reshape(T * hq, d), layer.q_norm).view(T, hq, d),
-                                 positions)
-                k = layer.rotary(ops.rms_norm(qkv[:, hq:hq + hkv].reshape(T * hkv, d),
-                                              layer.k_norm).view(T, hkv, d), positions)
+                q = layer.rotary(_qk_norm(ops, qkv[:, :hq], layer.q_norm), positions)
+                k = layer.rotary(_qk_norm(ops, qkv[:, hq:hq + hkv], layer.k_norm), positions)
             else:
                 qk = layer.rotary(qkv[:, :hq + hkv], positions)           # [T, hq+hkv, d]
                 q, k = qk[:, :hq], qk[:, hq:]
@@ -256,12 +276,13 @@ class DecoderModel:
     def decode_weight_bytes(self, rows: int = 1) -> int:
         """Weight bytes a forward + LM head over `rows` tokens reads (matrices, norms, embedding rows):
         the numerator of the memory-bandwidth floor of a decode step."""
-        lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)]
+        lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o)]
         norms = [self.norm] + [n for ly in self.layers for n in (ly.input_norm, ly.q_norm, ly.k_norm,
                                                                 ly.post_attn_norm, ly.pre_ffn_norm,
                                                                 ly.post_ffn_norm) if n is not None]
         embed_rows = rows * self.embed.shape[1] * self.embed.element_size()
-        return sum(m.bytes_read(rows) for m in lins) + sum(n.numel() * n.element_size() for n in norms) + embed_rows
+        return (sum(m.bytes_read(rows) for m in lins) + sum(ly.mlp.bytes_read(rows) for ly in self.layers)
+                + sum(n.numel() * n.element_size() for n in norms) + embed_rows)
 
     def decode_matmul_bytes(self) -> float:
         """Mean weight bytes of one matmul of a one-token decode step (the layers' four and the LM head)."""

@@ -276,3 +276,7 @@ class GatedMLP:
         # x: [T, H] → [T, H]
         g, u = self.gate_up(x).chunk(2, -1)                              # [T, I] each
         return self.down(self.act(g) * u)
+
+    def bytes_read(self, rows: int) -> int:
+        """Weight bytes one call on `rows` rows reads."""
+        return self.gate_up.bytes_read(rows) + self.down.bytes_read(rows)
