@@ -1,0 +1,154 @@
+"""The MoE layer (models/moe.py) on real Linear weights: each selected expert runs once a step over all its
+rows, a row's output does not depend on the rows beside it, the quantized paths apply to the experts, and
+MoE checkpoints load exactly (a missing or extra expert tensor names itself). Families against
+transformers: test_families_vs_hf.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_checkpoints as H
+from chatserve.runtime.arch_config import UnsupportedModelError
+from chatserve.runtime.models import build_model
+from chatserve.runtime.models.layers import GatedMLP, Linear
+from chatserve.runtime.models.moe import MoE
+from chatserve.runtime.weights import load_weights
+
+pytest.importorskip("transformers")
+H_, I_, E_ = 64, 96, 8
+
+
+def make_moe(dtype: torch.dtype, quant: str | None, top_k: int = 2, seed: int = 0) -> MoE:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.1).to(dtype)
+
+    experts = [GatedMLP(Linear(rnd(2 * I_, H_), None, quant), Linear(rnd(H_, I_), None, quant), "silu")
+               for _ in range(E_)]
+    return MoE(Linear(rnd(E_, H_)), experts, top_k, True)
+
+
+class CallSpy:
+    """Wraps an expert: records the row count of each call, runs the real expert."""
+
+    def __init__(self, mlp: GatedMLP) -> None:
+        self.mlp, self.calls = mlp, []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return self.mlp(x)
+
+
+def test_each_selected_expert_runs_once_over_all_its_rows():
+    moe = make_moe(torch.float32, None)
+    moe.experts = [CallSpy(e) for e in moe.experts]
+    x = torch.randn(16, H_, generator=torch.Generator().manual_seed(1))
+    want = make_moe(torch.float32, None)(x)
+    out = moe(x)
+    _, idx = moe.route(x)
+    routed = torch.bincount(idx.reshape(-1), minlength=E_).tolist()
+    assert sum(routed) == 16 * 2 and sum(1 for n in routed if n) > 2
+    assert [s.calls for s in moe.experts] == [[n] if n else [] for n in routed]
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_routing_weights_are_the_renormalized_top_k_of_the_softmax():
+    moe = make_moe(torch.float32, None, top_k=3)
+    x = torch.randn(5, H_, generator=torch.Generator().manual_seed(2))
+    w, idx = moe.route(x)
+    p = torch.softmax(x @ moe.router.w.t(), -1)
+    ref_w, ref_i = p.topk(3, -1)
+    assert torch.equal(idx, ref_i)
+    torch.testing.assert_close(w, ref_w / ref_w.sum(-1, keepdim=True))
+    moe.norm = False
+    torch.testing.assert_close(moe.route(x)[0], ref_w)
+
+
+@pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, None), (torch.bfloat16, "int4"),
+                                         (torch.bfloat16, "int8")])
+def test_a_rows_output_does_not_depend_on_the_rows_sharing_its_experts(dtype, quant):
+    """Bit-identical alone, in a 12-row decode-sized step in any order, and (dense weights) in a 40-row
+    prefill-sized one. Quantized experts switch to their dense weights past small_m rows, as every Linear
+    does; the lead's row-invariant Linear (issue 28) extends this to float32."""
+    moe = make_moe(dtype, quant)
+    x = torch.randn(40, H_, generator=torch.Generator().manual_seed(3)).to(dtype)
+    alone = torch.cat([moe(x[i:i + 1]) for i in range(12)])
+    assert torch.equal(moe(x[:12]), alone)
+    assert torch.equal(moe(x[:12].flip(0)).flip(0), alone)
+    if quant is None:
+        assert torch.equal(moe(x)[:12], alone)
+
+
+def test_experts_take_the_quantized_decode_path(tmp_path):
+    path = H.save_safetensors(H.hf_model("qwen3moe"), tmp_path / "q")
+    w = load_weights(path, "bfloat16", progress=False)
+    m = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, weight_quant="int8")
+    moe = m.layers[0].mlp
+    assert isinstance(moe, MoE) and len(moe.experts) == 8
+    assert all(e.gate_up.qw is not None or e.gate_up.wq is not None for e in moe.experts)
+    # one decode row reads the router and its top-2 experts' weights, not all eight
+    one = moe.bytes_read(1)
+    assert moe.router.bytes_read(1) + 2 * moe.experts[0].bytes_read(1) == one < moe.bytes_read(16)
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    return H.save_safetensors(H.hf_model("mixtral"), tmp_path_factory.mktemp("moe") / "m")
+
+
+def _edited(src: str, dst, edit) -> str:
+    import shutil
+    shutil.copytree(src, dst)
+    t = load_file(f"{dst}/model.safetensors")
+    edit(t)
+    save_file(t, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def _build(path: str):
+    w = load_weights(path, "float32", progress=False)
+    return build_model(w.config, w.tensors, torch.float32, "cpu", 64)
+
+
+def test_a_missing_expert_is_a_load_error_naming_it(mixtral_dir, tmp_path):
+    def drop(t):
+        del t["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    with pytest.raises(UnsupportedModelError, match=r"lacks .*layers\.1\.block_sparse_moe\.experts\.5\.w3"):
+        _build(_edited(mixtral_dir, tmp_path / "m", drop))
+
+
+def test_an_expert_beyond_the_config_is_a_load_error_naming_it(mixtral_dir, tmp_path):
+    def add(t):
+        t["model.layers.0.block_sparse_moe.experts.8.w1.weight"] = torch.zeros(48, 64)
+    with pytest.raises(UnsupportedModelError, match=r"would not use: .*experts\.8\.w1"):
+        _build(_edited(mixtral_dir, tmp_path / "m", add))
+
+
+def test_transformers_fused_expert_layout_loads_to_the_same_model(mixtral_dir, tmp_path):
+    """transformers' in-memory form (mlp.gate, mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I])
+    reads as the hub's per-expert tensors."""
+    def fuse(t):
+        for i in range(2):
+            p = f"model.layers.{i}.block_sparse_moe."
+            gate = [t.pop(p + f"experts.{e}.w1.weight") for e in range(8)]
+            up = [t.pop(p + f"experts.{e}.w3.weight") for e in range(8)]
+            down = [t.pop(p + f"experts.{e}.w2.weight") for e in range(8)]
+            q = f"model.layers.{i}.mlp."
+            t[q + "gate.weight"] = t.pop(p + "gate.weight")
+            t[q + "experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+            t[q + "experts.down_proj"] = torch.stack(down)
+    a, b = _build(mixtral_dir), _build(_edited(mixtral_dir, tmp_path / "m", fuse))
+    x = torch.randn(3, 64)
+    assert torch.equal(a.layers[1].mlp(x), b.layers[1].mlp(x))
+
+
+def test_gguf_gating_other_than_softmax_refuses():
+    from chatserve.runtime.arch_config import _gguf_moe
+    keys = {"expert_count": 8, "expert_used_count": 2, "expert_gating_func": 2}
+    with pytest.raises(UnsupportedModelError, match="expert_gating_func 2"):
+        _gguf_moe(keys.get, "qwen3moe", 2, 32)
+    keys["expert_gating_func"] = 1
+    spec = _gguf_moe(keys.get, "qwen3moe", 2, 32)
+    assert (spec.num_experts, spec.top_k, spec.expert_size, spec.norm_topk_prob) == (8, 2, 32, True)
