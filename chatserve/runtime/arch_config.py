@@ -11,7 +11,9 @@ GGUF_ARCHS: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": False, "
                                "qwen3moe": False, "olmoe": False, "mixtral": True}
 # our MoE families (ArchConfig.arch) → whether the router's top-k weights are renormalized where the config
 # cannot say: Mixtral always; from GGUF, llama.cpp's fixed choice per architecture
-MOE_NORM_TOPK: dict[str, bool] = {"mixtral": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+# gpt-oss takes the softmax of the top-k logits: the same weights as the renormalized top-k of the softmax
+MOE_NORM_TOPK: dict[str, bool] = {"mixtral": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False,
+                                  "gpt-oss": True}
 
 
 class UnsupportedModelError(ValueError):
@@ -30,6 +32,8 @@ class MoESpec:
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]     # per layer: True = MoE, False = the dense MLP (intermediate_size)
     shared_expert_size: int = 0         # Qwen2-MoE: an expert every token takes, scaled by sigmoid(x·g)
+    biases: bool = False                # gpt-oss: the router and every expert matrix have biases
+    swiglu_oai: tuple[float, float] | None = None   # gpt-oss's clamped SwiGLU: (alpha, limit)
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -65,6 +69,7 @@ class ArchConfig:
     hidden_act: str = "silu"                # silu | gelu_pytorch_tanh (Gemma's GeGLU)
     query_pre_attn_scalar: float | None = None   # Gemma: scores scaled by this ** -0.5, not head_dim
     attn_logit_softcap: float | None = None      # Gemma 2: scores = c·tanh(scores / c)
+    attention_sinks: bool = False                # gpt-oss: a learned logit per head in each softmax's denominator
     final_logit_softcap: float | None = None     # Gemma 2: logits = c·tanh(logits / c)
     sliding_window: int | None = None       # a token sees the last N positions (itself included)
     layer_types: tuple[str, ...] | None = None   # per layer "sliding_attention" | "full_attention";
@@ -235,7 +240,7 @@ def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig
 # HF model_type → our family name (models.FAMILIES)
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                   "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
-                  "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+                  "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
 # the keys each RoPE type reads (besides rope_type/type/rope_theta/partial_rotary_factor); any other key
 # is a setting we would silently ignore, so it refuses to load
 ROPE_KEYS: dict[str, frozenset[str]] = {
@@ -351,6 +356,10 @@ def _hf_moe(hf: dict, arch: str, layers: int) -> MoESpec | None:
     if arch == "mixtral":
         return MoESpec(n, int(hf["num_experts_per_tok"]),
                        int(hf["intermediate_size"]), True, (True,) * layers)
+    if arch == "gpt-oss":
+        return MoESpec(n, int(hf["num_experts_per_tok"]), int(hf["intermediate_size"]), True, (True,) * layers,
+                       biases=True, swiglu_oai=(float(hf.get("swiglu_alpha", 1.702)),
+                                                float(hf.get("swiglu_limit", 7.0))))
     if arch == "olmoe":
         if hf.get("clip_qkv") is not None:
             raise UnsupportedModelError("OLMoE clip_qkv is not supported")
@@ -390,7 +399,8 @@ def config_from_hf(hf: dict) -> ArchConfig:
     if hf.get("use_bidirectional_attention"):
         raise UnsupportedModelError("use_bidirectional_attention is not supported (a decoder only)")
     bias = bool(hf.get("attention_bias", False))
-    qkv_bias = (bias and arch in ("llama", "qwen3", "gemma2", "gemma3", "qwen3moe", "olmoe")) or arch == "qwen2" \
+    biased = ("llama", "qwen3", "gemma2", "gemma3", "qwen3moe", "olmoe", "gpt-oss")
+    qkv_bias = (bias and arch in biased) or arch == "qwen2" \
         or (arch == "qwen2moe" and hf.get("qkv_bias", True))
     return ArchConfig(
         arch=arch,
@@ -409,7 +419,7 @@ def config_from_hf(hf: dict) -> ArchConfig:
         local_rope_theta=local_theta,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma2", "gemma3"))),
         attention_bias=bool(qkv_bias),
-        o_bias=bias and arch in ("llama", "qwen3", "gemma2", "gemma3", "qwen3moe", "olmoe"),
+        o_bias=bias and arch in biased,
         mlp_bias=bool(hf.get("mlp_bias", False)) and arch == "llama",
         qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe"),
         hidden_act=act,
@@ -417,6 +427,7 @@ def config_from_hf(hf: dict) -> ArchConfig:
                                if arch in ("gemma2", "gemma3") else None),
         attn_logit_softcap=hf.get("attn_logit_softcapping") if arch in ("gemma2", "gemma3") else None,
         final_logit_softcap=hf.get("final_logit_softcapping") if arch in ("gemma2", "gemma3") else None,
+        attention_sinks=arch == "gpt-oss",
         sliding_window=int(window) if window else None,
         layer_types=layer_types if window else None,
         moe=_hf_moe(hf, arch, layers),

@@ -71,8 +71,11 @@ SPECS: dict[str, tuple[str, dict]] = {
                                         shared_expert_intermediate_size=48)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)),
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    # attention sinks, sliding and full layers alternating, YaRN (its default RoPE), clamped SwiGLU experts
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                     sliding_window=WINDOW, num_hidden_layers=3, swiglu_limit=0.9)),
 }
-MOE_SPECS = ("qwen3moe", "qwen3moe_dense_layers", "qwen2moe", "mixtral", "olmoe")
+MOE_SPECS = ("qwen3moe", "qwen3moe_dense_layers", "qwen2moe", "mixtral", "olmoe", "gpt_oss")
 # the spec's phi3 configs derive head_dim from hidden/heads: keep 16
 for _n in ("phi3", "phi3_longrope", "phi4mini"):
     SPECS[_n][1]["head_dim"] = None

@@ -6,6 +6,7 @@ import torch
 
 from chatserve.runtime.models.decoder import DecoderModel
 from chatserve.runtime.models.gemma import GemmaModel
+from chatserve.runtime.models.gpt_oss import GptOssModel
 from chatserve.runtime.models.llama import LlamaModel
 from chatserve.runtime.models.mixtral import MixtralModel
 from chatserve.runtime.models.olmoe import OlmoeModel
@@ -26,6 +27,7 @@ FAMILIES: dict[str, type[DecoderModel]] = {
     "qwen3moe": QwenMoeModel,
     "mixtral": MixtralModel,
     "olmoe": OlmoeModel,
+    "gpt-oss": GptOssModel,
 }
 
 

@@ -152,6 +152,7 @@ class DecoderModel:
         qkv_w, qkv_b, o_w, o_b = self.read_attention(r, p + "self_attn.")
         mlp = self.build_mlp(r, p, i)
         norms = self.read_norms(r, p)
+        sinks = r(p + "self_attn.sinks", config.attention_sinks)                 # [hq] (gpt-oss)
         q_norm = r(p + "self_attn.q_norm.weight", config.qk_norm)
         k_norm = r(p + "self_attn.k_norm.weight", config.qk_norm)
         r.check_missing()
@@ -163,7 +164,8 @@ class DecoderModel:
             mlp=mlp,
             post_ffn_norm=nw(norms[3]),
             rotary=rotary(window is not None and config.local_rope_theta is not None),
-            attention=Attention(scale, window, config.attn_logit_softcap))
+            attention=Attention(scale, window, config.attn_logit_softcap,
+                                None if sinks is None else sinks.float()))
 
     def _decode_chain(self, fused_ops: bool) -> cpu_decode.DecodeChain | None:
         """The C chain for few-row decode steps, where every layer is the plain pre-norm SwiGLU one with
@@ -178,7 +180,8 @@ class DecoderModel:
                 return None
             lins = (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)
             plain = (ly.q_norm is None and ly.k_norm is None and ly.post_attn_norm is None
-                     and ly.post_ffn_norm is None and not ly.attention.window and not ly.attention.softcap)
+                     and ly.post_ffn_norm is None and not ly.attention.window and not ly.attention.softcap
+                     and ly.attention.sinks is None)
             if not plain or any(m.qw is None or m.b is not None or m.small_m != ly.qkv.small_m for m in lins):
                 return None
             layers.append(cpu_decode.ChainLayer(ly.input_norm, ly.qkv.qw, ly.o.qw, ly.pre_ffn_norm,

@@ -233,10 +233,13 @@ class StepInfo:
 
 class Attention:
     """Store this step's K/V in the layer's paged cache and attend over it with
-    chatserve_kernels.paged_attention (which runs soft-capped layers, Gemma 2, on its torch twin)."""
+    chatserve_kernels.paged_attention (which runs soft-capped layers, Gemma 2, and attention sinks,
+    gpt-oss, on its torch twin)."""
 
-    def __init__(self, scale: float, sliding_window: int | None, softcap: float | None) -> None:
-        self.scale, self.window, self.softcap = scale, sliding_window, softcap
+    def __init__(self, scale: float, sliding_window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None = None) -> None:
+        # sinks: [q_heads] float32
+        self.scale, self.window, self.softcap, self.sinks = scale, sliding_window, softcap, sinks
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cache: tuple[torch.Tensor, ...], step: StepInfo) -> torch.Tensor:
@@ -253,6 +256,8 @@ class Attention:
             kw["logit_softcap"] = self.softcap
         if self.window:
             kw["sliding_window"] = self.window
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
         return chatserve_kernels.paged_attention(q, cache[0], cache[1], step.meta, self.scale, **kw)
 
 
