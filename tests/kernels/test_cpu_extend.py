@@ -85,6 +85,21 @@ def test_softcap_and_per_layer_windows_run_on_the_twin(dt):
     assert set(case.meta.plans) == {PlanKey(16, 16, True), PlanKey(16, 0, True)}
 
 
+@pytest.mark.parametrize("dt", [F32, BF16])
+def test_attention_sinks_run_on_the_twin_on_every_path(dt):
+    """gpt-oss's per-head sink logits: decode rows, short chunks (the padded batch), a long chunk, with
+    and without a window, against the dense oracle with the sink as an extra softmax column."""
+    case = make_case([1, 40, 5, 1, 100], [30, 57, 21, 70, 130], q_heads=8, kv_heads=2, head_dim=64,
+                     block_size=16, dtype=dt)
+    sinks = torch.linspace(-2.0, 3.0, 8)
+    for window in (16, None):
+        got = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                              sliding_window=window, sinks=sinks)
+        assert_close(got, dense_reference(case, window, sinks=sinks), dt, TOL_DENSE)
+    plain = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert (plain - got).abs().max() > 0.05                # the sinks took a visible share
+
+
 def test_metadata_caches_slot_validity():
     case = make_case([3], [3], q_heads=2, kv_heads=1, head_dim=32, block_size=16, dtype=F32)
     assert case.meta.all_slots_valid
