@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 # GGUF architectures we run, and whether llama.cpp's converter permuted their Q/K rows.
 GGUF_ARCHS: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
                                "gemma2": False, "gemma3": False, "phi3": False, "qwen2moe": False,
-                               "qwen3moe": False, "olmoe": False, "mixtral": True}
+                               "qwen3moe": False, "olmoe": False, "mixtral": True, "gpt-oss": False}
 # our MoE families (ArchConfig.arch) → whether the router's top-k weights are renormalized where the config
 # cannot say: Mixtral always; from GGUF, llama.cpp's fixed choice per architecture
 # gpt-oss takes the softmax of the top-k logits: the same weights as the renormalized top-k of the softmax
@@ -136,6 +136,8 @@ def _gguf_rope(a, arch: str, mpe: int, tensor_shapes: dict) -> dict | None:
                 d[k] = float(a(f"rope.scaling.yarn_{k}"))
         if a("rope.scaling.yarn_attn_factor") not in (None, 1.0):
             d["attention_factor"] = float(a("rope.scaling.yarn_attn_factor"))
+        if arch == "gpt-oss":          # its reference (OpenAI's, transformers') leaves the YaRN bounds unrounded
+            d["truncate"] = False
         return normalize_rope_scaling(d, max_position_embeddings=mpe)
     raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type {stype!r} is not supported "
                                 f"(linear, yarn, longrope)")
@@ -144,7 +146,7 @@ def _gguf_rope(a, arch: str, mpe: int, tensor_shapes: dict) -> dict | None:
 def _gguf_layer_types(a, arch: str, layers: int) -> tuple[str, ...] | None:
     """Gemma's alternation of sliding and full layers (llama.cpp keeps only the pattern); None for
     families whose every layer slides."""
-    if arch == "gemma2":
+    if arch in ("gemma2", "gpt-oss"):
         return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
     if arch == "gemma3":
         pattern = a("attention.sliding_window_pattern", 6)
@@ -162,9 +164,11 @@ def _gguf_moe(a, arch: str, layers: int, ffn: int) -> MoESpec | None:
     gating = a("expert_gating_func")
     if gating not in (None, 1):                       # llama.cpp: 1 = softmax, 2 = sigmoid
         raise UnsupportedModelError(f"GGUF expert_gating_func {gating} is not supported (softmax)")
+    oss = arch == "gpt-oss"             # llama.cpp's fixed clamped SwiGLU: alpha 1.702, limit 7
     return MoESpec(int(a("expert_count")), int(a("expert_used_count")),
                    int(a("expert_feed_forward_length", ffn)), MOE_NORM_TOPK[arch], (True,) * layers,
-                   int(a("expert_shared_feed_forward_length", 0)) if arch == "qwen2moe" else 0)
+                   int(a("expert_shared_feed_forward_length", 0)) if arch == "qwen2moe" else 0,
+                   biases=oss, swiglu_oai=(1.702, 7.0) if oss else None)
 
 
 def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
@@ -225,6 +229,7 @@ def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
         query_pre_attn_scalar=qpas,
         attn_logit_softcap=a("attn_logit_softcapping") if gemma else None,
+        attention_sinks="blk.0.attn_sinks.weight" in tensor_shapes,
         final_logit_softcap=a("final_logit_softcapping") if gemma else None,
         sliding_window=int(window) if window else None,
         layer_types=layer_types,

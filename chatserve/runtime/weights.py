@@ -98,6 +98,9 @@ _GGUF_ARCH_LAYER_NAMES = {
                "post_attention_norm.weight": "post_attention_layernorm.weight",
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gpt-oss": {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+                "attn_sinks.weight": "self_attn.sinks", "post_attention_norm.weight": "post_attention_layernorm.weight",
+                **{f"ffn_{n}_exps.bias": f"mlp.experts.{n}_proj.bias" for n in ("gate", "up", "down")}},
     "mixtral": {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
                 **{f"ffn_{n}_exps.weight": f"block_sparse_moe.experts.{w}.weight"
                    for n, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}},

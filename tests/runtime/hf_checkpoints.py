@@ -73,9 +73,12 @@ SPECS: dict[str, tuple[str, dict]] = {
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
     # attention sinks, sliding and full layers alternating, YaRN (its default RoPE), clamped SwiGLU experts
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                                     sliding_window=WINDOW, num_hidden_layers=3, swiglu_limit=0.9)),
+                                     sliding_window=WINDOW, num_hidden_layers=3)),
+    # a SwiGLU limit the random weights reach (llama.cpp, hence GGUF, fixes it at 7)
+    "gpt_oss_clamped": ("GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                             sliding_window=WINDOW, num_hidden_layers=3, swiglu_limit=0.9)),
 }
-MOE_SPECS = ("qwen3moe", "qwen3moe_dense_layers", "qwen2moe", "mixtral", "olmoe", "gpt_oss")
+MOE_SPECS = ("qwen3moe", "qwen3moe_dense_layers", "qwen2moe", "mixtral", "olmoe", "gpt_oss", "gpt_oss_clamped")
 # the spec's phi3 configs derive head_dim from hidden/heads: keep 16
 for _n in ("phi3", "phi3_longrope", "phi4mini"):
     SPECS[_n][1]["head_dim"] = None
@@ -142,7 +145,7 @@ def save_safetensors(model, path: Path, legacy_rope: bool = False) -> str:
 GGUF_ARCH = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA", "Qwen2ForCausalLM": "QWEN2",
              "Qwen3ForCausalLM": "QWEN3", "Gemma2ForCausalLM": "GEMMA2", "Gemma3ForCausalLM": "GEMMA3",
              "Phi3ForCausalLM": "PHI3", "Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
-             "MixtralForCausalLM": "LLAMA", "OlmoeForCausalLM": "OLMOE"}
+             "MixtralForCausalLM": "LLAMA", "OlmoeForCausalLM": "OLMOE", "GptOssForCausalLM": "GPT_OSS"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -216,10 +219,12 @@ def save_gguf(model, path: Path) -> str:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
         if ".experts." in hf_name:                   # stacked [E, ...] as llama.cpp's converter writes
-            _add_experts(w, hf_name, t.detach().float().numpy())
+            _add_experts(w, hf_name, t.detach().float().numpy(), name == "gpt-oss")
             continue
         g = nm.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert g is not None, hf_name
+        if not g.endswith((".weight", ".bias")):      # gpt-oss's sinks: llama.cpp loads attn_sinks.weight
+            g += ".weight"
         arr = t.detach().float().numpy()
         if name == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             arr = _permute(arr, heads if ".q_proj." in hf_name else kv)
@@ -248,10 +253,23 @@ def _add_moe_keys(w, cfg) -> None:
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
-def _add_experts(w, hf_name: str, arr: np.ndarray) -> None:
+def _add_experts(w, hf_name: str, arr: np.ndarray, oss: bool = False) -> None:
     """transformers' fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as GGUF's
-    ffn_{gate,up,down}_exps [E, I, H] / [E, H, I]."""
+    ffn_{gate,up,down}_exps [E, I, H] / [E, H, I]. gpt-oss (oss): gate_up_proj [E, H, 2I] with gate and up
+    columns interleaved, down_proj [E, I, H], and their _bias tensors."""
     blk = f"blk.{hf_name.split('.layers.')[1].split('.')[0]}"
+    if oss:
+        kind = "bias" if hf_name.endswith("_bias") else "weight"
+        if "gate_up_proj" in hf_name:
+            gate, up = arr[..., 0::2], arr[..., 1::2]
+            if kind == "weight":
+                gate, up = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+            w.add_tensor(f"{blk}.ffn_gate_exps.{kind}", np.ascontiguousarray(gate, dtype=np.float32))
+            w.add_tensor(f"{blk}.ffn_up_exps.{kind}", np.ascontiguousarray(up, dtype=np.float32))
+        else:
+            down = arr.transpose(0, 2, 1) if kind == "weight" else arr
+            w.add_tensor(f"{blk}.ffn_down_exps.{kind}", np.ascontiguousarray(down, dtype=np.float32))
+        return
     if hf_name.endswith("gate_up_proj"):
         gate, up = np.split(arr, 2, axis=1)
         w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(gate, dtype=np.float32))

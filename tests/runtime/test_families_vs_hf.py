@@ -18,8 +18,9 @@ import hf_checkpoints as H  # noqa: E402  (tests/runtime is on sys.path via root
 BS = 8                                   # small blocks: a 40-token prompt spans 5 of them
 N_NEW = 8
 # llama.cpp has no dynamic NTK, no query_pre_attn_scalar, a fixed 10,000 base for Gemma 3's local layers
-# and no dense layers among MoE ones (mlp_only_layers)
-GGUF_NAMES = [n for n in H.SPECS if n not in ("rope_dynamic", "gemma3_qpas", "qwen3moe_dense_layers", "gpt_oss")]
+# and no dense layers among MoE ones (mlp_only_layers) nor a gpt-oss SwiGLU limit other than 7
+GGUF_NAMES = [n for n in H.SPECS if n not in ("rope_dynamic", "gemma3_qpas", "qwen3moe_dense_layers",
+                                               "gpt_oss_clamped")]
 # prompt lengths per spec: one short, one over several blocks, one past the 24-token sliding window
 PROMPTS = {n: (5, 40, 60) for n in H.SPECS}
 PROMPTS["rope_dynamic"] = (5, 20, 30)    # + 8 new tokens run past its 32-token original context
