@@ -58,9 +58,10 @@ class MoE:
 
     def bytes_read(self, rows: int) -> int:
         """Weight bytes a step of `rows` rows reads at most: the router, min(E, rows·k) experts (each
-        once), the shared expert."""
-        experts = self.experts[:min(len(self.experts), rows * self.top_k)]
-        total = self.router.bytes_read(rows) + sum(e.bytes_read(rows) for e in experts)
+        once, over its share of the rows), the shared expert."""
+        selected = min(len(self.experts), rows * self.top_k)
+        share = -(-rows * self.top_k // selected)                  # rows per selected expert, rounded up
+        total = self.router.bytes_read(rows) + sum(e.bytes_read(share) for e in self.experts[:selected])
         if self.shared is not None:
             total += self.shared.bytes_read(rows) + self.shared_gate.bytes_read(rows)
         return total
