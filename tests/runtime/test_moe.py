@@ -4,6 +4,7 @@ MoE checkpoints load exactly (a missing or extra expert tensor names itself). Fa
 transformers: test_families_vs_hf.py."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -152,3 +153,27 @@ def test_gguf_gating_other_than_softmax_refuses():
     keys["expert_gating_func"] = 1
     spec = _gguf_moe(keys.get, "qwen3moe", 2, 32)
     assert (spec.num_experts, spec.top_k, spec.expert_size, spec.norm_topk_prob) == (8, 2, 32, True)
+
+
+def test_stacked_experts_must_match_the_config_count(tmp_path):
+    """A GGUF's stacked expert tensors [E, ...] with more experts than expert_count refuse to load."""
+    import gguf
+    path = H.save_gguf(H.hf_model("qwen3moe"), tmp_path / "m.gguf")
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "qwen3moe")
+    for f in r.fields.values():
+        if f.name.startswith("qwen3moe."):
+            key = f.name.split(".", 1)[1]
+            val = f.contents()
+            if key == "expert_count":
+                val = 4
+            w.add_key_value(f.name, val, f.types[0] if len(f.types) == 1 else f.types[0],
+                            sub_type=f.types[1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed([int(x) for x in t.shape]))))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="mlp.experts.gate_proj.weight holds 8 experts, the config 4"):
+        _build(str(tmp_path / "bad.gguf"))

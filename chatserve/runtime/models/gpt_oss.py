@@ -15,7 +15,7 @@ import torch
 
 from chatserve.runtime.models.decoder import DecoderModel, WeightReader
 from chatserve.runtime.models.layers import GatedMLP, Linear
-from chatserve.runtime.models.moe import MoE
+from chatserve.runtime.models.moe import MoE, check_expert_count
 
 # one expert's (gate w [I, H], gate b [I], up w, up b, down w [H, I], down b [H])
 OaiExpert = tuple[torch.Tensor, ...]
@@ -42,11 +42,15 @@ def read_oai_experts(r: WeightReader, p: str, n: int) -> list[OaiExpert] | None:
         d, db = r(p + "down_proj"), r(p + "down_proj_bias")                  # [E, I, H], [E, H]
         if gub is None or d is None or db is None:
             return None
+        for name, t in (("gate_up_proj", gu), ("gate_up_proj_bias", gub), ("down_proj", d), ("down_proj_bias", db)):
+            check_expert_count(p + name, t, n)
         return [(gu[e, :, 0::2].t(), gub[e, 0::2], gu[e, :, 1::2].t(), gub[e, 1::2], d[e].t(), db[e])
                 for e in range(n)]
     ts = [r(p + f"{m}_proj.{k}") for m in ("gate", "up", "down") for k in ("weight", "bias")]
     if any(t is None for t in ts):
         return None
+    for t in ts:
+        check_expert_count(p + "*_proj", t, n)
     return [tuple(t[e] for t in ts) for e in range(n)]
 
 

@@ -8,10 +8,15 @@ Not a family (qwen_moe.py, mixtral.py, olmoe.py) and not the config (arch_config
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from chatserve.runtime.arch_config import MoESpec, UnsupportedModelError
 from chatserve.runtime.models.layers import GatedMLP, Linear
+
+if TYPE_CHECKING:                       # decoder.py imports this module
+    from chatserve.runtime.models.decoder import WeightReader
 
 
 class MoE:
@@ -70,7 +75,13 @@ class MoE:
 ExpertWeights = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def read_experts(r, p: str, n: int, names: tuple[str, str, str]) -> ExpertWeights | None:
+def check_expert_count(name: str, t: torch.Tensor, n: int) -> None:
+    """A stacked expert tensor [E, ...] must hold exactly the config's n experts."""
+    if t.shape[0] != n:
+        raise UnsupportedModelError(f"{name} holds {t.shape[0]} experts, the config {n}")
+
+
+def read_experts(r: WeightReader, p: str, n: int, names: tuple[str, str, str]) -> ExpertWeights | None:
     """[(gate [I, H], up [I, H], down [H, I])] of n experts under prefix p ("…mlp.experts."), in whichever
     layout the checkpoint has: one tensor each (HF hub: p{e}.{gate}.weight), stacked along a first expert
     axis (GGUF: p{gate}.weight [E, I, H]), or transformers' fused form (p gate_up_proj [E, 2I, H],
@@ -81,17 +92,21 @@ def read_experts(r, p: str, n: int, names: tuple[str, str, str]) -> ExpertWeight
         gu, down = r(p + "gate_up_proj"), r(p + "down_proj")
         if down is None:
             return None
+        check_expert_count(p + "gate_up_proj", gu, n)
+        check_expert_count(p + "down_proj", down, n)
         return [(*gu[e].chunk(2, 0), down[e]) for e in range(n)]
     if r.has(p + f"{g}.weight"):
         gs, us, ds = (r(p + f"{t}.weight") for t in names)
         if us is None or ds is None:
             return None
+        for t, name in zip((gs, us, ds), names):
+            check_expert_count(p + f"{name}.weight", t, n)
         return [(gs[e], us[e], ds[e]) for e in range(n)]
     out = [tuple(r(p + f"{e}.{t}.weight") for t in names) for e in range(n)]
     return None if any(t is None for ws in out for t in ws) else out
 
 
-def read_moe(r, m: str, spec, lin: Callable[[torch.Tensor], Linear], act: str,
+def read_moe(r: WeightReader, m: str, spec: MoESpec, lin: Callable[[torch.Tensor], Linear], act: str,
              names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> MoE | None:
     """The MoE layer under prefix m ("…mlp."): router m gate.weight [E, H], experts under m experts.
     (read_experts), and with spec.shared_expert_size the shared expert m shared_expert.* and its gate
@@ -109,7 +124,7 @@ def read_moe(r, m: str, spec, lin: Callable[[torch.Tensor], Linear], act: str,
     return build_moe(experts, router, spec, lin, act, shared, gate)
 
 
-def build_moe(experts: ExpertWeights, router: torch.Tensor, spec, lin: Callable[[torch.Tensor], Linear],
+def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec, lin: Callable[[torch.Tensor], Linear],
               act: str, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               shared_gate: torch.Tensor | None = None) -> MoE:
     """The MoE layer on read weights: gate and up fused per expert, every matrix a layers.Linear (lin)."""
