@@ -194,3 +194,20 @@ def test_blocks_freed_past_the_window_keep_outputs_through_the_scheduler(checkpo
     assert llm.generate(prompts[3:], params) == [hf_greedy(name, prompts[3])]
     assert llm.kv.window_drops > 0 and llm.kv.prefix_hits > 0
     llm.kv.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "gpt_oss_clamped"])
+def test_moe_families_through_the_scheduler(checkpoints, name):
+    """A MoE family (gpt-oss: sinks, alternating windows, so the cache keeps every block) under the real
+    scheduler: chunked prefills, a batch and a prefix hit, tokens equal to transformers'."""
+    from chatserve.llm import LLM
+    llm = LLM(checkpoints(name, "safetensors"), block_size=BS, num_blocks=48, max_num_batched_tokens=24,
+              num_threads=1, eos_token_ids=[])
+    assert llm.kv.sliding_window is None
+    prompts = [prompt_ids(name, n) for n in PROMPTS[name]]
+    prompts.append(prompts[2][:40] + prompt_ids(name, 20, seed=1))       # a prefix hit on prompt 2
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW)
+    assert llm.generate(prompts[:3], params) == [hf_greedy(name, p) for p in prompts[:3]]
+    assert llm.generate(prompts[3:], params) == [hf_greedy(name, prompts[3])]
+    assert llm.kv.prefix_hits > 0
+    llm.kv.check_integrity()
