@@ -40,6 +40,8 @@ class MoE:
         # x: [T, H] → [T, H]
         T, k = x.shape[0], self.top_k
         w, idx = self.route(x)
+        if T == 1:                     # one row (a one-stream decode step): its experts in rank order
+            return self._combine([self.experts[e](x) for e in idx[0].tolist()], w, x)
         flat = idx.reshape(-1)                                               # [T·k] slot t·k + j
         order = torch.argsort(flat, stable=True)                             # slots grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -53,9 +55,14 @@ class MoE:
         y = torch.empty_like(ys)
         y[order] = ys
         y = y.view(T, k, -1)                                                 # [T, k, H] by the row's rank
-        out = y[:, 0] * w[:, :1]
-        for j in range(1, k):                                                # fixed order per row
-            out = out + y[:, j] * w[:, j:j + 1]
+        return self._combine([y[:, j] for j in range(k)], w, x)
+
+    def _combine(self, ys: list[torch.Tensor], w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Σ_j w[:, j] · ys[j] in rank order j = 0, 1, … (the same arithmetic for a row whatever its
+        batch), plus the gated shared expert. ys: k of [T, H]; w: [T, k] → [T, H]."""
+        out = ys[0] * w[:, :1]
+        for j in range(1, len(ys)):
+            out = out + ys[j] * w[:, j:j + 1]
         if self.shared is not None:
             gate = torch.sigmoid(self.shared_gate(x))                        # [T, 1]
             out = out + gate * self.shared(x)
