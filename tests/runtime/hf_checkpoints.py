@@ -277,3 +277,26 @@ def _add_experts(w, hf_name: str, arr: np.ndarray, oss: bool = False) -> None:
     else:
         assert hf_name.endswith("down_proj"), hf_name
         w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(arr, dtype=np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# exact-loading helpers: an edited copy of a saved checkpoint, and chatserve's build of one
+
+def with_tensors(src: str, dst: Path, edit) -> str:
+    """A copy of the safetensors checkpoint dir src at dst with edit(tensors dict) applied."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    t = load_file(f"{dst}/model.safetensors")
+    edit(t)
+    save_file(t, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def build_exact(path: str):
+    """chatserve's model of the checkpoint (float32, CPU): raises UnsupportedModelError when inexact."""
+    from chatserve.runtime.models import build_model
+    from chatserve.runtime.weights import load_weights
+    w = load_weights(path, "float32", progress=False)
+    return build_model(w.config, w.tensors, torch.float32, "cpu", 64)

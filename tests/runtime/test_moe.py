@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import hf_checkpoints as H
 from chatserve.runtime.arch_config import UnsupportedModelError
@@ -99,18 +98,7 @@ def mixtral_dir(tmp_path_factory):
     return H.save_safetensors(H.hf_model("mixtral"), tmp_path_factory.mktemp("moe") / "m")
 
 
-def _edited(src: str, dst, edit) -> str:
-    import shutil
-    shutil.copytree(src, dst)
-    t = load_file(f"{dst}/model.safetensors")
-    edit(t)
-    save_file(t, f"{dst}/model.safetensors", metadata={"format": "pt"})
-    return str(dst)
-
-
-def _build(path: str):
-    w = load_weights(path, "float32", progress=False)
-    return build_model(w.config, w.tensors, torch.float32, "cpu", 64)
+_edited, _build = H.with_tensors, H.build_exact
 
 
 def test_a_missing_expert_is_a_load_error_naming_it(mixtral_dir, tmp_path):
