@@ -32,6 +32,7 @@ typedef struct {
     int64_t bt_stride;
     int hq, hkv, D, bs, window;
     float scale, softcap;               /* softcap 0: none, else scores s become softcap·tanh(s / softcap) */
+    const float *sinks;                 /* NULL, or [hq] logits in every row's denominator (gpt-oss) */
 } job_t;
 
 typedef struct {                        /* one work item: query row `row` (position p) of sequence b */
@@ -284,7 +285,7 @@ static void merge_row(const job_t *j, const parts_t *pt, int row, int first, int
     const int hq = j->hq, D = j->D;
     float acc[MAX_D];
     for (int h = 0; h < hq; h++) {
-        float M = -1e30f, den = 0.0f;
+        float M = j->sinks ? j->sinks[h] : -1e30f, den = 0.0f;
         for (int s = first; s < first + n; s++) M = pt->mx[s * hq + h] > M ? pt->mx[s * hq + h] : M;
         memset(acc, 0, (size_t)D * sizeof(float));
         for (int s = first; s < first + n; s++) {
@@ -293,10 +294,10 @@ static void merge_row(const job_t *j, const parts_t *pt, int row, int first, int
             den += c * pt->den[s * hq + h];
             for (int d = 0; d < D; d++) acc[d] += c * a[d];
         }
+        if (j->sinks) den += exp_neg(j->sinks[h] - M);     /* a sink: weight in the denominator only */
         write_out(j, (int64_t)row * j->o_st + (int64_t)h * j->o_sh, acc, den);
     }
 }
-
 
 /* Segment boundaries: absolute multiples of SEG keys (a multiple of the block size), so a row's
  * segments depend on its position only. */
@@ -372,14 +373,16 @@ static int64_t plan_items(const job_t *j, int B, int64_t R, int threads, item_t 
 
 /* Every query row of a varlen batch: sequence b's ql = qsl[b+1] - qsl[b] new tokens sit at rows
  * qsl[b].. of q and out, positions seq_lens[b] - ql .. seq_lens[b] - 1, and see the keys before them
- * and themselves (their K/V already stored). Returns 0 on success, 1 for shapes this kernel does
+ * and themselves (their K/V already stored); sinks (NULL or [hq] float32) add e^sink to every
+ * row's denominator. Returns 0 on success, 1 for shapes this kernel does
  * not take (the caller uses the twin), 2 for inconsistent lengths, 3 when memory ran out. */
 int chatserve_paged_attention(int dtype, const void *q, int64_t q_st, int64_t q_sh,
                               const void *k_cache, const void *v_cache, int64_t c_sb,
                               const int32_t *block_tables, int64_t bt_stride,
                               const int32_t *query_start_loc, const int32_t *seq_lens,
                               int B, int hq, int hkv, int D, int block_size, float scale, int window,
-                              float softcap, void *out, int64_t o_st, int64_t o_sh, int nthreads) {
+                              float softcap, const float *sinks, void *out, int64_t o_st, int64_t o_sh,
+                              int nthreads) {
     if (dtype < 0 || dtype > 1 || hkv <= 0 || hq % hkv || hq > MAX_HQ || D > MAX_D ||
         hkv * D > MAX_ROW || block_size > MAX_BS || block_size <= 0 || SEG % block_size)
         return 1;
@@ -392,7 +395,8 @@ int chatserve_paged_attention(int dtype, const void *q, int64_t q_st, int64_t q_
     }
     if (R == 0) return 0;
     const job_t j = {dtype, q, k_cache, v_cache, out, q_st, q_sh, o_st, o_sh, c_sb, block_tables,
-                     query_start_loc, seq_lens, bt_stride, hq, hkv, D, block_size, window, scale, softcap};
+                     query_start_loc, seq_lens, bt_stride, hq, hkv, D, block_size, window, scale, softcap,
+                     sinks};
     int threads = nthreads < 1 ? 1 : nthreads;
     item_t *items = (item_t *)malloc((size_t)cap * sizeof(item_t));
     if (!items) return 3;

@@ -31,7 +31,7 @@ def c_paged_attention():
     fn = lib.chatserve_paged_attention
     fn.restype = _i32
     fn.argtypes = [_i32, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _i64, _vp, _vp,
-                   _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, ctypes.c_float, _vp, _i64, _i64, _i32]
+                   _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, ctypes.c_float, _vp, _vp, _i64, _i64, _i32]
     return fn
 
 
@@ -51,19 +51,25 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                        sliding_window: int | None = None, logit_softcap: float | None = None) -> bool:
-    """Write every row of out: softmax(q kᵀ · scale) v over each row's visible keys.
+                        sliding_window: int | None = None, logit_softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> bool:
+    """Write every row of out: softmax(q kᵀ · scale) v over each row's visible keys (sinks: [q_heads]
+    float32 logits in every row's denominator, gpt-oss).
 
     q, out: [T, q_heads, D]; caches [num_blocks, block_size, kv_heads, D]. Returns False (nothing
     written) when the kernel is unavailable or cannot take these tensors: use the torch twin then."""
     fn = c_paged_attention()
     if fn is None or not supports(q, k_cache, v_cache) or out.dtype != q.dtype or out.stride(-1) != 1:
         return False
-    return run(fn, q, k_cache, v_cache, meta, scale, out, sliding_window, logit_softcap)
+    if sinks is not None and not (sinks.dtype == torch.float32 and sinks.is_contiguous()
+                                  and sinks.shape == (q.shape[1],)):
+        return False
+    return run(fn, q, k_cache, v_cache, meta, scale, out, sliding_window, logit_softcap, sinks)
 
 
 def run(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float, out: torch.Tensor, sliding_window: int | None, logit_softcap: float | None) -> bool:
+        scale: float, out: torch.Tensor, sliding_window: int | None, logit_softcap: float | None,
+        sinks: torch.Tensor | None = None) -> bool:
     """paged_attention_cpu without its checks: fn = c_paged_attention(), tensors that `supports` took
     (an attention backend checks once, at load). False: a shape the C code declines."""
     tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
@@ -79,7 +85,7 @@ def run(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
             tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
             meta.num_seqs, hq, hkv, D, bs, float(scale), int(sliding_window or 0), float(logit_softcap or 0.0),
-            out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+            None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
     if rc == 2:
         raise ValueError("paged attention: a sequence has more new tokens than its length")
     if rc == 3:

@@ -96,7 +96,7 @@ class DecodeChain:
             store(pqkv + hq * d * esz, pqkv + (hq + hkv) * d * esz, qkv_n * esz, kc.data_ptr(), vc.data_ptr(),
                   pslots, M, row_bytes)
             rc = attend(dt, pqkv, qkv_n, d, kc.data_ptr(), vc.data_ptr(), kc.stride(0), ptab, tables.stride(0),
-                        pqsl, plens, M, hq, hkv, d, bs, self.scale, 0, 0.0, patt, hq * d, d, nt)
+                        pqsl, plens, M, hq, hkv, d, bs, self.scale, 0, 0.0, None, patt, hq * d, d, nt)
             if rc:
                 raise RuntimeError(f"cpu paged attention failed ({rc})")
             _mm(qmm, ly.o, patt, M, po, bf16, nt)
