@@ -12,15 +12,15 @@ import os
 import signal
 import sys
 import time
-from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from chatserve.cli import version
-from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments, parse_bytes
+from chatserve import version
+from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments
+from chatserve.config import parse_bytes  # noqa: F401  (re-exported: tests/server/test_server_cli.py imports it here)
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
-from chatserve.server.sessions import redact_url
+from chatserve.server.redis_check import redact_url
 
 if TYPE_CHECKING:
     from chatserve.runtime.model_runner import ModelRunner

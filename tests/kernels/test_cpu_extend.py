@@ -7,7 +7,6 @@ steps with decode rows; soft-capping and per-layer windows through the twin.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from chatserve_kernels import attention as pa
 from chatserve_kernels import extend_attention as ea
