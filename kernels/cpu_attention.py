@@ -85,7 +85,8 @@ def run(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
             tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(),
             meta.num_seqs, hq, hkv, D, bs, float(scale), int(sliding_window or 0), float(logit_softcap or 0.0),
-            None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads())
+            None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+            torch.get_num_threads())
     if rc == 2:
         raise ValueError("paged attention: a sequence has more new tokens than its length")
     if rc == 3:

@@ -6,7 +6,7 @@ import pytest
 
 from chatserve.config import default_model_path
 from chatserve.core.request import SamplingParams
-from chatserve.llm import LLM
+from chatserve.engine.llm import LLM
 from chatserve.runtime.models import layers
 from chatserve_kernels import attention, attention_backend, block_copy, cpu_attention, cpu_decode, cpu_ops
 from chatserve_kernels import cpu_qmatmul, kv_store
