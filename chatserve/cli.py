@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from chatserve import version
+
 COMMANDS: dict[str, str] = {
     "serve": "chatserve.server.serve:main",        # the API + UI server
     "chat": "chatserve.chat_client:main",          # terminal chat client
@@ -32,15 +34,6 @@ Run `chatserve COMMAND --help` for a command's options."""
 BENCH_USAGE = ("usage: chatserve bench {" + ",".join(BENCH) + "} [options]\n"
                + "\n".join(f"  {name:<10} {desc}" for name, desc in BENCH_HELP.items())
                + "\nRun `chatserve bench NAME --help` for a benchmark's options.")
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-    try:
-        return package_version("chatserve")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _run(target: str, argv: list[str]) -> int:

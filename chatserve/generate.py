@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         print("chatserve generate: --max-tokens must be >= 1", file=sys.stderr)
         return 2
     from chatserve.core.request import SamplingParams
-    from chatserve.llm import LLM
+    from chatserve.engine.llm import LLM
     from chatserve.text import Tokenizer, load_chat_template
 
     try:

@@ -11,7 +11,7 @@ import torch
 import hf_checkpoints as H
 from chatserve.runtime.arch_config import UnsupportedModelError
 from chatserve.runtime.models import build_model
-from chatserve.runtime.models.layers import GatedMLP, Linear
+from chatserve.runtime.models.layers import ALL_GENERATED, ALL_PROMPT, GatedMLP, Linear, RowSplit, TorchOps
 from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.weights import load_weights
 
@@ -25,7 +25,8 @@ def make_moe(dtype: torch.dtype, quant: str | None, top_k: int = 2, seed: int = 
     def rnd(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 0.1).to(dtype)
 
-    experts = [GatedMLP(Linear(rnd(2 * I_, H_), None, quant), Linear(rnd(H_, I_), None, quant), "silu")
+    ops = TorchOps(1e-6)
+    experts = [GatedMLP(Linear(rnd(2 * I_, H_), None, quant), Linear(rnd(H_, I_), None, quant), "silu", ops)
                for _ in range(E_)]
     return MoE(Linear(rnd(E_, H_)), experts, top_k, True)
 
@@ -36,9 +37,9 @@ class CallSpy:
     def __init__(self, mlp: GatedMLP) -> None:
         self.mlp, self.calls = mlp, []
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         self.calls.append(x.shape[0])
-        return self.mlp(x)
+        return self.mlp(x, rows)
 
 
 def test_each_selected_expert_runs_once_over_all_its_rows():
@@ -66,19 +67,22 @@ def test_routing_weights_are_the_renormalized_top_k_of_the_softmax():
     torch.testing.assert_close(moe.route(x)[0], ref_w)
 
 
-@pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, None), (torch.bfloat16, "int4"),
-                                         (torch.bfloat16, "int8")])
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, None), (torch.bfloat16, None),
+                                         (torch.bfloat16, "int4"), (torch.float32, "int8")])
 def test_a_rows_output_does_not_depend_on_the_rows_sharing_its_experts(dtype, quant):
-    """Bit-identical alone, in a 12-row decode-sized step in any order, and (dense weights) in a 40-row
-    prefill-sized one. Quantized experts switch to their dense weights past small_m rows, as every Linear
-    does; the lead's row-invariant Linear (issue 28) extends this to float32."""
+    """Bit-identical alone and in a 40-row step of generated and prompt rows sharing experts, in any
+    order: inside each expert's group a generated row keeps the quantized copy and a prompt row the
+    dense weight (layers.RowSplit), and each row combines its experts in its own rank order."""
     moe = make_moe(dtype, quant)
     x = torch.randn(40, H_, generator=torch.Generator().manual_seed(3)).to(dtype)
-    alone = torch.cat([moe(x[i:i + 1]) for i in range(12)])
-    assert torch.equal(moe(x[:12]), alone)
-    assert torch.equal(moe(x[:12].flip(0)).flip(0), alone)
-    if quant is None:
-        assert torch.equal(moe(x)[:12], alone)
+    gen = [i % 3 == 0 for i in range(40)]
+    alone = torch.cat([moe(x[i:i + 1], ALL_GENERATED if gen[i] else ALL_PROMPT) for i in range(40)])
+    assert torch.equal(moe(x, RowSplit.build(gen, x.device)), alone)
+    flip = moe(x.flip(0), RowSplit.build(gen[::-1], x.device)).flip(0)
+    assert torch.equal(flip, alone)
+    assert torch.equal(moe(x[:12], ALL_PROMPT), torch.cat([moe(x[i:i + 1], ALL_PROMPT) for i in range(12)]))
+    _, idx = moe.route(x)
+    assert torch.bincount(idx.reshape(-1), minlength=E_).max() > 8          # experts were shared
 
 
 def test_experts_take_the_quantized_decode_path(tmp_path):

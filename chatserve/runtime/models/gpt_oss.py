@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from chatserve.runtime.models.decoder import DecoderModel, WeightReader
-from chatserve.runtime.models.layers import GatedMLP, Linear
+from chatserve.runtime.models.layers import GatedMLP, Linear, RowSplit
 from chatserve.runtime.models.moe import MoE, check_expert_count
 
 # one expert's (gate w [I, H], gate b [I], up w, up b, down w [H, I], down b [H])
@@ -27,12 +27,12 @@ class OaiSwiGLU(GatedMLP):
     def __init__(self, gate_up: Linear, down: Linear, alpha: float, limit: float) -> None:
         self.gate_up, self.down, self.alpha, self.limit = gate_up, down, alpha, limit
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         # x: [T, H] → [T, H]
-        g, u = self.gate_up(x).chunk(2, -1)                              # [T, I] each
+        g, u = self.gate_up(x, rows).chunk(2, -1)                        # [T, I] each
         g = g.clamp(max=self.limit)
         u = u.clamp(-self.limit, self.limit)
-        return self.down((u + 1) * (g * torch.sigmoid(g * self.alpha)))
+        return self.down((u + 1) * (g * torch.sigmoid(g * self.alpha)), rows)
 
 
 def read_oai_experts(r: WeightReader, p: str, n: int) -> list[OaiExpert] | None:

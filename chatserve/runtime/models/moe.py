@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chatserve.runtime.arch_config import MoESpec, UnsupportedModelError
-from chatserve.runtime.models.layers import GatedMLP, Linear
+from chatserve.runtime.models.layers import GatedMLP, Linear, RowSplit, TorchOps
 
 if TYPE_CHECKING:                       # decoder.py imports this module
     from chatserve.runtime.models.decoder import WeightReader
@@ -36,36 +36,39 @@ class MoE:
             w = w / w.sum(-1, keepdim=True)
         return w.to(x.dtype), idx
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] → [T, H]
+    def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+        # x: [T, H] → [T, H]; rows: the step's generated / prompt rows (layers.RowSplit)
         T, k = x.shape[0], self.top_k
         w, idx = self.route(x)
         if T == 1:                     # one row (a one-stream decode step): its experts in rank order
-            return self._combine([self.experts[e](x) for e in idx[0].tolist()], w, x)
+            return self._combine([self.experts[e](x, rows) for e in idx[0].tolist()], w, x, rows)
         flat = idx.reshape(-1)                                               # [T·k] slot t·k + j
         order = torch.argsort(flat, stable=True)                             # slots grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        xs = x[order // k]                                                   # [T·k, H] rows by expert
+        src = order // k                                                     # [T·k] each slot's row
+        xs = x[src]                                                          # [T·k, H] rows by expert
+        splits = _group_splits(rows, src, counts, T)
         ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
             if n:                                                            # one matmul pass per expert
-                ys[start:start + n] = self.experts[e](xs[start:start + n])
+                ys[start:start + n] = self.experts[e](xs[start:start + n], splits[e])
                 start += n
         y = torch.empty_like(ys)
         y[order] = ys
         y = y.view(T, k, -1)                                                 # [T, k, H] by the row's rank
-        return self._combine([y[:, j] for j in range(k)], w, x)
+        return self._combine([y[:, j] for j in range(k)], w, x, rows)
 
-    def _combine(self, ys: list[torch.Tensor], w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _combine(self, ys: list[torch.Tensor], w: torch.Tensor, x: torch.Tensor,
+                 rows: RowSplit | None) -> torch.Tensor:
         """Σ_j w[:, j] · ys[j] in rank order j = 0, 1, … (the same arithmetic for a row whatever its
         batch), plus the gated shared expert. ys: k of [T, H]; w: [T, k] → [T, H]."""
         out = ys[0] * w[:, :1]
         for j in range(1, len(ys)):
             out = out + ys[j] * w[:, j:j + 1]
         if self.shared is not None:
-            gate = torch.sigmoid(self.shared_gate(x))                        # [T, 1]
-            out = out + gate * self.shared(x)
+            gate = torch.sigmoid(self.shared_gate(x))                        # [T, 1] (dense)
+            out = out + gate * self.shared(x, rows)
         return out
 
     def bytes_read(self, rows: int) -> int:
@@ -77,6 +80,21 @@ class MoE:
         if self.shared is not None:
             total += self.shared.bytes_read(rows) + self.shared_gate.bytes_read(rows)
         return total
+
+
+def _group_splits(rows: RowSplit | None, src: torch.Tensor, counts: list[int], T: int) -> list[RowSplit | None]:
+    """Each expert's RowSplit over its group of the sorted slots (src: [T·k] the row of each slot): a
+    generated row stays on the quantized copy and a prompt row on the dense weight inside every group."""
+    if rows is None or rows.gen is None:                 # every row of one kind (or no split): the same
+        return [rows] * len(counts)
+    gen = torch.zeros(T, dtype=torch.bool, device=src.device)
+    gen[rows.gen] = True
+    flags = gen[src].tolist()
+    out, start = [], 0
+    for n in counts:
+        out.append(RowSplit.build(flags[start:start + n], src.device) if n else None)
+        start += n
+    return out
 
 
 ExpertWeights = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -114,7 +132,7 @@ def read_experts(r: WeightReader, p: str, n: int, names: tuple[str, str, str]) -
 
 
 def read_moe(r: WeightReader, m: str, spec: MoESpec, lin: Callable[[torch.Tensor], Linear], act: str,
-             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> MoE | None:
+             ops: TorchOps, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> MoE | None:
     """The MoE layer under prefix m ("…mlp."): router m gate.weight [E, H], experts under m experts.
     (read_experts), and with spec.shared_expert_size the shared expert m shared_expert.* and its gate
     m shared_expert_gate.weight [1, H] (Qwen2-MoE). None when a tensor is missing (r records it)."""
@@ -128,14 +146,14 @@ def read_moe(r: WeightReader, m: str, spec: MoESpec, lin: Callable[[torch.Tensor
             return None
     if router is None or experts is None:
         return None
-    return build_moe(experts, router, spec, lin, act, shared, gate)
+    return build_moe(experts, router, spec, lin, act, ops, shared, gate)
 
 
 def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec, lin: Callable[[torch.Tensor], Linear],
-              act: str, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              act: str, ops: TorchOps, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               shared_gate: torch.Tensor | None = None) -> MoE:
     """The MoE layer on read weights: gate and up fused per expert, every matrix a layers.Linear (lin)."""
-    mlps = [GatedMLP(lin(torch.cat([g, u])), lin(d), act) for g, u, d in experts]
-    sh = None if shared is None else GatedMLP(lin(torch.cat(shared[:2])), lin(shared[2]), act)
+    mlps = [GatedMLP(lin(torch.cat([g, u])), lin(d), act, ops) for g, u, d in experts]
+    sh = None if shared is None else GatedMLP(lin(torch.cat(shared[:2])), lin(shared[2]), act, ops)
     return MoE(Linear(router), mlps, spec.top_k, spec.norm_topk_prob, sh,
                None if shared_gate is None else Linear(shared_gate.reshape(1, -1)))   # [1, H]

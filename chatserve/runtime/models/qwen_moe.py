@@ -15,4 +15,4 @@ class QwenMoeModel(DecoderModel):
     def build_mlp(self, r: WeightReader, p: str, i: int) -> GatedMLP | MoE | None:
         if not self.config.moe.sparse_layers[i]:
             return super().build_mlp(r, p, i)
-        return read_moe(r, p + "mlp.", self.config.moe, self._lin, self.config.hidden_act)
+        return read_moe(r, p + "mlp.", self.config.moe, self._lin, self.config.hidden_act, self.ops)
