@@ -1,6 +1,7 @@
 """`chatserve bench build-model`: a random-weight HF checkpoint with a real model's shape (Llama-3.2-1B;
-Qwen3-30B-A3B's layers, two of its 48) and the default model's tokenizer, built by transformers, so a memory-bound decode can be measured
-(by chatserve and by vLLM) without a download. Its outputs are noise; its bytes and shapes are real.
+Qwen3-30B-A3B's layers, two of its 48) and the default model's tokenizer, built by transformers, so a
+memory-bound decode can be measured (by chatserve and by vLLM) without a download. Its outputs are noise;
+its bytes and shapes are real.
 """
 from __future__ import annotations
 

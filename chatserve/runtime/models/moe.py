@@ -8,15 +8,20 @@ Not a family (qwen_moe.py, mixtral.py, olmoe.py) and not the config (arch_config
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from chatserve.runtime.arch_config import MoESpec, UnsupportedModelError
 from chatserve.runtime.models.layers import GatedMLP, Linear, RowSplit, TorchOps
 
-if TYPE_CHECKING:                       # decoder.py imports this module
-    from chatserve.runtime.models.decoder import WeightReader
+
+class WeightReader(Protocol):
+    """What reading experts needs of decoder.WeightReader (which imports this module)."""
+
+    def __call__(self, name: str, when: bool = True) -> torch.Tensor | None: ...
+
+    def has(self, name: str) -> bool: ...
 
 
 class MoE:
