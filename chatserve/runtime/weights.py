@@ -19,6 +19,8 @@ from tqdm import tqdm
 # ArchConfig and UnsupportedModelError are also imported from here (models/, model_runner.py)
 from chatserve.runtime.arch_config import (GGUF_ARCHS, ArchConfig, UnsupportedModelError, config_from_hf,
                                            gguf_config)
+from chatserve.runtime.mxfp4 import SUFFIXES as MXFP4_SUFFIXES
+from chatserve.runtime.mxfp4 import fold_mxfp4
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -213,10 +215,15 @@ def load_safetensors_dir(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     tensors: dict[str, torch.Tensor] = {}
     handles = [safe_open(str(f), framework="pt") for f in files]
     keys = [(h, k) for h in handles for k in h.keys()]
+    mxfp4: dict[str, torch.Tensor] = {}          # gpt-oss's FP4 experts, kept as stored until folded
     for h, k in tqdm(keys, desc=f"loading {d.name}", unit="tensor", disable=not progress,
                      file=sys.stderr, leave=False):
         name = k if k.startswith(("model.", "lm_head.")) else f"model.{k}"
-        tensors[name] = h.get_tensor(k).to(dtype)
+        if name.endswith(MXFP4_SUFFIXES):
+            mxfp4[name] = h.get_tensor(k)
+        else:
+            tensors[name] = h.get_tensor(k).to(dtype)
+    tensors.update(fold_mxfp4(mxfp4, dtype))
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:
         cfg = replace(cfg, tie_word_embeddings=True)
     return LoadedWeights(cfg, tensors, "safetensors")

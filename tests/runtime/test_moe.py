@@ -169,3 +169,40 @@ def test_stacked_experts_must_match_the_config_count(tmp_path):
     w.close()
     with pytest.raises(UnsupportedModelError, match="mlp.experts.gate_proj.weight holds 8 experts, the config 4"):
         _build(str(tmp_path / "bad.gguf"))
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
+    """gpt-oss's hub form: experts as MXFP4 `*_blocks` / `*_scales`. Random codes and exponents, put into
+    the reference model through transformers' own dequantizer, match chatserve's logits."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = H.hf_model("gpt_oss", seed=7)
+    g = torch.Generator().manual_seed(8)
+    packed = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                E, K, N = p.shape                                                 # x @ W: [E, K, N]
+                blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, generator=g)
+                scales = torch.randint(122, 126, (E, N, K // 32), dtype=torch.uint8, generator=g)
+                p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+    d = H.save_safetensors(model, tmp_path / "m")
+    t = load_file(f"{d}/model.safetensors")
+    for name in packed:
+        t.pop(name.rsplit("_", 1)[0], None)
+    save_file({**t, **packed}, f"{d}/model.safetensors", metadata={"format": "pt"})
+    assert len(packed) == 4 * model.config.num_hidden_layers
+    assert not [n for n in t if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]   # FP4 only
+    ours = H.build_exact(d)                       # exact: every _blocks/_scales pair was consumed
+    ids = torch.randint(3, 256, (12,), generator=g)
+    from chatserve_kernels import AttentionMetadata
+    c = ours.config
+    caches = [(torch.zeros(4, 8, c.num_kv_heads, c.head_dim), torch.zeros(4, 8, c.num_kv_heads, c.head_dim))
+              for _ in range(c.num_layers)]
+    meta = AttentionMetadata.build([12], [12], [[0, 1]], 8)
+    with torch.inference_mode():
+        got = ours.compute_logits(ours.forward(ids, torch.arange(12), caches, meta))
+        want = model(ids[None]).logits[0]
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4

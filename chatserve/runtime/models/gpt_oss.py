@@ -6,9 +6,9 @@ top-k logits, which is the renormalized top-k of the softmax (MoESpec.norm_topk_
 
 Expert tensors: transformers' / the hub's fused form (experts.gate_up_proj [E, H, 2I] with gate and up
 columns interleaved, experts.down_proj [E, I, H], both applied as x @ W, with _bias tensors), or GGUF's
-stacked ones (experts.{gate,up,down}_proj.{weight,bias}, llama.cpp de-interleaved them). The hub's MXFP4
-blocks are not read, nor is the "harmony" chat format mapped onto reasoning and tool calls here.
-Not a loader (weights.py)."""
+stacked ones (experts.{gate,up,down}_proj.{weight,bias}, llama.cpp de-interleaved them); the hub's MXFP4
+blocks arrive here already dequantized (runtime/mxfp4.py). The "harmony" chat format is not mapped onto
+reasoning and tool calls here. Not a loader (weights.py)."""
 from __future__ import annotations
 
 import torch
