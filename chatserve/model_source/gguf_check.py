@@ -1,0 +1,82 @@
+"""A GGUF file's header read and checked before its weights are: the magic, metadata that parses, a known
+type for every tensor and every tensor's bytes inside the file; then the architecture (`ArchConfig`).
+
+Reads only the header (gguf-py maps the file; no tensor page is touched). Not the loader (weights.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from chatserve.model_source.errors import ModelCheckError
+from chatserve.model_source.hub import one_line
+from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError, gguf_config
+
+MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """True for a file that starts with the GGUF magic, whatever its name (Ollama's blobs have no suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+class CheckedReader(GGUFReader):
+    """gguf-py's reader, refusing unknown tensor types and tensors past the end of the file with one line
+    each (the plain reader fails on them with a reshape error), and parsing the metadata over a plain
+    ndarray view of the map (np.memmap slicing is slow over a big vocabulary: weights.gguf_reader)."""
+
+    def _get(self, *args, **kwargs):
+        if type(self.data) is not np.ndarray:
+            self.data = self.data.view(np.ndarray)
+        return super()._get(*args, **kwargs)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        for field in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+            except (ValueError, KeyError):
+                raise ModelCheckError(f"tensor {name} has type {int(raw_dtype[0])}, which no GGUF reader here "
+                                      f"knows (a newer quant format? update the gguf package)") from None
+            end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise ModelCheckError(f"truncated: tensor {name} ends at byte {end:,} but the file has "
+                                      f"{size:,} bytes ({end - size:,} missing; an interrupted download?)")
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """The checked reader of `path`; ModelCheckError naming what is wrong with it."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        head = f.read(4)
+    if head != MAGIC:
+        raise ModelCheckError(f"{p} is not a GGUF file (it starts with {head!r}, not {MAGIC!r})")
+    try:
+        return CheckedReader(str(p))
+    except ModelCheckError as e:
+        raise ModelCheckError(f"{p}: {e}") from None
+    except Exception as e:     # gguf-py's IndexError/ValueError/UnicodeDecodeError on a damaged header
+        raise ModelCheckError(f"{p} is a corrupt GGUF file: its metadata does not parse "
+                              f"({type(e).__name__}: {one_line(e)})") from None
+
+
+def gguf_arch_config(path: str | Path) -> ArchConfig:
+    """The architecture of a checked GGUF file (UnsupportedModelError for one chatserve does not run)."""
+    reader = open_gguf(path)
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
+    try:
+        return gguf_config(reader, shapes)
+    except UnsupportedModelError:
+        raise
+    except Exception as e:     # a key missing or of the wrong type in the metadata
+        raise ModelCheckError(f"{path}: its metadata does not describe a model chatserve can read "
+                              f"({type(e).__name__}: {one_line(e)})") from None
