@@ -118,8 +118,12 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
-def gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
+def human_size(n: int) -> str:
+    """Bytes for people: 94.2 MiB, 4.9 GiB, 64.0 TiB."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def check_memory(name: str, weight_bytes: int, kv_bytes: int, available: int | None) -> None:
@@ -128,15 +132,17 @@ def check_memory(name: str, weight_bytes: int, kv_bytes: int, available: int | N
     need = weight_bytes + kv_bytes + RUNTIME_BYTES
     if available is not None and need > available:
         raise ModelCheckError(
-            f"{name} needs about {gib(need)} of memory (weights {gib(weight_bytes)} + KV cache {gib(kv_bytes)} "
-            f"+ runtime {gib(RUNTIME_BYTES)}) but {gib(available)} is available: lower --kv-cache-memory "
+            f"{name} needs about {human_size(need)} of memory (weights {human_size(weight_bytes)} + KV cache "
+            f"{human_size(kv_bytes)} + runtime {human_size(RUNTIME_BYTES)}) but {human_size(available)} is "
+            f"available: lower --kv-cache-memory "
             f"or serve a smaller model or quant")
 
 
-def check_model(path: str | Path, cache: CacheConfig, dtype: str, *, on_cpu: bool) -> CheckedModel:
+def check_model(path: str | Path, cache: CacheConfig, dtype: str, *, on_cpu: bool,
+                name: str | None = None) -> CheckedModel:
     """The files checked, then (on CPU, where weights and KV cache share the machine's memory) the fit."""
     checked = check_files(path)
     if on_cpu:
-        check_memory(os.path.basename(str(path).rstrip("/")), checked.weight_bytes,
+        check_memory(name or os.path.basename(str(path).rstrip("/")), checked.weight_bytes,
                      kv_cache_bytes(checked.config, cache, dtype), available_memory())
     return checked

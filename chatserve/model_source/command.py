@@ -12,6 +12,7 @@ from pathlib import Path
 
 from chatserve.config import DEFAULT_MODEL_FILE, default_model_path
 from chatserve.model_source import hub, ollama
+from chatserve.model_source.check import human_size
 from chatserve.model_source.errors import ModelSourceError
 from chatserve.model_source.resolve import resolve_model
 
@@ -55,13 +56,6 @@ def local_models() -> list[LocalModel]:
         found.append(LocalModel(DEFAULT_MODEL_FILE.removesuffix(".gguf") + " (default)",
                                 Path(default).stat().st_size, "default", Path(default)))
     return found
-
-
-def human_size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def table(models: list[LocalModel]) -> str:

@@ -37,7 +37,7 @@ class CheckedReader(GGUFReader):
         return super()._get(*args, **kwargs)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size = len(self.data)
+        size, end, first_past = len(self.data), 0, None
         for field in fields:
             _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
             name = bytes(name_data).decode("utf-8", "replace")
@@ -46,10 +46,14 @@ class CheckedReader(GGUFReader):
             except (ValueError, KeyError):
                 raise ModelCheckError(f"tensor {name} has type {int(raw_dtype[0])}, which no GGUF reader here "
                                       f"knows (a newer quant format? update the gguf package)") from None
-            end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
-            if end > size:
-                raise ModelCheckError(f"truncated: tensor {name} ends at byte {end:,} but the file has "
-                                      f"{size:,} bytes ({end - size:,} missing; an interrupted download?)")
+            tensor_end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            end = max(end, tensor_end)
+            if tensor_end > size and first_past is None:
+                first_past = name
+        if end > size:
+            raise ModelCheckError(f"truncated: the file has {size:,} bytes but its tensors end at byte {end:,} "
+                                  f"({end - size:,} missing, from tensor {first_past} on; an interrupted "
+                                  f"download?)")
         super()._build_tensors(start_offs, fields)
 
 
