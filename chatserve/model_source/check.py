@@ -141,7 +141,12 @@ def check_memory(name: str, weight_bytes: int, kv_bytes: int, available: int | N
 def check_model(path: str | Path, cache: CacheConfig, dtype: str, *, on_cpu: bool,
                 name: str | None = None) -> CheckedModel:
     """The files checked, then (on CPU, where weights and KV cache share the machine's memory) the fit."""
-    checked = check_files(path)
+    try:
+        checked = check_files(path)
+    except FileNotFoundError:
+        raise
+    except OSError as e:             # unreadable: permissions, an I/O error
+        raise ModelCheckError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
     if on_cpu:
         check_memory(name or os.path.basename(str(path).rstrip("/")), checked.weight_bytes,
                      kv_cache_bytes(checked.config, cache, dtype), available_memory())

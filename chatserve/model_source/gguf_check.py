@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import struct
+
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from chatserve.model_source.errors import ModelCheckError
 from chatserve.model_source.hub import one_line
@@ -28,13 +30,36 @@ def is_gguf_file(path: str | Path) -> bool:
 
 class CheckedReader(GGUFReader):
     """gguf-py's reader, refusing unknown tensor types and tensors past the end of the file with one line
-    each (the plain reader fails on them with a reshape error), and parsing the metadata over a plain
-    ndarray view of the map (np.memmap slicing is slow over a big vocabulary: weights.gguf_reader)."""
+    each (the plain reader fails on them with a reshape error). Metadata arrays of more than BIG_ARRAY
+    items (the tokenizer's vocabulary, merges, scores) are stepped over, their contents left empty: the
+    checks and the architecture do not read them, and gguf-py reads them item by item (seconds for a
+    150k vocabulary); the tokenizer and the loader read the file again with the full reader."""
+
+    BIG_ARRAY = 4096
 
     def _get(self, *args, **kwargs):
-        if type(self.data) is not np.ndarray:
+        if type(self.data) is not np.ndarray:     # slicing an np.memmap is slow (weights.gguf_reader)
             self.data = self.data.view(np.ndarray)
         return super()._get(*args, **kwargs)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type == GGUFValueType.ARRAY:
+            itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            if int(count[0]) > self.BIG_ARRAY and int(itype[0]) != GGUFValueType.ARRAY:
+                size = 12 + self._items_size(orig_offs + 12, GGUFValueType(int(itype[0])), int(count[0]))
+                return size, [itype, count], [], [GGUFValueType.ARRAY, GGUFValueType(int(itype[0]))]
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _items_size(self, offs: int, itype: GGUFValueType, count: int) -> int:
+        """Bytes of `count` items of `itype` from `offs` (strings: a u64 length, then the bytes)."""
+        if itype != GGUFValueType.STRING:
+            return count * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+        fmt, start, end = (">Q" if self.byte_order == "S" else "<Q"), offs, len(self.data)
+        for _ in range(count):
+            if offs + 8 > end:
+                raise ValueError(f"a string array of {count} items runs past the end of the file")
+            offs += 8 + struct.unpack_from(fmt, self.data, offs)[0]
+        return offs - start
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size, end, first_past = len(self.data), 0, None

