@@ -111,3 +111,11 @@ def ollama_model(store: Path, name: str, weights: Path | bytes, size: int | None
 def run_chatserve(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "chatserve.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a failed `chatserve` run (no traceback, non-zero exit)."""
+    assert r.returncode != 0, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hub_server import Hub, HubRepo
-from model_files import hf_cache_repo, run_chatserve, write_gguf
+from model_files import hf_cache_repo, one_line_error, run_chatserve, write_gguf
 
 GGUF_REPO = "org/Tiny-GGUF"
 
@@ -29,13 +29,6 @@ def gguf_repo(hub: Hub, gguf_bytes: bytes) -> HubRepo:
 
 def pull(name: str, env: dict[str, str], **extra: str):
     return run_chatserve("models", "pull", name, env={**env, **extra})
-
-
-def one_line_error(r) -> str:
-    assert r.returncode != 0, r.stdout
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    return lines[0]
 
 
 def test_a_quant_tag_downloads_that_gguf_file_into_the_hub_cache(hub, gguf_repo, gguf_bytes, cli_env, tmp_path):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model_files import ollama_model, run_chatserve, write_gguf
-from test_hub import one_line_error
+from model_files import ollama_model, one_line_error, run_chatserve, write_gguf
 
 
 def test_names_resolve_to_the_model_blob_without_a_request(hub, cli_env, tmp_path):
