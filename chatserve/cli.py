@@ -13,6 +13,7 @@ COMMANDS: dict[str, str] = {
     "serve": "chatserve.server.serve:main",        # the API + UI server
     "chat": "chatserve.chat_client:main",          # terminal chat client
     "generate": "chatserve.generate:main",         # one completion on stdout
+    "models": "chatserve.model_source.command:main",   # local models by name; pull one
 }
 BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → what it measures
     "memory": "KV cache manager: waste, sharing, speed",
@@ -27,7 +28,7 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
 BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_HELP}
 BENCH["build-model"] = "chatserve.bench.checkpoint:main"
 
-USAGE = """usage: chatserve {serve,chat,generate} [options]
+USAGE = """usage: chatserve {serve,chat,generate,models} [options]
        chatserve bench {memory,scheduler,model,kernels,serve,load,sessions,build-model} [options]
        chatserve --version
 Run `chatserve COMMAND --help` for a command's options."""

@@ -194,7 +194,8 @@ def _weight_quant(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = option(None, "GGUF file or HF/safetensors directory", positional=True,
+    model: str | None = option(None, "a GGUF file or HF/safetensors directory, or a name: org/repo[:QUANT] "
+                               "(Hugging Face) or model:tag (Ollama) (docs/models.md)", positional=True,
                                metavar="MODEL", shown_default="SmolLM2-135M-Instruct")
     dtype: str = option("auto", "auto: bfloat16 on CUDA and on CPUs with bf16 instructions "
                         "(AVX512-BF16/AMX), else float32", choices=MODEL_DTYPES)

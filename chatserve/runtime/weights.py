@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from chatserve.model_source.gguf_check import is_gguf_file
 # ArchConfig and UnsupportedModelError are also imported from here (models/, model_runner.py)
 from chatserve.runtime.arch_config import (GGUF_ARCHS, ArchConfig, UnsupportedModelError, config_from_hf,
                                            gguf_config)
@@ -50,7 +51,7 @@ def load_weights(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     """Load a GGUF file or a safetensors directory (or a .safetensors file next to config.json)."""
     p = Path(path)
     dt = torch_dtype(dtype)
-    if p.is_file() and p.suffix == ".gguf":
+    if p.is_file() and (p.suffix == ".gguf" or is_gguf_file(p)):     # Ollama's blobs have no suffix
         return load_gguf(p, dt, progress)
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))

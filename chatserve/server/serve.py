@@ -20,6 +20,7 @@ from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_argume
 from chatserve.config import parse_bytes  # noqa: F401  (re-exported: tests/server/test_server_cli.py imports it here)
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
+from chatserve.model_source import prepare_model
 from chatserve.server.redis_check import redact_url
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ def listener(config, send_buffer: int):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)    # --help and --version exit here, before the environment is read
     try:
-        cfg = config_from_args(args, env_config())
+        cfg = prepare_model(config_from_args(args, env_config()))   # a name → a local path, files checked
         model_path = cfg.model.resolved_model()
         generation_defaults = load_generation_defaults(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
