@@ -16,16 +16,7 @@ from chatserve.model_source.errors import ModelCheckError
 from chatserve.model_source.hub import one_line
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError, gguf_config
 
-MAGIC = b"GGUF"
-
-
-def is_gguf_file(path: str | Path) -> bool:
-    """True for a file that starts with the GGUF magic, whatever its name (Ollama's blobs have no suffix)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == MAGIC
-    except OSError:
-        return False
+from chatserve.runtime.weights import GGUF_MAGIC as MAGIC, is_gguf_file  # noqa: F401  (re-exported)
 
 
 class CheckedReader(GGUFReader):

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from chatserve.model_source.gguf_check import is_gguf_file
 # ArchConfig and UnsupportedModelError are also imported from here (models/, model_runner.py)
 from chatserve.runtime.arch_config import (GGUF_ARCHS, ArchConfig, UnsupportedModelError, config_from_hf,
                                            gguf_config)
@@ -27,6 +26,17 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """True for a file that starts with the GGUF magic, whatever its name (Ollama's blobs have no suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
