@@ -248,9 +248,10 @@ static void store_res(const float *res, int mr, int nr, void *y, int y_bf16, int
         }
 }
 
-/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] (bf16 when y_bf16, else fp32). 0 on success. */
+/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32): y may be
+ * a column slice of a wider output (fused q/k/v or gate/up kept as separate tensors). 0 on success. */
 int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
-                  int x_bf16, void *y, int y_bf16, int nt) {
+                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
     const int64_t kp = (k + VW - 1) / VW * VW;
     int64_t mc = (512 << 10) / (4 * kp) / MR * MR;          /* rows whose fp32 copy fits in ~512 KiB */
     mc = mc < MR ? MR : mc > 64 ? 64 : mc;
@@ -285,7 +286,7 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             for (int64_t i = 0; i < rows; i += MR) {
                 const int mr = rows - i < MR ? (int)(rows - i) : MR;
                 tile_any(mr, nr, xb + i * kp, kp, wt, kp, res);
-                store_res(res, mr, nr, y, y_bf16, n, m0 + i, n0);
+                store_res(res, mr, nr, y, y_bf16, ldy, m0 + i, n0);
             }
         }
     }
@@ -296,5 +297,5 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
 #else
 int chatserve_bmm_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, float *out) { return 3; }
 int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
-                  int x_bf16, void *y, int y_bf16, int nt) { return 3; }
+                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) { return 3; }
 #endif

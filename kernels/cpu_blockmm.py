@@ -55,7 +55,7 @@ def library(isa: str):
     lib = cpu_build.load(_level_source(isa))
     if lib is None or lib.chatserve_bmm_level() != LEVELS[isa]:
         return None
-    lib.chatserve_bmm.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i64, _i32, _vp, _i32, _i32]
+    lib.chatserve_bmm.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i64, _i32, _vp, _i64, _i32, _i32]
     lib.chatserve_bmm.restype = _i32
     lib.chatserve_bmm_dequant.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp]
     lib.chatserve_bmm_dequant.restype = _i32
@@ -91,17 +91,18 @@ def dequantize(w: BlockWeight, isa: str) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | None = None,
-           threads: int | None = None) -> torch.Tensor:
-    """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] in out_dtype (float32 or bfloat16; default x's)."""
+           threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] in out_dtype (float32 or bfloat16; default x's).
+    out: a [M, N] view with unit column stride (e.g. a column slice of a wider output) to write into."""
     # x: [M, K] → y: [M, N]
     assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
-    out_dtype = out_dtype or x.dtype
     x = x.contiguous()
     assert w.data.is_contiguous()
-    y = torch.empty(x.shape[0], w.n, dtype=out_dtype)
+    y = out if out is not None else torch.empty(x.shape[0], w.n, dtype=out_dtype or x.dtype)
+    assert y.shape == (x.shape[0], w.n) and y.dtype in (torch.float32, torch.bfloat16) and y.stride(1) == 1
     rc = library(isa).chatserve_bmm(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, w.n, w.k,
                                     x.data_ptr(), x.shape[0], int(x.dtype == torch.bfloat16),
-                                    y.data_ptr(), int(out_dtype == torch.bfloat16),
+                                    y.data_ptr(), y.stride(0), int(y.dtype == torch.bfloat16),
                                     threads or torch.get_num_threads())
     if rc:
         raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockmm failed ({rc}) on {w.fmt.name}")
