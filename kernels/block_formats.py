@@ -171,6 +171,28 @@ def dequantize(w: BlockWeight) -> torch.Tensor:
     return out.reshape(w.n, w.k)
 
 
+# byte offsets of the fp16 scales in a block (d, and the min/dmin where the format has one)
+_SCALE_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+             "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+
+
+def random_weight(name: str, n: int, k: int, seed: int = 0, scale: float = 0.02) -> BlockWeight:
+    """W [n, k] of format `name` from random bytes (every code pattern) with finite fp16 scales of about
+    `scale` (dmin-like ones positive): test and benchmark data for formats gguf-py cannot quantize."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(seed)
+    if fmt.block == 1:
+        vals = torch.randn(n, k, generator=g) * scale
+        dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+        return BlockWeight(vals.to(dt).view(torch.uint8).reshape(n, -1).contiguous(), fmt, n, k)
+    nb = n * k // fmt.block
+    raw = torch.randint(0, 256, (nb, fmt.nbytes), generator=g, dtype=torch.uint8)
+    for i, at in enumerate(_SCALE_AT[name]):
+        s = torch.randn(nb, 1, generator=g) * scale
+        raw[:, at:at + 2] = (s.abs() if i else s).half().view(torch.uint8)
+    return BlockWeight(raw.reshape(n, -1), fmt, n, k)
+
+
 def matmul_torch(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] → x · Wᵀ [M, N] in float32 on the dequantized W, cast to out_dtype (default x's)."""
     y = x.float() @ dequantize(w).t()

@@ -27,37 +27,14 @@ def test_this_cpu_has_a_level():
     assert all(cpu_blockmm.available(isa) for isa in LEVELS)
 
 
-def _scale_bytes(rng: np.random.Generator, count: int, positive: bool = False) -> np.ndarray:
-    s = rng.standard_normal(count) * 0.02
-    return (np.abs(s) if positive else s).astype(np.float16).view(np.uint8).reshape(count, 2)
-
-
 def make_weight(name: str, n: int, k: int, seed: int = 0, random_bytes: bool = False) -> bf.BlockWeight:
     """W [n, k] of format `name`: gguf-py's quantization of Gaussian values where gguf-py quantizes the
     format, else random blocks with finite fp16 scales (every code pattern, sane magnitudes)."""
-    rng = np.random.default_rng(seed)
-    fmt = bf.FORMATS[name]
     if name in QUANTIZABLE and not random_bytes:
-        a = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        a = (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
         raw = np.ascontiguousarray(gguf_quantize(a, GGMLQuantizationType[name])).view(np.uint8)
-    else:
-        nb = n * k // fmt.block
-        raw = rng.integers(0, 256, (nb, fmt.nbytes), dtype=np.uint8)
-        if name in ("Q4_K", "Q5_K"):
-            raw[:, 0:2], raw[:, 2:4] = _scale_bytes(rng, nb), _scale_bytes(rng, nb, positive=True)
-        elif name == "Q6_K":
-            raw[:, 208:210] = _scale_bytes(rng, nb)
-        elif name in ("F16", "BF16"):
-            raw = (rng.standard_normal(n * k) * 0.05).astype(np.float32)
-            raw = (raw.astype(np.float16) if name == "F16" else
-                   (raw.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
-        elif name != "F32":
-            raw[:, 0:2] = _scale_bytes(rng, nb)
-            if name in ("Q4_1", "Q5_1"):
-                raw[:, 2:4] = _scale_bytes(rng, nb)
-        else:
-            raw = (rng.standard_normal(n * k) * 0.05).astype(np.float32).view(np.uint8)
-    return bf.BlockWeight(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), fmt, n, k)
+        return bf.BlockWeight(torch.from_numpy(raw.reshape(n, -1)), bf.FORMATS[name], n, k)
+    return bf.random_weight(name, n, k, seed)
 
 
 def gguf_reference(w: bf.BlockWeight) -> torch.Tensor:
