@@ -173,6 +173,9 @@ static void dq_iq4_xs(const uint8_t *b, float *o) {
     }
 }
 
+/* the blocks stream from memory: fetch ~1 KiB ahead of the one being decoded */
+#define PF(p) __builtin_prefetch((p) + 1024)
+
 /* one row of W (k elements) → fp32 out[k] */
 static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) {
     switch (fmt) {
@@ -184,15 +187,15 @@ static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) {
             memcpy(out + i, &u, 4);
         }
         return 0;
-    case Q4_0: for (int64_t i = 0; i < k / 32; i++) dq_q4_0(row + 18 * i, out + 32 * i); return 0;
-    case Q4_1: for (int64_t i = 0; i < k / 32; i++) dq_q4_1(row + 20 * i, out + 32 * i); return 0;
-    case Q5_0: for (int64_t i = 0; i < k / 32; i++) dq_q5(row + 22 * i, out + 32 * i, 0); return 0;
-    case Q5_1: for (int64_t i = 0; i < k / 32; i++) dq_q5(row + 24 * i, out + 32 * i, 1); return 0;
-    case Q8_0: for (int64_t i = 0; i < k / 32; i++) dq_q8_0(row + 34 * i, out + 32 * i); return 0;
-    case Q4_K: for (int64_t i = 0; i < k / 256; i++) dq_qk(row + 144 * i, out + 256 * i, 0); return 0;
-    case Q5_K: for (int64_t i = 0; i < k / 256; i++) dq_qk(row + 176 * i, out + 256 * i, 1); return 0;
-    case Q6_K: for (int64_t i = 0; i < k / 256; i++) dq_q6_k(row + 210 * i, out + 256 * i); return 0;
-    case IQ4_XS: for (int64_t i = 0; i < k / 256; i++) dq_iq4_xs(row + 136 * i, out + 256 * i); return 0;
+    case Q4_0: for (int64_t i = 0; i < k / 32; i++) { PF(row + 18 * i); dq_q4_0(row + 18 * i, out + 32 * i); } return 0;
+    case Q4_1: for (int64_t i = 0; i < k / 32; i++) { PF(row + 20 * i); dq_q4_1(row + 20 * i, out + 32 * i); } return 0;
+    case Q5_0: for (int64_t i = 0; i < k / 32; i++) { PF(row + 22 * i); dq_q5(row + 22 * i, out + 32 * i, 0); } return 0;
+    case Q5_1: for (int64_t i = 0; i < k / 32; i++) { PF(row + 24 * i); dq_q5(row + 24 * i, out + 32 * i, 1); } return 0;
+    case Q8_0: for (int64_t i = 0; i < k / 32; i++) { PF(row + 34 * i); dq_q8_0(row + 34 * i, out + 32 * i); } return 0;
+    case Q4_K: for (int64_t i = 0; i < k / 256; i++) { PF(row + 144 * i); dq_qk(row + 144 * i, out + 256 * i, 0); } return 0;
+    case Q5_K: for (int64_t i = 0; i < k / 256; i++) { PF(row + 176 * i); dq_qk(row + 176 * i, out + 256 * i, 1); } return 0;
+    case Q6_K: for (int64_t i = 0; i < k / 256; i++) { PF(row + 210 * i); dq_q6_k(row + 210 * i, out + 256 * i); } return 0;
+    case IQ4_XS: for (int64_t i = 0; i < k / 256; i++) { PF(row + 136 * i); dq_iq4_xs(row + 136 * i, out + 256 * i); } return 0;
     default: return 1;
     }
 }
