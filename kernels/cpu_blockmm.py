@@ -23,6 +23,9 @@ _NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "av
 # prepended to the shared source per level; the AVX2 build switches AVX-512 off even under -march=native
 _PRELUDE = {"avx2": '#pragma GCC target("no-avx512f")\n#define BMM_LEVEL 2\n', "avx512": "#define BMM_LEVEL 3\n"}
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+# calls under this many multiply-adds run on one thread: a parallel region costs more than it saves there
+# (and on a loaded machine a 2-thread region waits for a descheduled thread). Results do not depend on it.
+ONE_THREAD_MACS = 1 << 22
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,6 +93,10 @@ def dequantize(w: BlockWeight, isa: str) -> torch.Tensor:
     return out
 
 
+def _threads(asked: int | None, macs: int) -> int:
+    return 1 if macs < ONE_THREAD_MACS else asked or torch.get_num_threads()
+
+
 def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | None = None,
            threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] in out_dtype (float32 or bfloat16; default x's).
@@ -103,7 +110,7 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
     rc = library(isa).chatserve_bmm(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, w.n, w.k,
                                     x.data_ptr(), x.shape[0], int(x.dtype == torch.bfloat16),
                                     y.data_ptr(), y.stride(0), int(y.dtype == torch.bfloat16),
-                                    threads or torch.get_num_threads())
+                                    _threads(threads, x.shape[0] * w.n * w.k))
     if rc:
         raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockmm failed ({rc}) on {w.fmt.name}")
     return y
