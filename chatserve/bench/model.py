@@ -289,7 +289,9 @@ def run(args: argparse.Namespace) -> dict:
     batches = _parse_list(args.batches, int)
     t0 = time.perf_counter()
     # a shaped checkpoint is bf16 on disk: read as such (exact), each variant converts its own copy
-    weights = load_weights(path, "bfloat16" if args.shape else "float32", progress=not args.json)
+    in_place_only = all("+inplace" in v for v in _parse_list(args.dtypes))    # they map the file themselves
+    weights = None if in_place_only else load_weights(path, "bfloat16" if args.shape else "float32",
+                                                      progress=not args.json)
     load_s = time.perf_counter() - t0
     prefill_lengths = sorted(_parse_list(args.prefill_tokens, int))
     need = max(max(batches) * -(-(args.context + args.steps + 2) // args.block_size),
@@ -309,6 +311,9 @@ def run(args: argparse.Namespace) -> dict:
         base, _, quant = dtype.partition("+")
         if quant.startswith("inplace"):       # +inplace[-avx2|-avx512|-torch]: GGUF blocks, read in place
             runner = _in_place_runner(path, base, quant.partition("-")[2] or "auto", args, need, threads)
+            if not args.json:
+                print(f"{dtype}: loaded in place in {runner.load_seconds:.1f} s, peak RSS "
+                      f"{_peak_rss_mib():.0f} MiB", file=sys.stderr, flush=True)
         else:
             runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
                                  num_blocks=need, num_threads=threads, weights=weights, progress=False,
