@@ -94,7 +94,9 @@ class BlockLinear:
         y = y if self.b is None else y + self.b
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: object = None) -> torch.Tensor:
+        """rows (layers.RowSplit) is accepted and ignored: one arithmetic serves every row, prompt or
+        generated, so no row needs routing to stay batch invariant."""
         return self._run(x, x.dtype)
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
