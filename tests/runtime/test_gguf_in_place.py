@@ -124,6 +124,7 @@ def test_a_model_on_its_own_codes_gives_the_dense_logits(tiny_gguf, dense_logits
                                                                                 ly.mlp.down)]
     assert all(type(m) is runner.block_backend for m in lins)
     assert len(runner.model.layers[0].qkv.w.parts) == 3        # q, k, v stay three tensors of the file
+    assert f"linears {runner.block_backend.name} on the file's blocks" in runner.model.describe_backends()
 
     def probe(*a, **k):
         raise AssertionError("capability probe after load")

@@ -282,9 +282,12 @@ class DecoderModel:
     def describe_backends(self) -> str:
         """The kernels this model runs, chosen at load: attention, linears, norms, the decode chain."""
         lin = self.layers[0].qkv
-        linears = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
-        dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
-        linears = f"{linears} for generated rows, {dense} for prompt rows" if linears else dense
+        if isinstance(lin, BlockLinear):
+            linears = f"{lin.name} on the file's blocks ({'/'.join(lin.w.formats())}) for every row"
+        else:
+            linears = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
+            dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
+            linears = f"{linears} for generated rows, {dense} for prompt rows" if linears else dense
         attn = self.attention_backend.name if self.attention_backend is not None else "picked at the first step"
         return (f"attention {attn}; linears {linears}; norms {self.ops.name}; "
                 f"decode chain {'on' if self.chain is not None else 'off'}")
