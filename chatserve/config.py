@@ -206,6 +206,12 @@ class ModelConfig:
     weight_quant: str | None = option(
         "auto", "weight-only quantized decode matmuls (int4: CPU, int8 LM head); auto = int4 for a "
         "4-bit GGUF on CPU, else none", parse=_weight_quant, choices=("auto", None, "int8", "int4"))
+    gguf_in_place: bool = option(
+        False, "keep a GGUF's matrices in their block format (memory-mapped, no dense copy, no requantization) "
+        "and multiply by them with the block-format kernels (cpu_blockmm); off: dense copies + int4 repack")
+    cpu_isa: str = option("auto", "instruction level of the block-format kernels: auto (the best this CPU "
+                          "runs), avx512, avx2 (forced, e.g. on an AVX-512 CPU), torch (the plain-torch twin)",
+                          choices=("auto", "avx512", "avx2", "torch"))
     chat_template: str | None = option(
         None, "a chat template (a file, or the template text itself) for models without one, or to "
         "replace the model's", metavar="FILE_OR_STRING", shown_default="the model's")

@@ -66,6 +66,14 @@ def served_name(cfg: EngineConfig) -> str:
     return base
 
 
+def weights_text(runner) -> str:
+    """How the weights are held: "Q4_1/Q8_0 in place (85 MiB), backend: cpu-avx512", or the repack."""
+    formats = getattr(runner, "block_formats", None)
+    if not formats:
+        return runner.weight_quant or "dense"
+    return f"{'/'.join(formats)} in place, backend: {runner.block_backend.name}"
+
+
 def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
     """The startup summary: what was loaded, how the KV cache is sized, where to connect."""
     engine = state.engine
@@ -87,7 +95,7 @@ def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
         "",
         f"  chatserve · {state.model_name}",
         f"  model      {cfg.model.resolved_model()}",
-        f"  dtype      {dtype} on {runner.device}, weights {runner.weight_quant or 'dense'}, KV {kv_dtype}"
+        f"  dtype      {dtype} on {runner.device}, weights {weights_text(runner)}, KV {kv_dtype}"
         f"   (loaded in {load_s:.1f} s)",
         f"  backends   {runner.model.describe_backends()}",
         f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens ({mem / (1 << 20):.0f} MiB)"
