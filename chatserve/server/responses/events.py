@@ -90,13 +90,13 @@ class ResponseBuilder:
         return events
 
     def finish_events(self) -> list[Event]:
-        """The open item closed, then response.completed (or response.incomplete at max_output_tokens)."""
+        """The open item closed, then response.completed, its status "incomplete" at max_output_tokens
+        (as vLLM: the SDKs' stream helpers take the final response from response.completed only)."""
         if self.error is not None:
             return []
         events = self._close()
         self.finish = self.finish or "stop"
-        kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
-        return [*events, self.event(kind, response=self.response())]
+        return [*events, self.event("response.completed", response=self.response())]
 
     # ── items ──────────────────────────────────────────────────────────────────────────────────
     def _add(self, item: dict) -> list[Event]:
