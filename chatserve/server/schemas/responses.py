@@ -218,3 +218,14 @@ class ResponseDeleted(Open):
     id: str
     object: Literal["response"]
     deleted: bool
+
+
+class ResponseStreamEvent(Open):
+    """One event of a streamed response: `event: <type>` and `data: {json}` lines. Types:
+    response.created, response.in_progress, response.output_item.added, response.content_part.added,
+    response.reasoning_text.delta/.done, response.output_text.delta/.done, response.function_call_arguments
+    .delta/.done, response.content_part.done, response.output_item.done, response.completed (its
+    response's status "incomplete" at max_output_tokens), error."""
+    type: str
+    sequence_number: int
+    response: Response | None = None
