@@ -207,3 +207,34 @@ def test_langchain_reads_reasoning(qwen3_server):
     chat = ChatOpenAI(model="qwen3", base_url=qwen3_server.url + "/v1", api_key="none", temperature=0,
                       max_retries=0).invoke("hi")
     assert chat.text == ANSWER                          # no <think> block left in the content
+
+
+def test_qwen3_required_tool_call_after_thinking(qwen3_server):
+    """tool_choice required: the forced array starts after </think>; every call's arguments parse."""
+    r = _client(qwen3_server).chat.completions.create(
+        model="qwen3", messages=HI, temperature=0, tools=[NOW_TOOL], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=40)
+    ch = r.choices[0]
+    assert ch.message.model_dump()["reasoning_content"] == THOUGHT
+    assert ch.finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls] == [("now", {})]
+
+
+def test_responses_function_call_after_reasoning(qwen3_server):
+    c = _client(qwen3_server)
+    tool = {"type": "function", "name": "now", "parameters": NOW_TOOL["function"]["parameters"]}
+    r = c.responses.create(model="qwen3", input="hi", temperature=0, tools=[tool],
+                           tool_choice={"type": "function", "name": "now"})
+    assert [it.type for it in r.output] == ["reasoning", "function_call"]
+    call = r.output[1]
+    assert call.name == "now" and json.loads(call.arguments) == {} and call.call_id
+    with c.responses.stream(model="qwen3", input="hi", temperature=0, tools=[tool],
+                            tool_choice={"type": "function", "name": "now"}) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.function_call_arguments.delta")
+    assert [it.type for it in final.output] == ["reasoning", "function_call"]
+    follow = c.responses.create(model="qwen3", previous_response_id=r.id, temperature=0,
+                                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "noon"}])
+    assert follow.output_text == ANSWER
