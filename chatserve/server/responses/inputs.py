@@ -119,6 +119,13 @@ PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 def response_param(param: str | None) -> str | None:
     if param is None:
         return None
-    head, sep, rest = param.partition(".")
-    base = head.split("[")[0]
+    base = param.partition(".")[0].split("[")[0]
     return PARAM_NAMES.get(base, param) if base in PARAM_NAMES else param
+
+
+def response_message(message: str) -> str:
+    """A chat error's text with the Responses field names."""
+    for chat, resp in (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
+                       ("reasoning_effort", "reasoning.effort")):
+        message = message.replace(chat, resp)
+    return message

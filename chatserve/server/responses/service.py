@@ -14,7 +14,8 @@ from chatserve.server.errors import APIError, status_for
 from chatserve.server.prompt_guard import admit
 from chatserve.server.protocol import ChatRequest, parse_chat_body
 from chatserve.server.responses.events import Event, ResponseBuilder
-from chatserve.server.responses.inputs import chat_body, input_messages, items_to_messages, response_param
+from chatserve.server.responses.inputs import (chat_body, input_messages, items_to_messages, response_message,
+                                              response_param)
 from chatserve.server.responses.store import ResponseStore
 from chatserve.server.schemas.responses import ResponsesRequest
 
@@ -54,7 +55,7 @@ async def prepare(state: ServerState, r: ResponsesRequest, *, owner: str, rate_k
     try:
         chat = await admit(state, chat_body(r, history), parse_chat_body, rate_key=rate_key)
     except APIError as e:
-        e.param = response_param(e.param)
+        e.param, e.message = response_param(e.param), response_message(e.message)
         raise
     return Prepared(r, chat, history, new_response_id(), owner)
 
