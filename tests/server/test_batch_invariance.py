@@ -68,7 +68,7 @@ async def _target_amid(url: str, others: int) -> tuple[str, list]:
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    srv = start_real_server(str(tmp_path_factory.mktemp("inv")))
+    srv = start_real_server(str(tmp_path_factory.mktemp("inv")), startup_timeout=900)
     yield srv
     srv.stop()
 
@@ -84,7 +84,7 @@ def test_greedy_output_is_batch_invariant(default_server, tmp_path):
         got = asyncio.run(_target_amid(url, others))
         assert got[0] == text, f"beside {others} others: {got[0]!r} != {text!r}"
         assert got[1] == steps, f"beside {others} others the logprobs differ"
-    chunked = start_real_server(str(tmp_path), "--max-num-batched-tokens", "16")
+    chunked = start_real_server(str(tmp_path), "--max-num-batched-tokens", "16", startup_timeout=900)
     try:
         got = _answer(httpx.post(chunked.url + "/v1/chat/completions", json=_body(TARGET, 24), timeout=600))
     finally:

@@ -16,7 +16,11 @@ import torch.nn.functional as F
 
 from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, RowSplit, StepInfo,
                                              pick_ops)
+<<<<<<< HEAD
 from chatserve.runtime.models.moe import MoE
+=======
+from chatserve.runtime.models.linear_backends import BlockLinear, BlockMatrix, TorchBlockLinear, cat_rows
+>>>>>>> main
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 from chatserve_kernels import AttentionMetadata, cpu_decode
@@ -44,6 +48,8 @@ class WeightReader:
             self.missing.append(name)
             return None
         self.taken.add(name)
+        if isinstance(t, BlockMatrix):          # kept in its file's block format (linear_backends.py)
+            return t
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
     def has(self, name: str) -> bool:
@@ -105,9 +111,11 @@ class DecoderModel:
     def __init__(self, config: ArchConfig, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  max_model_len: int | None = None, weight_quant: str | None = None,
-                 fused: bool = True) -> None:
-        """fused: use the CPU C ops where they run (False: the plain torch oracle)."""
+                 fused: bool = True, block_backend: type[BlockLinear] = TorchBlockLinear) -> None:
+        """fused: use the CPU C ops where they run (False: the plain torch oracle). block_backend: the
+        LinearBackend of matrices kept in a GGUF block format (chosen once at load)."""
         self.config = config
+        self.block_backend = block_backend
         self.weight_quant = weight_quant
         self.dtype = dtype
         self.device = torch.device(device)
@@ -130,7 +138,8 @@ class DecoderModel:
         # [V, H]: 8-bit codes beat the dense head up to 16 rows. It stays 8-bit under int4: its error is what
         # the logits show
         head_quant = "int8" if weight_quant == "int4" else weight_quant
-        self.lm_head = Linear(lm_head, None, head_quant, small_m=16)
+        self.lm_head = (block_backend(lm_head) if isinstance(lm_head, BlockMatrix)
+                        else Linear(lm_head, None, head_quant, small_m=16))
         self.normalizer = (torch.tensor(math.sqrt(config.hidden_size), dtype=dtype)
                            if self.embed_scale else None)
 
@@ -204,7 +213,7 @@ class DecoderModel:
         o_w, o_b = r(a + "o_proj.weight"), r(a + "o_proj.bias", c.o_bias)
         if None in ws or (c.attention_bias and None in bs):
             return None, None, o_w, o_b                   # reported by check_missing
-        return torch.cat(ws), (torch.cat(bs) if c.attention_bias else None), o_w, o_b
+        return cat_rows(ws), (torch.cat(bs) if c.attention_bias else None), o_w, o_b
 
     def build_mlp(self, r: WeightReader, p: str, i: int) -> GatedMLP | MoE | None:
         """Layer i's feed-forward block (p: the layer's tensor prefix); MoE families override it.
@@ -219,7 +228,7 @@ class DecoderModel:
         b = self.config.mlp_bias
         g, u, d = r(m + "gate_proj.weight"), r(m + "up_proj.weight"), r(m + "down_proj.weight")
         gb, ub, db = r(m + "gate_proj.bias", b), r(m + "up_proj.bias", b), r(m + "down_proj.bias", b)
-        gu = None if g is None or u is None else torch.cat([g, u])
+        gu = None if g is None or u is None else cat_rows([g, u])
         gub = None if gb is None or ub is None else torch.cat([gb, ub])
         return gu, gub, d, db
 
@@ -236,8 +245,20 @@ class DecoderModel:
             return w
         return (w.float() + self.norm_offset).to(self.dtype)         # (1 + w) in float32, as Gemma does
 
+<<<<<<< HEAD
     def _lin(self, w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
+=======
+    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None) -> Linear | BlockLinear:
+        if isinstance(w, BlockMatrix):
+            return self.block_backend(w, b)
+>>>>>>> main
         return Linear(w, b, self.weight_quant)
+
+    def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] → embedding rows [T, H] in the model dtype."""
+        if isinstance(self.embed, BlockMatrix):
+            return self.embed.rows(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     # ── forward ──────────────────────────────────────────────────────────────────────────────
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
@@ -249,7 +270,7 @@ class DecoderModel:
         T = input_ids.shape[0]
         if T and int(positions.max()) >= self.max_model_len:          # C reads the tables unchecked
             raise IndexError(f"position {int(positions.max())} beyond the RoPE tables ({self.max_model_len})")
-        x = F.embedding(input_ids, self.embed)                            # [T, H]
+        x = self.embed_rows(input_ids)                                    # [T, H]
         if self.normalizer is not None:
             x = x * self.normalizer
         if kv_caches is not self._backend_caches:          # new caches (a runner's are one list for life)
@@ -291,9 +312,12 @@ class DecoderModel:
     def describe_backends(self) -> str:
         """The kernels this model runs, chosen at load: attention, linears, norms, the decode chain."""
         lin = self.layers[0].qkv
-        linears = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
-        dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
-        linears = f"{linears} for generated rows, {dense} for prompt rows" if linears else dense
+        if isinstance(lin, BlockLinear):
+            linears = f"{lin.name} on the file's blocks ({'/'.join(lin.w.formats())}) for every row"
+        else:
+            linears = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
+            dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
+            linears = f"{linears} for generated rows, {dense} for prompt rows" if linears else dense
         attn = self.attention_backend.name if self.attention_backend is not None else "picked at the first step"
         return (f"attention {attn}; linears {linears}; norms {self.ops.name}; "
                 f"decode chain {'on' if self.chain is not None else 'off'}")
@@ -305,9 +329,15 @@ class DecoderModel:
         norms = [self.norm] + [n for ly in self.layers for n in (ly.input_norm, ly.q_norm, ly.k_norm,
                                                                 ly.post_attn_norm, ly.pre_ffn_norm,
                                                                 ly.post_ffn_norm) if n is not None]
+<<<<<<< HEAD
         embed_rows = rows * self.embed.shape[1] * self.embed.element_size()
         return (sum(m.bytes_read(rows) for m in lins) + sum(ly.mlp.bytes_read(rows) for ly in self.layers)
                 + sum(n.numel() * n.element_size() for n in norms) + embed_rows)
+=======
+        embed_rows = rows * (self.embed.nbytes() // self.embed.n if isinstance(self.embed, BlockMatrix)
+                             else self.embed.shape[1] * self.embed.element_size())
+        return sum(m.bytes_read(rows) for m in lins) + sum(n.numel() * n.element_size() for n in norms) + embed_rows
+>>>>>>> main
 
     def decode_matmul_bytes(self) -> float:
         """Mean weight bytes of one matmul of a one-token decode step (the layers' four and the LM head)."""
