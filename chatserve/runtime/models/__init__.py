@@ -6,11 +6,8 @@ import torch
 
 from chatserve.runtime.models.decoder import DecoderModel
 from chatserve.runtime.models.gemma import GemmaModel
-<<<<<<< HEAD
 from chatserve.runtime.models.gpt_oss import GptOssModel
-=======
 from chatserve.runtime.models.linear_backends import BlockLinear, TorchBlockLinear
->>>>>>> main
 from chatserve.runtime.models.llama import LlamaModel
 from chatserve.runtime.models.mixtral import MixtralModel
 from chatserve.runtime.models.olmoe import OlmoeModel

@@ -16,11 +16,8 @@ import torch.nn.functional as F
 
 from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, RowSplit, StepInfo,
                                              pick_ops)
-<<<<<<< HEAD
-from chatserve.runtime.models.moe import MoE
-=======
 from chatserve.runtime.models.linear_backends import BlockLinear, BlockMatrix, TorchBlockLinear, cat_rows
->>>>>>> main
+from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 from chatserve_kernels import AttentionMetadata, cpu_decode
@@ -245,13 +242,9 @@ class DecoderModel:
             return w
         return (w.float() + self.norm_offset).to(self.dtype)         # (1 + w) in float32, as Gemma does
 
-<<<<<<< HEAD
-    def _lin(self, w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
-=======
-    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None) -> Linear | BlockLinear:
+    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None) -> Linear | BlockLinear:
         if isinstance(w, BlockMatrix):
             return self.block_backend(w, b)
->>>>>>> main
         return Linear(w, b, self.weight_quant)
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -329,15 +322,10 @@ class DecoderModel:
         norms = [self.norm] + [n for ly in self.layers for n in (ly.input_norm, ly.q_norm, ly.k_norm,
                                                                 ly.post_attn_norm, ly.pre_ffn_norm,
                                                                 ly.post_ffn_norm) if n is not None]
-<<<<<<< HEAD
-        embed_rows = rows * self.embed.shape[1] * self.embed.element_size()
-        return (sum(m.bytes_read(rows) for m in lins) + sum(ly.mlp.bytes_read(rows) for ly in self.layers)
-                + sum(n.numel() * n.element_size() for n in norms) + embed_rows)
-=======
         embed_rows = rows * (self.embed.nbytes() // self.embed.n if isinstance(self.embed, BlockMatrix)
                              else self.embed.shape[1] * self.embed.element_size())
-        return sum(m.bytes_read(rows) for m in lins) + sum(n.numel() * n.element_size() for n in norms) + embed_rows
->>>>>>> main
+        return (sum(m.bytes_read(rows) for m in lins) + sum(ly.mlp.bytes_read(rows) for ly in self.layers)
+                + sum(n.numel() * n.element_size() for n in norms) + embed_rows)
 
     def decode_matmul_bytes(self) -> float:
         """Mean weight bytes of one matmul of a one-token decode step (the layers' four and the LM head)."""

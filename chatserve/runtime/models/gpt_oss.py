@@ -15,7 +15,7 @@ import torch
 
 from chatserve.runtime.models.decoder import DecoderModel, WeightReader
 from chatserve.runtime.models.layers import GatedMLP, Linear, RowSplit
-from chatserve.runtime.models.moe import MoE, check_expert_count
+from chatserve.runtime.models.moe import MoE, check_expert_count, dense
 
 # one expert's (gate w [I, H], gate b [I], up w, up b, down w [H, I], down b [H])
 OaiExpert = tuple[torch.Tensor, ...]
@@ -49,6 +49,7 @@ def read_oai_experts(r: WeightReader, p: str, n: int) -> list[OaiExpert] | None:
     ts = [r(p + f"{m}_proj.{k}") for m in ("gate", "up", "down") for k in ("weight", "bias")]
     if any(t is None for t in ts):
         return None
+    ts = [dense(t, r.dtype) for t in ts]          # in place, the 2-D [E, n] biases came as block matrices
     for t in ts:
         check_expert_count(p + "*_proj", t, n)
     return [tuple(t[e] for t in ts) for e in range(n)]
@@ -65,4 +66,4 @@ class GptOssModel(DecoderModel):
         mlps = [OaiSwiGLU(self._lin(torch.cat([gw, uw]).contiguous(), torch.cat([gb, ub])),
                           self._lin(dw.contiguous(), db), alpha, limit)
                 for gw, gb, uw, ub, dw, db in experts]
-        return MoE(Linear(router, router_b), mlps, spec.top_k, spec.norm_topk_prob)
+        return MoE(Linear(dense(router, router_b.dtype), router_b), mlps, spec.top_k, spec.norm_topk_prob)

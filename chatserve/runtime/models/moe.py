@@ -14,6 +14,8 @@ import torch
 
 from chatserve.runtime.arch_config import MoESpec, UnsupportedModelError
 from chatserve.runtime.models.layers import GatedMLP, Linear, RowSplit, TorchOps
+from chatserve.runtime.models.linear_backends import BlockMatrix, cat_rows
+from chatserve_kernels import block_formats
 
 
 class WeightReader(Protocol):
@@ -157,8 +159,17 @@ def read_moe(r: WeightReader, m: str, spec: MoESpec, lin: Callable[[torch.Tensor
 def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec, lin: Callable[[torch.Tensor], Linear],
               act: str, ops: TorchOps, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               shared_gate: torch.Tensor | None = None) -> MoE:
-    """The MoE layer on read weights: gate and up fused per expert, every matrix a layers.Linear (lin)."""
+    """The MoE layer on read weights: gate and up fused per expert, every matrix through lin (a
+    layers.Linear, or a block backend for a GGUF matrix kept in place); the router and the shared
+    expert's gate dense (their float32 logits decide the routing)."""
     mlps = [GatedMLP(lin(torch.cat([g, u])), lin(d), act, ops) for g, u, d in experts]
-    sh = None if shared is None else GatedMLP(lin(torch.cat(shared[:2])), lin(shared[2]), act, ops)
-    return MoE(Linear(router), mlps, spec.top_k, spec.norm_topk_prob, sh,
-               None if shared_gate is None else Linear(shared_gate.reshape(1, -1)))   # [1, H]
+    sh = None if shared is None else GatedMLP(lin(cat_rows(list(shared[:2]))), lin(shared[2]), act, ops)
+    return MoE(Linear(dense(router, experts[0][0].dtype)), mlps, spec.top_k, spec.norm_topk_prob, sh,
+               None if shared_gate is None else Linear(dense(shared_gate, experts[0][0].dtype).reshape(1, -1)))
+
+
+def dense(w: torch.Tensor | BlockMatrix, dtype: torch.dtype) -> torch.Tensor:
+    """w as a dense tensor: a GGUF matrix kept in its block format (--gguf-in-place) is decoded."""
+    if not isinstance(w, BlockMatrix):
+        return w
+    return torch.cat([block_formats.dequantize(p) for p in w.parts]).to(dtype)
