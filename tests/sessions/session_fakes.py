@@ -27,10 +27,14 @@ from chatserve.server.state import ServerState
 
 
 class ScriptedChat:
-    """Says `reply(messages)` word by word, `delay_s` apart; `active` counts running generations."""
+    """Says `reply(messages)` word by word, `delay_s` apart; `active` counts running generations.
+    With `think` set, `think(messages)` comes first, as `delta.reasoning_content` (a reasoning model's
+    parsed thinking), and `think_gate` (an asyncio.Event, when set) holds the answer back until set."""
 
     def __init__(self, reply: Callable[[list[dict]], str] | None = None, delay_s: float = 0.0) -> None:
         self.reply = reply or (lambda msgs: f"echo: {msgs[-1]['content']}")
+        self.think: Callable[[list[dict]], str] | None = None
+        self.think_gate: Any = None
         self.delay_s = delay_s
         self.active = 0
         self.started = 0
@@ -64,13 +68,23 @@ class ScriptedChat:
             limit = req.get("max_tokens", 10_000)
             finish = "length" if len(pieces) > limit else "stop"
             pieces = pieces[:limit]
+            thinking = re.findall(r"\s*\S+|\s+", self.think(req["messages"])) if self.think else []
+            for piece in thinking:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                yield {**base, "choices": [{"index": 0, "delta": {"reasoning_content": piece},
+                                            "finish_reason": None}]}
+            if self.think_gate is not None:
+                await self.think_gate.wait()
             for piece in pieces:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 yield {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
             yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}
             yield {**base, "choices": [], "usage": {
-                "prompt_tokens": len(words), "completion_tokens": len(pieces), "total_tokens": len(words) + len(pieces),
+                "prompt_tokens": len(words), "completion_tokens": len(pieces) + len(thinking),
+                "total_tokens": len(words) + len(pieces) + len(thinking),
+                "completion_tokens_details": {"reasoning_tokens": len(thinking)},
                 "prompt_tokens_details": {"cached_tokens": cached},
                 "chatserve": {"ttft_s": 0.012, "tokens_per_s": 42.0, "queue_s": 0.001}}}
             finished = True

@@ -14,7 +14,7 @@ from typing import Any
 SCHEMA = 2
 TURN_STALE_S = 20.0          # a turn whose heartbeat is older than this died with its process
 ROOT = ""                    # the parent id of first messages
-MESSAGE_FIELDS = ("role", "content", "created", "usage", "finish_reason", "error", "status")
+MESSAGE_FIELDS = ("role", "content", "reasoning_content", "created", "usage", "finish_reason", "error", "status")
 
 
 def new_message_id() -> str:
@@ -32,7 +32,8 @@ class Session:
     system_prompt: str = ""
     params: dict[str, Any] = field(default_factory=dict)
     # every message ever written, oldest first: {"id", "parent", "role", "content", "created", "n"}
-    # + for replies "usage", "finish_reason", "error", and "status": "generating" while being written
+    # + for replies "usage", "finish_reason", "error", "reasoning_content" (the thinking, apart from
+    # the answer, when the model's reasoning parser found some), and "status": "generating" while written
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     active: dict[str, str] = field(default_factory=dict)     # parent id → the child shown
     turn: dict[str, Any] | None = None   # {"id", "message_id", "phase", "heartbeat"} while generating
