@@ -420,6 +420,7 @@ async function ensureSession() {
   const body = { system_prompt: $('system-prompt').value, params: withThinking(params, newChat.thinking) };
   if (models.chosen) body.model = models.chosen;
   const s = await api.create(body);
+  newChat.thinking = true;                              // the switch was this chat's; the next starts on
   state.setCurrent(s);
   history.replaceState(null, '', `#${s.id}`);
   state.setSessions([{ id: s.id, title: s.title, created: s.created, updated: s.updated }, ...state.sessions.filter((x) => x.id !== s.id)]);

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
-from starlette.responses import PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from chatserve.config import EngineConfig, ServerConfig
@@ -29,7 +29,7 @@ from chatserve.server.state import ServerState
 class ScriptedChat:
     """Says `reply(messages)` word by word, `delay_s` apart; `active` counts running generations.
     With `think` set, `think(messages)` comes first, as `delta.reasoning_content` (a reasoning model's
-    parsed thinking), and `think_gate` (an asyncio.Event, when set) holds the answer back until set."""
+    parsed thinking), and `think_gate` (a threading.Event or asyncio.Event) holds the answer back until set."""
 
     def __init__(self, reply: Callable[[list[dict]], str] | None = None, delay_s: float = 0.0) -> None:
         self.reply = reply or (lambda msgs: f"echo: {msgs[-1]['content']}")
@@ -74,8 +74,8 @@ class ScriptedChat:
                     await asyncio.sleep(self.delay_s)
                 yield {**base, "choices": [{"index": 0, "delta": {"reasoning_content": piece},
                                             "finish_reason": None}]}
-            if self.think_gate is not None:
-                await self.think_gate.wait()
+            while self.think_gate is not None and not self.think_gate.is_set():
+                await asyncio.sleep(0.01)
             for piece in pieces:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
@@ -102,9 +102,10 @@ class IdleEngine:
 
 
 def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None,
-             api_keys: tuple[str, ...] = ()) -> Starlette:
+             api_keys: tuple[str, ...] = (), model_card: dict | None = None) -> Starlette:
     """The smallest app that serves the session routes, the real /v1/ws, and a /metrics with the KV
-    usage gauge (the fake's running generations); no engine but an IdleEngine for progress."""
+    usage gauge (the fake's running generations); no engine but an IdleEngine for progress. With
+    `model_card`, GET /v1/models lists that one card (what the UI reads the thinking switch from)."""
     cfg = EngineConfig(server=ServerConfig(redis_url=redis_url, api_keys=api_keys))
     state = ServerState(config=cfg, engine=IdleEngine(), tokenizer=None,  # type: ignore[arg-type]
                         model_name="fake-model", sessions=store)
@@ -113,7 +114,11 @@ def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = N
         usage = 0.25 * backend.active
         return PlainTextResponse(f"chatserve:kv_cache_usage_perc {usage}\n")
 
-    app = Starlette(routes=[*sessions.routes, *ws.routes, Route("/metrics", metrics)])
+    async def models(request: Any) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card]})
+
+    extra = [Route("/v1/models", models)] if model_card is not None else []
+    app = Starlette(routes=[*sessions.routes, *ws.routes, Route("/metrics", metrics), *extra])
     app.state.chatserve = state
     app.state.session_chat_backend = backend
     sessions.install(app, state)
