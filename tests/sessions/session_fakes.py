@@ -40,6 +40,7 @@ class ScriptedChat:
         self.started = 0
         self.aborted = 0
         self.requests: list[dict] = []
+        self.rewarms: list[dict] = []         # rewarm(...) calls: the chat each would prefill
         self._seen: dict[str, list[list[str]]] = {}
 
     def parse(self, body: dict, state: Any, rate_key: str | None = None) -> dict:
@@ -92,6 +93,11 @@ class ScriptedChat:
             self.active -= 1
             if not finished:
                 self.aborted += 1
+
+
+    async def rewarm(self, state: Any, messages: list[dict], *, owner: str, request_id: str) -> int:
+        self.rewarms.append({"messages": messages, "owner": owner, "request_id": request_id})
+        return 0
 
 
 class IdleEngine:

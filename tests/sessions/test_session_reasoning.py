@@ -8,7 +8,9 @@ import json
 import httpx
 import pytest
 
-from chatserve.server.sessions.turns import history_message
+from chatserve.server.sessions.rewarm import next_prompt_prefix
+from chatserve.server.sessions.session import history_message
+from chatserve.server.shared_prompts import common_prefix_len
 from session_fakes import ScriptedChat, make_app
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,6 +67,10 @@ async def test_reasoning_is_stored_apart_and_goes_back_to_the_template(redis_ser
     history = chat.requests[1]["req"]["messages"]
     assert history[1] == {"role": "assistant", "content": "answer to one",
                           "reasoning_content": "pondering one carefully"}
+    # after each reply with reasoning, the history is re-prefilled as the next prompt will start
+    assert [r["messages"] for r in chat.rewarms] == [history[:2], chat.requests[1]["req"]["messages"][:3] + [
+        {"role": "assistant", "content": "answer to two", "reasoning_content": "pondering two carefully"}]]
+    assert {r["owner"] for r in chat.rewarms} == {chat.requests[0]["owner"]}
 
     app2 = make_app(chat, redis_url=redis_server.url)                  # a new process, the same Redis
     async with client(app2) as c:
@@ -131,3 +137,27 @@ def test_the_chat_template_decides_whether_later_prompts_show_the_reasoning():
     # after the last user message (a tool loop), the Qwen3-style template shows it
     loop = tok.render_chat(msgs[:2], add_generation_prompt=False, chat_template=QWEN3_STYLE)
     assert "<|im_start|>assistant\n<think>\ngreet back\n</think>\n\nHello!" in loop
+
+
+def test_the_rewarmed_prefix_is_exactly_how_the_next_prompt_starts():
+    """next_prompt_prefix renders the chat as the template will once a user message follows: with a
+    Qwen3-style template the last reply loses its thinking there, and the prefix ids are the next
+    prompt's first ids (cut at the end-of-turn token, a hard tokenization boundary)."""
+    from chatserve.config import default_model_path
+    from chatserve.text.tokenizer import Tokenizer
+    base = Tokenizer.from_model(default_model_path())
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "It is 4.", "reasoning_content": "two and two make four"}]
+    nxt = [*chat, {"role": "user", "content": "And 3+3?"}]
+    for template, shows_thinking in ((QWEN3_STYLE, False), (KEEPS_THINKING, True)):
+        tok = base.with_chat_template(template)
+        prefix = next_prompt_prefix(tok, chat)
+        prompt = tok.apply_chat_template(nxt)
+        assert prefix and prompt[:len(prefix)] == prefix and len(prompt) > len(prefix)
+        assert prefix[-1] == tok.end_of_turn_id
+        text = tok.decode(prefix, skip_special_tokens=False)
+        assert text.endswith("It is 4.<|im_end|>") and ("two and two" in text) == shows_thinking
+        # what the reply's own turn left in the cache: its prompt + the thinking + the answer
+        sampled = tok.apply_chat_template(chat[:2]) + tok.encode("<think>\ntwo and two make four\n</think>\n\nIt is 4.")
+        common = common_prefix_len(sampled, prompt)
+        assert common == (len(sampled) if shows_thinking else len(tok.apply_chat_template(chat[:2])))

@@ -182,3 +182,19 @@ class Session:
         return {"nodes": [{**{k: v for k, v in n.items() if k != "n"}, "parent": n["parent"] or None}
                           for n in sorted(self.nodes.values(), key=lambda n: n.get("n", 0))],
                 "active": path[-1]["id"] if path else None}
+
+
+def chat_messages(s: Session, history: list[dict]) -> list[dict]:
+    """The session's system prompt and stored history as the chat template gets them."""
+    system = [{"role": "system", "content": s.system_prompt}] if s.system_prompt else []
+    return system + [history_message(m) for m in history]
+
+
+def history_message(m: dict) -> dict:
+    """A stored message as the chat template gets it: an assistant reply keeps its reasoning apart, as
+    `reasoning_content`, and the template decides whether the next prompt shows it (Qwen3 and
+    DeepSeek-R1 drop it from earlier turns; a template that keeps thinking in history writes it)."""
+    out = {"role": m["role"], "content": m["content"]}
+    if m["role"] == "assistant" and m.get("reasoning_content"):
+        out["reasoning_content"] = m["reasoning_content"]
+    return out

@@ -13,11 +13,11 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Awaitable, Protocol
 
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.sessions.inputs import TurnRequest
-from chatserve.server.sessions.session import ROOT, Session
+from chatserve.server.sessions.session import ROOT, Session, chat_messages, history_message
 from chatserve.server.sessions.store import SessionStore, StoreUnavailable, valid_session_id
 
 log = logging.getLogger("chatserve.sessions")
@@ -35,6 +35,7 @@ class ChatBackend(Protocol):
     def parse(self, body: dict, state: Any, rate_key: str | None = None) -> Any: ...
     def stream(self, state: Any, req: Any, *, owner: str, keep_warm: bool, request_id: str | None,
                rate_key: str | None = None) -> AsyncIterator[dict]: ...
+    def rewarm(self, state: Any, messages: list[dict], *, owner: str, request_id: str) -> Awaitable[int]: ...
 
 
 class ChatServiceBackend:
@@ -51,6 +52,10 @@ class ChatServiceBackend:
         from chatserve.server import chat_service
         return chat_service.stream_chat(state, req, owner=owner, keep_warm=keep_warm,
                                         request_id=request_id, rate_key=rate_key)
+
+    def rewarm(self, state: Any, messages: list[dict], *, owner: str, request_id: str) -> Awaitable[int]:
+        from chatserve.server.sessions import rewarm
+        return rewarm.rewarm(state, messages, owner=owner, request_id=request_id)
 
 
 def not_found() -> APIError:
@@ -74,6 +79,7 @@ class LiveTurn:
     user_message_id: str | None
     request_id: str                       # the engine's request id
     model: str = ""
+    messages: list[dict] = field(default_factory=list)     # the chat the reply answers, as the template gets it
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)     # delta.reasoning_content, apart from the answer
     phase: str = "queued"
@@ -219,6 +225,7 @@ class TurnService:
     def __init__(self, app_state: Any, state: Any, store: SessionStore) -> None:
         self.app_state, self.state, self.store = app_state, state, store
         self.by_session: dict[str, LiveTurn] = {}
+        self.rewarming: set[asyncio.Task] = set()
         self._default_backend = ChatServiceBackend()
 
     @property
@@ -266,6 +273,7 @@ class TurnService:
                 raise not_found()
             if _chat_key(s, history[0]) != _chat_key(cur, preview):
                 req = await self._parse(s, history[0], treq.overrides, None)   # changed meanwhile
+            turn.messages = chat_messages(s, history[0])
             turn.model = s.model or getattr(self.state, "model_name", None) or ""
         except BaseException:
             self.by_session.pop(sid, None)
@@ -283,8 +291,7 @@ class TurnService:
     async def _parse(self, s: Session, history: list[dict], overrides: dict, rate_key: str | None) -> Any:
         chat: dict[str, Any] = {
             "model": s.model or getattr(self.state, "model_name", None) or "default",
-            "messages": ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else [])
-            + [history_message(m) for m in history],
+            "messages": chat_messages(s, history),
             "stream": True, "stream_options": {"include_usage": True},
             **s.params, **overrides}
         req = self.backend.parse(chat, self.state, rate_key)
@@ -311,6 +318,8 @@ class TurnService:
         deadline = time.monotonic() + grace_s
         while self.by_session and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        for task in list(self.rewarming):
+            task.cancel()
         tasks = [t.task for t in self.by_session.values() if t.task is not None]
         for t in list(self.by_session.values()):
             t.cancel()
@@ -345,7 +354,10 @@ class TurnService:
             turn.publish({"id": turn.request_id, "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": turn.model,
                           "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
-        await self._finish(turn, out.reply(turn, t0))
+        reply = out.reply(turn, t0)
+        await self._finish(turn, reply)
+        if reply is not None and reply.get("reasoning_content") and reply["finish_reason"] in ("stop", "length"):
+            self._rewarm(turn, reply)
         if not turn.admitted.done():
             if out.early is not None:
                 turn.admitted.set_exception(out.early)
@@ -354,6 +366,15 @@ class TurnService:
         turn.done = True
         turn.publish(_END)
         turn.followers.clear()
+
+    def _rewarm(self, turn: LiveTurn, reply: dict) -> None:
+        """In the background: prefill the history as the next prompt will start (rewarm.py), so a
+        template that drops this reply's thinking still lets turn N+1 hit the cache."""
+        msgs = [*turn.messages, history_message({"role": "assistant", **reply})]
+        task = asyncio.get_running_loop().create_task(
+            self.backend.rewarm(self.state, msgs, owner=turn.cache_owner, request_id=turn.request_id + "-rewarm"))
+        self.rewarming.add(task)
+        task.add_done_callback(self.rewarming.discard)
 
     async def _finish(self, turn: LiveTurn, msg: dict | None) -> None:
         """Store the reply (or drop its placeholder) and clear the session's turn marker."""
@@ -420,16 +441,6 @@ class TurnService:
 
 def _chat_key(s: Session, history: list[dict]) -> tuple:
     return [history_message(m) for m in history], s.params, s.system_prompt, s.model
-
-
-def history_message(m: dict) -> dict:
-    """A stored message as the chat template gets it: an assistant reply keeps its reasoning apart, as
-    `reasoning_content`, and the template decides whether the next prompt shows it (Qwen3 and
-    DeepSeek-R1 drop it from earlier turns; a template that keeps thinking in history writes it)."""
-    out = {"role": m["role"], "content": m["content"]}
-    if m["role"] == "assistant" and m.get("reasoning_content"):
-        out["reasoning_content"] = m["reasoning_content"]
-    return out
 
 
 def _add_turn(s: Session, treq: TurnRequest, turn: LiveTurn, user_id: str | None,
