@@ -368,8 +368,7 @@ class TurnService:
         turn.followers.clear()
 
     def _rewarm(self, turn: LiveTurn, reply: dict) -> None:
-        """In the background: prefill the history as the next prompt will start (rewarm.py), so a
-        template that drops this reply's thinking still lets turn N+1 hit the cache."""
+        """In the background: prefill the history as the next prompt will start (rewarm.py)."""
         msgs = [*turn.messages, history_message({"role": "assistant", **reply})]
         task = asyncio.get_running_loop().create_task(
             self.backend.rewarm(self.state, msgs, owner=turn.cache_owner, request_id=turn.request_id + "-rewarm"))
