@@ -39,6 +39,11 @@ class ThinkTagParser:
         self.reasoning_done = self._state == "content"
 
     @property
+    def phase(self) -> _State:
+        """'undecided' (the output may open a block), 'reasoning' or 'content'."""
+        return self._state
+
+    @property
     def in_reasoning(self) -> bool:
         """True while output is (or may still be) reasoning: the answer has not started."""
         return not self.reasoning_done
