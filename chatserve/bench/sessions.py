@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.think_steps.split(","))
     w = replace(d, sessions=args.sessions, turns=args.turns, reply_tokens=args.reply_tokens,
-                user_tokens=args.user_tokens, think_tokens=args.think_tokens, think_steps=(lo, hi), bg_concurrency=args.bg_concurrency,
-                seed=args.seed)
+                user_tokens=args.user_tokens, think_tokens=args.think_tokens, think_steps=(lo, hi),
+                bg_concurrency=args.bg_concurrency, seed=args.seed)
     sizes = [int(x) for x in args.cache_sizes.split(",") if x] or None
     res = run(w, sizes, max_warm_fraction=args.max_warm_fraction, starvation=not args.no_starvation,
               progress=not args.no_progress)
