@@ -13,18 +13,19 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
-from chatserve import disk_cache
+from chatserve_kernels import env
 
 log = logging.getLogger(__name__)
 
-ENV = "CHATSERVE_CPU_KERNELS"
+ENV = env.CPU_KERNELS
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
 
 def cache_dir() -> Path:
-    return disk_cache.cache_dir("kernels")
+    return env.cache_root() / "kernels"
 
 
 def _cpu_id() -> str:
@@ -47,7 +48,9 @@ def build(source: Path, compiler: str | None = None) -> Path:
     out = cache_dir() / f"{source.stem}-{platform.machine()}-{key}.so"
     if out.exists():
         return out
-    tmp = disk_cache.temp_path(out, suffix=".so")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".so")   # same filesystem as `out`
+    os.close(fd)
     try:
         res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
                              timeout=120)
@@ -62,7 +65,7 @@ def build(source: Path, compiler: str | None = None) -> Path:
 
 def load(source: Path) -> ctypes.CDLL | None:
     """The compiled library, or None (switched off, not Linux, or it could not be built)."""
-    if os.environ.get(ENV, "1") == "0" or platform.system() != "Linux":
+    if not env.cpu_kernels_enabled() or platform.system() != "Linux":
         return None
     try:
         return ctypes.CDLL(str(build(source)))

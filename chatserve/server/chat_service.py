@@ -13,7 +13,7 @@ import time
 from typing import Any, AsyncIterator
 
 from chatserve.core.request import SamplingParams
-from chatserve.deltas import Delta
+from chatserve.engine.deltas import Delta
 from chatserve.engine import AdmissionError
 from chatserve.server.collect import collect_chat, collect_completion
 from chatserve.server.errors import APIError, admission_error, engine_error_body, error_response
@@ -181,7 +181,7 @@ async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_
 
 def _chat_delta(d: Delta, calls: list | None, thinks: list[ChoiceReasoning] | None) -> tuple[dict, str | None]:
     """A delta's chat fields: reasoning pieces (chatserve.reasoning), then content or tool calls read from
-    the answer (chatserve.tools.stream); and its finish_reason (stop → tool_calls after a call)."""
+    the answer (chatserve.toolcalls.stream); and its finish_reason (stop → tool_calls after a call)."""
     reason = d.finish_reason
     text, delta = d.text, {}
     if thinks is not None:

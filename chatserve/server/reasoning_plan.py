@@ -15,6 +15,7 @@ from chatserve.server.errors import invalid
 from chatserve.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:
+    from chatserve.server.schemas.openai import ChatMessage
     from chatserve.server.state import ServerState
 
 log = logging.getLogger("chatserve.server")
@@ -65,16 +66,12 @@ def reasoning_plan(state: ServerState, chat_template: str | None, prompt_ids: li
     return ReasoningPlan(name, tail, _single_token(state, cls.start), _single_token(state, cls.end))
 
 
-def replayed_reasoning(m: dict, where: str) -> dict[str, Any]:
+def replayed_reasoning(m: ChatMessage, where: str) -> dict[str, Any]:
     """An assistant message's replayed `reasoning_content` (or `reasoning`), for the chat template."""
-    text = m.get("reasoning_content")
-    if text is None:
-        text = m.get("reasoning")
+    text = m.reasoning_content if m.reasoning_content is not None else m.reasoning
     if text is None:
         return {}
-    if m.get("role") != "assistant":
+    if m.role != "assistant":
         raise invalid(f"{where}.reasoning_content is only allowed on assistant messages",
                       f"{where}.reasoning_content")
-    if not isinstance(text, str):
-        raise invalid(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content", "invalid_type")
     return {"reasoning_content": text}

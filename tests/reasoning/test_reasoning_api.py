@@ -238,3 +238,27 @@ def test_responses_function_call_after_reasoning(qwen3_server):
     follow = c.responses.create(model="qwen3", previous_response_id=r.id, temperature=0,
                                 input=[{"type": "function_call_output", "call_id": call.call_id, "output": "noon"}])
     assert follow.output_text == ANSWER
+
+
+def test_agents_sdk_replays_reasoning_items(qwen3_server):
+    """An Agents SDK run on the reasoning model: turn 1 thinks and calls the tool (required); turn 2 gets
+    the reasoning item, the call and its output back as input items, thinks again and answers."""
+    pytest.importorskip("agents")
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    set_tracing_disabled(True)
+    called: list[str] = []
+
+    @function_tool
+    def now() -> str:
+        """the time"""
+        called.append("now")
+        return "noon"
+
+    ext = openai.AsyncOpenAI(base_url=qwen3_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    agent = Agent(name="clock", instructions="Use the tool.", tools=[now],
+                  model=OpenAIResponsesModel(model="qwen3", openai_client=ext),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0))
+    result = Runner.run_sync(agent, "hi", max_turns=3)
+    assert called == ["now"] and result.final_output == ANSWER
+    kinds = [type(it).__name__ for it in result.new_items]
+    assert kinds[0] == "ReasoningItem" and "ToolCallItem" in kinds and "ToolCallOutputItem" in kinds

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, StringConstraints, Tag
+from pydantic import Discriminator, Field, StringConstraints, Tag, field_validator
 
 from chatserve.server.schemas.openai import MAX_USER_CHARS, IntIn, Open, Strict
 
@@ -73,6 +73,7 @@ def _item_type(v: Any) -> str | None:
     return getattr(v, "type", None)
 
 
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
                             Annotated[FunctionCallOutputItem, Tag("function_call_output")],
                             Annotated[ReasoningItem, Tag("reasoning")]],
@@ -158,6 +159,17 @@ class ResponsesRequest(Strict):
     prompt_cache_key: Annotated[str, StringConstraints(max_length=1024)] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     seed: IntIn(0) | None = Field(None, description="chatserve extension: seeded sampling")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_items(cls, v: Any) -> Any:
+        """An item type this server does not take is named in the 400 (not a union's type mismatch)."""
+        if isinstance(v, list):
+            for i, it in enumerate(v):
+                t = _item_type(it)
+                if isinstance(it, dict) and t not in ITEM_TYPES:
+                    raise ValueError(f"input[{i}] has type {t!r}; this server takes {', '.join(ITEM_TYPES)} items")
+        return v
 
 
 # ── output ───────────────────────────────────────────────────────────────────────────────────────
