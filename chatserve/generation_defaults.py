@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from chatserve.config import ModelConfig
 
@@ -46,12 +46,14 @@ def _number(name: str, value: Any) -> int | float | None:
     return int(value) if name in _INTS else float(value)
 
 
-def load_generation_defaults(model: ModelConfig) -> dict[str, Any]:
-    """{SamplingParams field: value} from the model's generation config; {} when there is none."""
+def load_generation_defaults(model: ModelConfig, gguf_reader: Callable[[Path], Any] | None = None) -> dict[str, Any]:
+    """{SamplingParams field: value} from the model's generation config; {} when there is none.
+    gguf_reader: how a GGUF file's metadata is read (default gguf.GGUFReader; the server passes the
+    weights loader's faster one, which this layer may not import)."""
     path = generation_config_file(model)
     if path is None:
         gguf = _auto_gguf(model)
-        return gguf_sampling_defaults(gguf) if gguf is not None else {}
+        return gguf_sampling_defaults(gguf, gguf_reader) if gguf is not None else {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -72,13 +74,13 @@ def _auto_gguf(model: ModelConfig) -> Path | None:
     return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
-def gguf_sampling_defaults(path: str | Path) -> dict[str, Any]:
+def gguf_sampling_defaults(path: str | Path, gguf_reader: Callable[[Path], Any] | None = None) -> dict[str, Any]:
     """{SamplingParams field: value} from a GGUF file's `general.sampling.*` keys ({} when it has none).
     A key llama.cpp writes but chatserve has no field for (xtc, mirostat, sequence) is left out."""
-    from chatserve.runtime.weights import gguf_reader     # the reader the weights load with
-
+    if gguf_reader is None:
+        from gguf import GGUFReader as gguf_reader
     try:
-        reader = gguf_reader(path)
+        reader = gguf_reader(Path(path))
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
     out: dict[str, Any] = {}
