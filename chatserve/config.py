@@ -216,8 +216,9 @@ class ModelConfig:
         None, "a chat template (a file, or the template text itself) for models without one, or to "
         "replace the model's", metavar="FILE_OR_STRING", shown_default="the model's")
     generation_config: str = option(
-        "auto", "sampling defaults: auto = the model's generation_config.json where it ships one, "
-        "none = OpenAI's defaults, or a folder holding a generation_config.json", metavar="auto|none|DIR")
+        "auto", "sampling defaults for fields a request leaves unset: auto = the model's "
+        "generation_config.json or its GGUF general.sampling.* keys where it ships them, none or vllm = "
+        "OpenAI's defaults, or a folder holding a generation_config.json", metavar="auto|none|vllm|DIR")
     seed: int | None = option(None, "seed of the sampler's random generator for requests without a seed",
                               shown_default="random per process")
 

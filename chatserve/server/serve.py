@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = prepare_model(config_from_args(args, env_config()))   # a name → a local path, files checked
         model_path = cfg.model.resolved_model()
-        generation_defaults = load_generation_defaults(cfg.model)
+        from chatserve.runtime.weights import gguf_reader
+        generation_defaults = load_generation_defaults(cfg.model, gguf_reader)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"chatserve serve: {e}", file=sys.stderr)
         return 2

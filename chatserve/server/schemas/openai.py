@@ -310,6 +310,11 @@ class Model(Open):
     # max_tokens of a request that sets none (--max-tokens-default or the model's generation config);
     # null = the rest of the context, as OpenAI does
     max_tokens_default: int | None = None
+    # the model's recommended sampling for fields a request leaves unset (--generation-config: its
+    # generation_config.json or GGUF general.sampling.* keys); {} = OpenAI's defaults
+    sampling_defaults: dict[str, float] = {}
+    # the chat template has a thinking switch (enable_thinking; reasoning_effort "none" turns it off)
+    thinking_switch: bool = False
 
 
 class ModelList(Open):
