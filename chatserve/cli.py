@@ -13,22 +13,26 @@ COMMANDS: dict[str, str] = {
     "serve": "chatserve.server.serve:main",        # the API + UI server
     "chat": "chatserve.chat_client:main",          # terminal chat client
     "generate": "chatserve.generate:main",         # one completion on stdout
+    "models": "chatserve.model_source.command:main",   # local models by name; pull one
 }
 BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → what it measures
     "memory": "KV cache manager: waste, sharing, speed",
     "scheduler": "scheduler overhead per step",
     "model": "decode/prefill tokens/s",
     "kernels": "GPU paged-attention bandwidth",
+    "blockmm": "CPU matmul on GGUF block formats vs today's paths",
     "serve": "OpenAI-API serving benchmark",
     "load": "load + cancellation + stream validation",
     "sessions": "session-aware caching: turn N+1 hits under load",
     "build-model": "random-weight checkpoint of a real shape (Llama-3.2-1B)",
+    "build-gguf": "random-block GGUF of the Llama-3.2-1B shape in one format",
 }
 BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_HELP}
 BENCH["build-model"] = "chatserve.bench.checkpoint:main"
+BENCH["build-gguf"] = "chatserve.bench.gguf_checkpoint:main"
 
-USAGE = """usage: chatserve {serve,chat,generate} [options]
-       chatserve bench {memory,scheduler,model,kernels,serve,load,sessions,build-model} [options]
+USAGE = """usage: chatserve {serve,chat,generate,models} [options]
+       chatserve bench {memory,scheduler,model,kernels,blockmm,serve,load,sessions,build-model,build-gguf} [options]
        chatserve --version
 Run `chatserve COMMAND --help` for a command's options."""
 BENCH_USAGE = ("usage: chatserve bench {" + ",".join(BENCH) + "} [options]\n"

@@ -201,7 +201,8 @@ def _weight_quant(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = option(None, "GGUF file or HF/safetensors directory", positional=True,
+    model: str | None = option(None, "a GGUF file or HF/safetensors directory, or a name: org/repo[:QUANT] "
+                               "(Hugging Face) or model:tag (Ollama) (docs/models.md)", positional=True,
                                metavar="MODEL", shown_default="SmolLM2-135M-Instruct")
     dtype: str = option("auto", "auto: bfloat16 on CUDA and on CPUs with bf16 instructions "
                         "(AVX512-BF16/AMX), else float32", choices=MODEL_DTYPES)
@@ -212,12 +213,19 @@ class ModelConfig:
     weight_quant: str | None = option(
         "auto", "weight-only quantized decode matmuls (int4: CPU, int8 LM head); auto = int4 for a "
         "4-bit GGUF on CPU, else none", parse=_weight_quant, choices=("auto", None, "int8", "int4"))
+    gguf_in_place: bool = option(
+        False, "keep a GGUF's matrices in their block format (memory-mapped, no dense copy, no requantization) "
+        "and multiply by them with the block-format kernels (cpu_blockmm); off: dense copies + int4 repack")
+    cpu_isa: str = option("auto", "instruction level of the block-format kernels: auto (the best this CPU "
+                          "runs), avx512, avx2 (forced, e.g. on an AVX-512 CPU), torch (the plain-torch twin)",
+                          choices=("auto", "avx512", "avx2", "torch"))
     chat_template: str | None = option(
         None, "a chat template (a file, or the template text itself) for models without one, or to "
         "replace the model's", metavar="FILE_OR_STRING", shown_default="the model's")
     generation_config: str = option(
-        "auto", "sampling defaults: auto = the model's generation_config.json where it ships one, "
-        "none = OpenAI's defaults, or a folder holding a generation_config.json", metavar="auto|none|DIR")
+        "auto", "sampling defaults for fields a request leaves unset: auto = the model's "
+        "generation_config.json or its GGUF general.sampling.* keys where it ships them, none or vllm = "
+        "OpenAI's defaults, or a folder holding a generation_config.json", metavar="auto|none|vllm|DIR")
     seed: int | None = option(None, "seed of the sampler's random generator for requests without a seed",
                               shown_default="random per process")
 
@@ -315,6 +323,10 @@ class ServerConfig:
     tool_call_parser: str | None = option(
         None, "how tool calls are read from the model's output with tool_choice auto",
         choices=(None, "hermes", "llama3_json", "mistral"), shown_default="implied by the chat template")
+    reasoning_parser: str = option(
+        "auto", "how reasoning (<think> blocks) is told apart from the answer, sent as reasoning_content "
+        "beside content; auto: implied by the chat template and model family; off: left in the content",
+        choices=("auto", "qwen3", "deepseek_r1", "off"))
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from chatserve.config import ConfigError, EngineConfig, add_arguments, config_from_args
+from chatserve.model_source import prepare_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +36,9 @@ def main(argv: list[str]) -> int:
     from chatserve.engine.llm import LLM
 
     try:
-        config = config_from_args(args, EngineConfig.from_env(), sections=("model",))
+        # a name → a local path, files checked
+        config = prepare_model(config_from_args(args, EngineConfig.from_env(), sections=("model",)),
+                               count_kv_cache=False)
         model = config.model
         path = model.resolved_model()
         tok = load_tokenizer(config)               # the builder's one way: --chat-template applies

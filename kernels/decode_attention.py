@@ -285,6 +285,16 @@ def softcap(s: torch.Tensor, cap: float | None) -> torch.Tensor:
     return s if not cap else torch.tanh(s.float() / cap).mul_(cap)
 
 
+def sink_softmax(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 scores; with sinks (gpt-oss: one learned logit per head,
+    shaped to broadcast against s) each row's denominator also holds e^sink: p_j = e^s_j / (e^sink + Σ e^s_i)."""
+    if sinks is None:
+        return torch.softmax(s, -1)
+    mx = torch.maximum(s.amax(-1, keepdim=True), sinks)
+    e = torch.exp(s - mx)
+    return e / (e.sum(-1, keepdim=True) + torch.exp(sinks - mx))
+
+
 def decode_prep(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, block_size: int,
                 sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What every layer's decode attention needs, built once per step: (table [B, nblk] int64,
@@ -305,8 +315,9 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: torch.Tensor | None = None,
                            sliding_window: int | None = None,
                            prep: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           logit_softcap: float | None = None) -> torch.Tensor:
-    # q: [B, q_heads, D] (one token per sequence) → [B, q_heads, D]
+                           logit_softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # q: [B, q_heads, D] (one token per sequence) → [B, q_heads, D]; sinks: [q_heads] float32 (sink_softmax)
     # Every sequence's blocks are gathered, padded to the longest, and the tail masked: one SDPA call.
     # prep: decode_prep(...) of this step, shared by the layers (built here when None).
     B, hq, d = q.shape
@@ -318,10 +329,11 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cd = k_cache.dtype if k_cache.dtype in (torch.bfloat16, torch.float16) else q.dtype
     k = gather_dequant(k_cache, k_scale, table, cd).transpose(1, 2)           # [B, hkv, nblk*bs, d]
     v = gather_dequant(v_cache, v_scale, table, cd).transpose(1, 2)
-    if logit_softcap:                      # SDPA has no soft-capping: the scores spelled out, in fp32
+    if logit_softcap or sinks is not None:  # SDPA has neither: the scores spelled out, in fp32
         qg = (q.float() * scale).view(B, hkv, hq // hkv, d)
         s = softcap(torch.matmul(qg, k.float().transpose(2, 3)), logit_softcap)  # [B, hkv, g, S]
-        p = torch.softmax(s.masked_fill_(~mask, float("-inf")), -1)
+        sk = None if sinks is None else sinks.view(1, hkv, hq // hkv, 1)
+        p = sink_softmax(s.masked_fill_(~mask, float("-inf")), sk)
         return torch.matmul(p, v.float()).view(B, hq, d).to(q.dtype)
     out = F.scaled_dot_product_attention(q[:, :, None, :].to(cd), k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=hq != hkv)   # [B, hq, 1, d]

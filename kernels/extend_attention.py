@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from chatserve_kernels.decode_attention import (attend_blocks, check_paged_args, gather_dequant, merge_splits,
-                                                paged_kernel_args, softcap, take_blocks)
+                                                paged_kernel_args, sink_softmax, softcap, take_blocks)
 from chatserve_kernels.dispatch import cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl
 
 
@@ -217,9 +217,11 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            sliding_window: int | None = None,
                            prep: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           logit_softcap: float | None = None) -> torch.Tensor:
+                           logit_softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     # One sequence: q [ql, q_heads, D] for positions seq_len-ql .. seq_len-1 → [ql, q_heads, D]
-    # prep: extend_prep(...) of this step (built here when None); logit_softcap: s → c·tanh(s / c).
+    # prep: extend_prep(...) of this step (built here when None); logit_softcap: s → c·tanh(s / c);
+    # sinks: [q_heads] float32 (decode_attention.sink_softmax).
     # Two batched GEMMs per KV head group (the query heads of a group stacked as rows) around an fp32
     # softmax: on CPU, SDPA with a mask takes its math path, ~4× slower in bf16 on a 512-token chunk.
     ql, hq, d = q.shape
@@ -231,13 +233,14 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kt = gather_dequant(k_cache, k_scale, table, q.dtype)[:seq_len].permute(1, 2, 0)  # [hkv, d, sl]
     v = gather_dequant(v_cache, v_scale, table, q.dtype)[:seq_len].transpose(0, 1)    # [hkv, sl, d]
     out = torch.empty_like(q)
+    sk = None if sinks is None else sinks.view(hkv, g, 1, 1)
     step = max(1, SCORE_ELEMS // (hq * seq_len))
     for a in range(0, ql, step):
         z = min(ql, a + step)
         qg = (q[a:z] * scale).view(z - a, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * (z - a), d)
         s = softcap(torch.matmul(qg, kt).view(hkv, g, z - a, seq_len), logit_softcap)  # [hkv, g, m, sl]
         s = s.add_(bias[a:z]) if s.dtype == torch.float32 else torch.add(bias[a:z], s)   # fp32 scores
-        p = torch.softmax(s, -1).to(q.dtype).view(hkv, g * (z - a), seq_len)
+        p = sink_softmax(s, sk).to(q.dtype).view(hkv, g * (z - a), seq_len)
         o = torch.matmul(p, v)                                                      # [hkv, g*m, d]
         out[a:z] = o.view(hkv, g, z - a, d).permute(2, 0, 1, 3).reshape(z - a, hq, d)
     return out
@@ -279,7 +282,8 @@ def extend_batch_prep(block_tables: torch.Tensor, starts: list[int], query_lens:
 
 
 def extend_batch_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                       prep: tuple, logit_softcap: float | None = None) -> torch.Tensor:
+                       prep: tuple, logit_softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The chunks of extend_batch_prep, attended together: the same two GEMMs as
     extend_attention_torch with a batch dim, so a step's short chunks (prefix-cache hits, chat turns)
     cost one set of ops per layer instead of one per sequence. Unquantized caches only.
@@ -295,6 +299,6 @@ def extend_batch_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     k = take_blocks(k_cache, table).view(B, S, hkv, d).permute(0, 2, 3, 1)    # [B, hkv, d, S]
     v = take_blocks(v_cache, table).view(B, S, hkv, d).transpose(1, 2)        # [B, hkv, S, d]
     s = torch.add(bias, softcap(torch.matmul(qg, k).view(B, hkv, g, m, S), logit_softcap))  # fp32 [B,hkv,g,m,S]
-    p = torch.softmax(s, -1).to(q.dtype).view(B, hkv, g * m, S)
+    p = sink_softmax(s, None if sinks is None else sinks.view(1, hkv, g, 1, 1)).to(q.dtype).view(B, hkv, g * m, S)
     o = torch.matmul(p, v).view(B, hkv, g, m, d).permute(0, 3, 1, 2, 4).reshape(B * m, hq, d)
     return o[picks]

@@ -1,6 +1,7 @@
-"""`chatserve bench build-model`: a random-weight HF checkpoint with a real model's shape (Llama-3.2-1B)
-and the default model's tokenizer, built by transformers, so a memory-bound decode can be measured
-(by chatserve and by vLLM) without a download. Its outputs are noise; its bytes and shapes are real.
+"""`chatserve bench build-model`: a random-weight HF checkpoint with a real model's shape (Llama-3.2-1B;
+Qwen3-30B-A3B's layers, two of its 48) and the default model's tokenizer, built by transformers, so a
+memory-bound decode can be measured (by chatserve and by vLLM) without a download. Its outputs are noise;
+its bytes and shapes are real.
 """
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ SHAPES: dict[str, dict] = {
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+    },
+    # Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B) with 2 of its 48 layers: each layer as the real
+    # one (128 experts of 768, top 8 renormalized, GQA 32/4 of 128), 1.2 B parameters, ~76 M active a token
+    "qwen3-30b-a3b-2l": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 2,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "use_sliding_window": False,
+        "tie_word_embeddings": False, "attention_bias": False,
     },
 }
 VOCAB = 49152                 # the default model's tokenizer (SmolLM2)
@@ -60,7 +72,7 @@ def build_checkpoint(out: str | os.PathLike, shape: str = "llama-3.2-1b", seed: 
     tokenizer files) at `out` unless the same build is already there; returns its path. The model is
     created in bf16 (about 2 bytes per parameter in memory) and written in one rename."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from chatserve.runtime.tiny import default_tokenizer_dir
 
@@ -70,9 +82,10 @@ def build_checkpoint(out: str | os.PathLike, shape: str = "llama-3.2-1b", seed: 
         return out
     t0 = time.perf_counter()
     # a copy: transformers 5 writes rope_theta into the rope_scaling dict it is given
-    hf_cfg = LlamaConfig(**{k: v for k, v in copy.deepcopy(cfg).items() if k not in ("model_type", "torch_dtype")})
+    hf_cfg = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in copy.deepcopy(cfg).items()
+                                                         if k not in ("model_type", "torch_dtype")})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(hf_cfg, torch_dtype=torch.bfloat16)   # transformers' init
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)   # transformers' init
     n_params = sum(p.numel() for p in model.parameters())
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
@@ -101,7 +114,8 @@ def _add_legacy_keys(path: Path, cfg: dict) -> None:
     for rope_theta, rope_scaling and torch_dtype. Both spellings say the same thing."""
     written = json.loads(path.read_text())
     for key in ("rope_theta", "rope_scaling", "torch_dtype"):
-        written.setdefault(key, cfg[key])
+        if key in cfg:
+            written.setdefault(key, cfg[key])
     path.write_text(json.dumps(written, indent=2) + "\n")
 
 

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "floor beside the batch-1 step (0: skip)")
     p.add_argument("--dtypes", default="float32+int4,bfloat16+int4",
                    help="comma list of auto | float32 | bfloat16 | float16, each optionally +int8, "
-                        "+int4 or +auto (weight-only quantized matmuls for steps of few rows)")
+                        "+int4 or +auto (weight-only quantized matmuls for steps of few rows), or "
+                        "+inplace[-avx2|-avx512|-torch] (a GGUF's own blocks through the block kernels)")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence before decoding")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
@@ -288,7 +289,9 @@ def run(args: argparse.Namespace) -> dict:
     batches = _parse_list(args.batches, int)
     t0 = time.perf_counter()
     # a shaped checkpoint is bf16 on disk: read as such (exact), each variant converts its own copy
-    weights = load_weights(path, "bfloat16" if args.shape else "float32", progress=not args.json)
+    in_place_only = all("+inplace" in v for v in _parse_list(args.dtypes))    # they map the file themselves
+    weights = None if in_place_only else load_weights(path, "bfloat16" if args.shape else "float32",
+                                                      progress=not args.json)
     load_s = time.perf_counter() - t0
     prefill_lengths = sorted(_parse_list(args.prefill_tokens, int))
     need = max(max(batches) * -(-(args.context + args.steps + 2) // args.block_size),
@@ -306,12 +309,28 @@ def run(args: argparse.Namespace) -> dict:
               file=sys.stderr, flush=True)
     for dtype in _parse_list(args.dtypes):
         base, _, quant = dtype.partition("+")
-        runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
-                             num_blocks=need, num_threads=threads, weights=weights, progress=False,
-                             weight_quant=quant or None)
+        if quant.startswith("inplace"):       # +inplace[-avx2|-avx512|-torch]: GGUF blocks, read in place
+            runner = _in_place_runner(path, base, quant.partition("-")[2] or "auto", args, need, threads)
+            if not args.json:
+                print(f"{dtype}: loaded in place in {runner.load_seconds:.1f} s, peak RSS "
+                      f"{_peak_rss_mib():.0f} MiB", file=sys.stderr, flush=True)
+        else:
+            runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
+                                 num_blocks=need, num_threads=threads, weights=weights, progress=False,
+                                 weight_quant=quant or None)
         report["results"].append(_bench_dtype(runner, dtype, args, batches, prefill_lengths, caps, bandwidth))
         del runner
     return report
+
+
+def _in_place_runner(path: str, dtype: str, isa: str, args: argparse.Namespace, blocks: int, threads: int):
+    """A runner on the GGUF's own blocks (--gguf-in-place) with the block kernels at level `isa`."""
+    from chatserve.config import CacheConfig, ModelConfig
+    from chatserve.runtime.model_runner import ModelRunner
+
+    model = ModelConfig(model=path, dtype=dtype, device=args.device, num_threads=threads, weight_quant=None,
+                        gguf_in_place=True, cpu_isa=isa)
+    return ModelRunner(model, CacheConfig(block_size=args.block_size, num_blocks=blocks), progress=False)
 
 
 def _bench_dtype(runner, dtype: str, args: argparse.Namespace, batches: list[int], prefill_lengths: list[int],

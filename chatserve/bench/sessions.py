@@ -19,6 +19,7 @@ from chatserve.core.kv_cache_manager import KVCacheManager
 from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.request import Request, SamplingParams
 from chatserve.core.scheduler import Scheduler
+from chatserve.server.shared_prompts import common_prefix_len
 
 VOCAB = 49152
 EOT = 2                     # stands in for the chat template's end-of-turn marker
@@ -32,7 +33,13 @@ class Workload:
     turns: int = 6
     system_tokens: int = 64          # per-session system prompt
     user_tokens: int = 32            # each new user message (incl. its template tokens)
-    reply_tokens: int = 32           # R: each assistant reply
+    reply_tokens: int = 32           # R: each assistant reply (its answer)
+    think_tokens: int = 0            # a reasoning model's thinking before the answer, sampled like it
+    # the chat template drops earlier turns' thinking from the next prompt (Qwen3, DeepSeek-R1, QwQ)
+    strip_thinking: bool = False
+    # after a reply, prefill the next prompt's prefix (the history as the template re-renders it) with
+    # keep_warm while the user reads: chatserve's sessions do this when the template strips thinking
+    rewarm: bool = False
     think_steps: tuple[int, int] = (60, 180)   # idle steps between a reply and the next message
     bg_concurrency: int = 8          # background requests in flight at all times
     bg_prefixes: int = 16            # pool of reusable background prefixes (documents, app prompts)
@@ -79,6 +86,9 @@ class _Simulation:
 
         # Session state: the conversation so far (ids the template would produce), and when it speaks.
         self.history = [_tokens(rng, w.system_tokens) for _ in range(w.sessions)]
+        self.in_cache: list[list[int]] = [[] for _ in range(w.sessions)]   # ids whose K/V the model computed
+        self.warm: dict[str, int] = {}        # rewarm request id → session
+        self.sampled = [0] * w.sessions       # last turn's prompt + reply as sampled + EOT, in tokens
         self.turn = [0] * w.sessions
         self.next_at = [rng.randrange(0, w.think_steps[0]) for _ in range(w.sessions)]   # staggered starts
         self.live: dict[str, tuple[int, Request, int, int]] = {}   # rid → (session, request, arrival, cacheable)
@@ -110,6 +120,8 @@ class _Simulation:
                     continue
                 if rid in self.live:
                     self.finish_turn(rid)
+                elif rid in self.warm:
+                    self.warm.pop(rid)
                 elif rid in self.bg_live:
                     self.finish_background(rid)
             if self.step % 500 == 0:
@@ -133,11 +145,12 @@ class _Simulation:
         w, bs = self.w, self.w.block_size
         prev = self.history[s]
         prompt = prev + _tokens(self.rng, w.user_tokens)
-        # the best a cache can do: the full blocks computed in the previous turn (its last
-        # sampled token and EOT were never run through the model)
-        cacheable = 0 if self.turn[s] == 0 else min((len(prev) - 2) // bs, (len(prompt) - 1) // bs) * bs
+        # the best a cache can do: the full blocks of what the model computed before that the prompt
+        # starts with (the previous turn's last sampled token and EOT were never run through it)
+        common = common_prefix_len(self.in_cache[s], prompt)
+        cacheable = 0 if self.turn[s] == 0 else min(common // bs, (len(prompt) - 1) // bs) * bs
         rid = f"s{s}.t{self.turn[s]}"
-        r = Request(rid, prompt, SamplingParams(max_tokens=w.reply_tokens, ignore_eos=True),
+        r = Request(rid, prompt, SamplingParams(max_tokens=w.think_tokens + w.reply_tokens, ignore_eos=True),
                     cache_salt=f"owner{s}", keep_warm=self.keep_warm)
         self.live[rid] = (s, r, self.step, cacheable)
         self.sched.add_request(r)
@@ -147,15 +160,31 @@ class _Simulation:
         self.all_prompt += r.num_prompt_tokens
         self.all_cached += r.num_cached_tokens
         if self.turn[s] > 0:
+            prev = self.sampled[s]                # last turn's prompt + reply as sampled + EOT
             self.turn_rows.append({"turn": self.turn[s] + 1, "prompt": r.num_prompt_tokens,
                                    "cached": r.num_cached_tokens, "cacheable": cacheable,
+                                   "reuse": min(r.num_cached_tokens, prev) / prev,
                                    "ttft_steps": self.first_tok[rid] - arrived + 1})
-        self.history[s] = r.prompt_token_ids + r.output_token_ids + [EOT]
+        out = r.output_token_ids
+        self.in_cache[s] = r.prompt_token_ids + out[:-1]
+        answer = out[self.w.think_tokens:] if self.w.strip_thinking else out
+        self.history[s] = r.prompt_token_ids + answer + [EOT]      # what the next prompt starts with
+        self.sampled[s] = len(r.prompt_token_ids) + len(out) + 1
+        if self.w.strip_thinking and self.w.rewarm:
+            self.add_rewarm(s, rid)
         self.turn[s] += 1
         if self.turn[s] >= self.w.turns:
             self.done_sessions += 1
         else:
             self.next_at[s] = self.step + 1 + self.rng.randint(*self.w.think_steps)
+
+    def add_rewarm(self, s: int, rid: str) -> None:
+        """Prefill the session's history as its next prompt will start (one token sampled, dropped)."""
+        warm = Request(f"{rid}.warm", list(self.history[s]), SamplingParams(max_tokens=1, ignore_eos=True),
+                       cache_salt=f"owner{s}", keep_warm=self.keep_warm)
+        self.warm[warm.request_id] = s
+        self.in_cache[s] = list(self.history[s])
+        self.sched.add_request(warm)
 
     def finish_background(self, rid: str) -> None:
         r = self.bg_live.pop(rid)
@@ -182,6 +211,9 @@ class _Simulation:
             "session_hit_frac_mean": statistics.fmean(fracs) if fracs else 0.0,     # mean over turns
             "session_full_hits": sum(t["cached"] >= t["cacheable"] for t in rows) / max(1, len(rows)),
             "session_cacheable_frac": cacheable_tot / prompt_tot if prompt_tot else 0.0,   # the ceiling
+            # share of the previous turn's tokens as sampled (prompt + thinking + answer + EOT) served
+            # from the cache at the next turn: docs/chat-templates.md's reuse
+            "session_reuse_mean": statistics.fmean(t["reuse"] for t in rows) if rows else 0.0,
             "session_ttft_steps_mean": statistics.fmean(t["ttft_steps"] for t in rows) if rows else 0.0,
             "bg_hit_frac": self.bg_cached / self.bg_prompt if self.bg_prompt else 0.0,
             "bg_requests": self.bg_done,
@@ -201,9 +233,14 @@ def default_cache_sizes(w: Workload) -> list[int]:
     room for ~1/4, ~1/2 and ~all of the sessions' final histories."""
     bs = w.block_size
     bg_used = w.bg_concurrency * -(-(w.bg_prefix_tokens + w.bg_unique_tokens + w.bg_output_tokens) // bs)
-    final = w.system_tokens + w.turns * (w.user_tokens + w.reply_tokens + 1)
+    final = w.system_tokens + w.turns * (w.user_tokens + w.think_tokens + w.reply_tokens + 1)
     sess = w.sessions * -(-final // bs)
     return [bg_used + sess // 4, bg_used + sess // 2, bg_used + sess]
+
+
+# With --think-tokens: a template that keeps thinking in history, one that strips it (Qwen3), and one
+# that strips it with the history re-prefilled after each reply (what chatserve's sessions do).
+REASONING_ARMS = (("kept", False, False), ("stripped", True, False), ("stripped+rewarm", True, True))
 
 
 def run(workload: Workload | None = None, cache_sizes: list[int] | None = None, *,
@@ -213,7 +250,8 @@ def run(workload: Workload | None = None, cache_sizes: list[int] | None = None, 
     (max_warm_fraction 1.0) and with the manager's bound."""
     w = workload or Workload()
     sizes = cache_sizes or default_cache_sizes(w)
-    bar = progress_bar(2 * len(sizes) + (3 if starvation else 0), progress, desc="bench sessions", unit="run")
+    runs = 2 * len(sizes) + (3 if starvation else 0) + (len(REASONING_ARMS) if w.think_tokens else 0)
+    bar = progress_bar(runs, progress, desc="bench sessions", unit="run")
 
     def one(wl: Workload, num_blocks: int, keep_warm: bool, warm_fraction: float | None) -> dict:
         row = simulate(wl, num_blocks, keep_warm, max_warm_fraction=warm_fraction)
@@ -231,6 +269,9 @@ def run(workload: Workload | None = None, cache_sizes: list[int] | None = None, 
                              one(sw, n, True, max_warm_fraction)]
         res["starvation_workload"] = {"sessions": sw.sessions, "turns": sw.turns,
                                       "think_steps": list(sw.think_steps), "num_blocks": n}
+    if w.think_tokens:
+        res["reasoning"] = [dict(one(replace(w, strip_thinking=strip, rewarm=rewarm), sizes[-1], True,
+                                     max_warm_fraction), arm=arm) for arm, strip, rewarm in REASONING_ARMS]
     if bar is not None:
         bar.close()
     cfg = asdict(w)
@@ -262,6 +303,14 @@ def _table(res: dict) -> str:
         lines.append(f"many idle sessions ({sw['sessions']} sessions x {sw['turns']} turns, think "
                      f"{sw['think_steps'][0]}-{sw['think_steps'][1]} steps):")
         lines += [line(r) for r in res["starvation"]]
+    if "reasoning" in res:
+        lines.append(f"reasoning replies ({res['config']['think_tokens']} thinking + "
+                     f"{res['config']['reply_tokens']} answer tokens), keep_warm on, the largest cache:")
+        lines.append(f"{'history':>16} {'reuse of prev turn':>18} {'turn N+1 hit':>12} {'ceiling':>7} "
+                     f"{'TTFT steps':>10} {'tokens computed':>15}")
+        lines += [f"{r['arm']:>16} {r['session_reuse_mean']:>18.3f} {r['session_hit_frac']:>12.1%} "
+                  f"{r['session_cacheable_frac']:>7.1%} {r['session_ttft_steps_mean']:>10.1f} "
+                  f"{r['tokens_computed']:>15}" for r in res["reasoning"]]
     return "\n".join(lines)
 
 
@@ -272,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=d.turns)
     ap.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
     ap.add_argument("--user-tokens", type=int, default=d.user_tokens)
+    ap.add_argument("--think-tokens", type=int, default=d.think_tokens,
+                    help="thinking tokens before each answer: adds the kept / stripped / stripped+rewarm rows")
     ap.add_argument("--think-steps", default=f"{d.think_steps[0]},{d.think_steps[1]}",
                     help="MIN,MAX idle steps between turns")
     ap.add_argument("--bg-concurrency", type=int, default=d.bg_concurrency)
@@ -284,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.think_steps.split(","))
     w = replace(d, sessions=args.sessions, turns=args.turns, reply_tokens=args.reply_tokens,
-                user_tokens=args.user_tokens, think_steps=(lo, hi), bg_concurrency=args.bg_concurrency,
-                seed=args.seed)
+                user_tokens=args.user_tokens, think_tokens=args.think_tokens, think_steps=(lo, hi),
+                bg_concurrency=args.bg_concurrency, seed=args.seed)
     sizes = [int(x) for x in args.cache_sizes.split(",") if x] or None
     res = run(w, sizes, max_warm_fraction=args.max_warm_fraction, starvation=not args.no_starvation,
               progress=not args.no_progress)

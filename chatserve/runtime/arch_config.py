@@ -7,12 +7,37 @@ from dataclasses import dataclass, field
 
 # GGUF architectures we run, and whether llama.cpp's converter permuted their Q/K rows.
 GGUF_ARCHS: dict[str, bool] = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False,
-                               "gemma2": False, "gemma3": False, "phi3": False}
+                               "gemma2": False, "gemma3": False, "phi3": False, "qwen2moe": False,
+                               "qwen3moe": False, "olmoe": False, "mixtral": True, "gpt-oss": False}
+# our MoE families (ArchConfig.arch) → whether the router's top-k weights are renormalized where the config
+# cannot say: Mixtral always; from GGUF, llama.cpp's fixed choice per architecture
+# gpt-oss takes the softmax of the top-k logits: the same weights as the renormalized top-k of the softmax
+MOE_NORM_TOPK: dict[str, bool] = {"mixtral": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False,
+                                  "gpt-oss": True}
 
 
 class UnsupportedModelError(ValueError):
     """A checkpoint chatserve cannot run exactly: an unknown architecture or setting, or tensors the
     model would leave unused or miss. Its message is one line meant for the operator."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Which layers route each token to top_k of num_experts SwiGLU experts (softmax over the router's
+    logits, then the top k, renormalized to sum to 1 when norm_topk_prob), and their sizes."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int                    # intermediate size of one expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]     # per layer: True = MoE, False = the dense MLP (intermediate_size)
+    shared_expert_size: int = 0         # Qwen2-MoE: an expert every token takes, scaled by sigmoid(x·g)
+    biases: bool = False                # gpt-oss: the router and every expert matrix have biases
+    swiglu_oai: tuple[float, float] | None = None   # gpt-oss's clamped SwiGLU: (alpha, limit)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise UnsupportedModelError(f"MoE top-k {self.top_k} of {self.num_experts} experts")
 
 
 @dataclass(frozen=True)
@@ -39,14 +64,17 @@ class ArchConfig:
     attention_bias: bool = False            # Q/K/V projections have biases (Qwen2; Llama attention_bias)
     o_bias: bool = False                    # o_proj has a bias (Llama attention_bias)
     mlp_bias: bool = False                  # gate/up/down have biases (Llama mlp_bias)
-    qk_norm: bool = False                   # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm: bool = False                   # RMSNorm of q and k before RoPE: per head (Qwen3, Gemma 3) or
+                                            # over all heads (OLMoE; the norm weight's size tells)
     hidden_act: str = "silu"                # silu | gelu_pytorch_tanh (Gemma's GeGLU)
     query_pre_attn_scalar: float | None = None   # Gemma: scores scaled by this ** -0.5, not head_dim
     attn_logit_softcap: float | None = None      # Gemma 2: scores = c·tanh(scores / c)
+    attention_sinks: bool = False                # gpt-oss: a learned logit per head in each softmax's denominator
     final_logit_softcap: float | None = None     # Gemma 2: logits = c·tanh(logits / c)
     sliding_window: int | None = None       # a token sees the last N positions (itself included)
     layer_types: tuple[str, ...] | None = None   # per layer "sliding_attention" | "full_attention";
                                                  # None: every layer slides when sliding_window is set
+    moe: MoESpec | None = None              # mixture-of-experts layers (models/moe.py)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
@@ -108,6 +136,8 @@ def _gguf_rope(a, arch: str, mpe: int, tensor_shapes: dict) -> dict | None:
                 d[k] = float(a(f"rope.scaling.yarn_{k}"))
         if a("rope.scaling.yarn_attn_factor") not in (None, 1.0):
             d["attention_factor"] = float(a("rope.scaling.yarn_attn_factor"))
+        if arch == "gpt-oss":          # its reference (OpenAI's, transformers') leaves the YaRN bounds unrounded
+            d["truncate"] = False
         return normalize_rope_scaling(d, max_position_embeddings=mpe)
     raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type {stype!r} is not supported "
                                 f"(linear, yarn, longrope)")
@@ -116,7 +146,7 @@ def _gguf_rope(a, arch: str, mpe: int, tensor_shapes: dict) -> dict | None:
 def _gguf_layer_types(a, arch: str, layers: int) -> tuple[str, ...] | None:
     """Gemma's alternation of sliding and full layers (llama.cpp keeps only the pattern); None for
     families whose every layer slides."""
-    if arch == "gemma2":
+    if arch in ("gemma2", "gpt-oss"):
         return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
     if arch == "gemma3":
         pattern = a("attention.sliding_window_pattern", 6)
@@ -124,6 +154,21 @@ def _gguf_layer_types(a, arch: str, layers: int) -> tuple[str, ...] | None:
             return tuple("sliding_attention" if p else "full_attention" for p in pattern)
         return tuple("sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers))
     return None
+
+
+def _gguf_moe(a, arch: str, layers: int, ffn: int) -> MoESpec | None:
+    """The MoE spec from llama.cpp's keys: every layer is a MoE layer, and the top-k renormalization is
+    llama.cpp's fixed choice per architecture (MOE_NORM_TOPK). ffn: feed_forward_length."""
+    if arch not in MOE_NORM_TOPK:
+        return None
+    gating = a("expert_gating_func")
+    if gating not in (None, 1):                       # llama.cpp: 1 = softmax, 2 = sigmoid
+        raise UnsupportedModelError(f"GGUF expert_gating_func {gating} is not supported (softmax)")
+    oss = arch == "gpt-oss"             # llama.cpp's fixed clamped SwiGLU: alpha 1.702, limit 7
+    return MoESpec(int(a("expert_count")), int(a("expert_used_count")),
+                   int(a("expert_feed_forward_length", ffn)), MOE_NORM_TOPK[arch], (True,) * layers,
+                   int(a("expert_shared_feed_forward_length", 0)) if arch == "qwen2moe" else 0,
+                   biases=oss, swiglu_oai=(1.702, 7.0) if oss else None)
 
 
 def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
@@ -135,7 +180,11 @@ def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig
                                     f"(supported: {', '.join(sorted(GGUF_ARCHS))})")
 
     def a(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return _field(reader, f"{gguf_arch}.{key}", default)
+
+    gguf_arch = arch
+    if arch == "llama" and a("expert_count"):          # llama.cpp writes Mixtral as llama with experts
+        arch = "mixtral"
 
     hidden = int(a("embedding_length"))
     heads = int(a("attention.head_count"))
@@ -150,6 +199,7 @@ def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig
     window = a("attention.sliding_window")
     layer_types = _gguf_layer_types(a, arch, layers) if window else None
     rot = a("rope.dimension_count")
+    ffn = int(a("feed_forward_length", a("expert_feed_forward_length", 0)))
     # llama.cpp scales Gemma's queries by 1/sqrt(hidden/heads) for the 27B models (46 and 62 layers)
     qpas = None
     if gemma:
@@ -159,7 +209,7 @@ def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig
     return ArchConfig(
         arch=arch,
         hidden_size=hidden,
-        intermediate_size=int(a("feed_forward_length")),
+        intermediate_size=ffn,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(kv_heads if not isinstance(kv_heads, list) else kv_heads[0]),
@@ -179,9 +229,11 @@ def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
         query_pre_attn_scalar=qpas,
         attn_logit_softcap=a("attn_logit_softcapping") if gemma else None,
+        attention_sinks="blk.0.attn_sinks.weight" in tensor_shapes,
         final_logit_softcap=a("final_logit_softcapping") if gemma else None,
         sliding_window=int(window) if window else None,
         layer_types=layer_types,
+        moe=_gguf_moe(a, arch, layers, ffn),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
     )
@@ -192,7 +244,8 @@ def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig
 
 # HF model_type → our family name (models.FAMILIES)
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+                  "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
+                  "qwen3_moe": "qwen3moe", "mixtral": "mixtral", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
 # the keys each RoPE type reads (besides rope_type/type/rope_theta/partial_rotary_factor); any other key
 # is a setting we would silently ignore, so it refuses to load
 ROPE_KEYS: dict[str, frozenset[str]] = {
@@ -276,10 +329,10 @@ def _hf_sliding(hf: dict, arch: str, layers: int) -> tuple[int | None, tuple[str
     layer slides when a window is set."""
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         if not hf.get("use_sliding_window"):
             window, layer_types = None, None
-        elif layer_types is None:
+        elif layer_types is None and arch != "qwen3moe":      # Qwen3-MoE slides on every layer
             mwl = int(hf.get("max_window_layers", layers))
             layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
     elif arch == "gemma2" and layer_types is None:
@@ -287,7 +340,7 @@ def _hf_sliding(hf: dict, arch: str, layers: int) -> tuple[int | None, tuple[str
     elif arch == "gemma3" and layer_types is None:
         pattern = int(hf.get("sliding_window_pattern", 6))
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    elif arch in ("llama",):
+    elif arch in ("llama", "olmoe"):
         window, layer_types = None, None
     if layer_types is None:
         return window, None
@@ -297,6 +350,35 @@ def _hf_sliding(hf: dict, arch: str, layers: int) -> tuple[int | None, tuple[str
     if len(layer_types) != layers:
         raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {layers} layers")
     return window, tuple(layer_types)
+
+
+def _hf_moe(hf: dict, arch: str, layers: int) -> MoESpec | None:
+    """The MoE spec of an HF config of a MoE family (None for a dense family)."""
+    if arch not in MOE_NORM_TOPK:
+        return None
+    # transformers 5 saves num_experts as num_local_experts (Mixtral's name) for every family
+    n = int(hf.get("num_experts", hf.get("num_local_experts")) or 0)
+    if arch == "mixtral":
+        return MoESpec(n, int(hf["num_experts_per_tok"]),
+                       int(hf["intermediate_size"]), True, (True,) * layers)
+    if arch == "gpt-oss":
+        return MoESpec(n, int(hf["num_experts_per_tok"]), int(hf["intermediate_size"]), True, (True,) * layers,
+                       biases=True, swiglu_oai=(float(hf.get("swiglu_alpha", 1.702)),
+                                                float(hf.get("swiglu_limit", 7.0))))
+    if arch == "olmoe":
+        if hf.get("clip_qkv") is not None:
+            raise UnsupportedModelError("OLMoE clip_qkv is not supported")
+        return MoESpec(n, int(hf["num_experts_per_tok"]), int(hf["intermediate_size"]),
+                       bool(hf.get("norm_topk_prob", False)), (True,) * layers)
+    # Qwen2-MoE / Qwen3-MoE: decoder_sparse_step and mlp_only_layers pick the MoE layers
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(n > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+    if not any(sparse):
+        raise UnsupportedModelError(f"{hf.get('model_type')} config without MoE layers")
+    return MoESpec(n, int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"]),
+                   bool(hf.get("norm_topk_prob", False)), sparse,
+                   int(hf.get("shared_expert_intermediate_size", 0)) if arch == "qwen2moe" else 0)
 
 
 def config_from_hf(hf: dict) -> ArchConfig:
@@ -322,6 +404,9 @@ def config_from_hf(hf: dict) -> ArchConfig:
     if hf.get("use_bidirectional_attention"):
         raise UnsupportedModelError("use_bidirectional_attention is not supported (a decoder only)")
     bias = bool(hf.get("attention_bias", False))
+    biased = ("llama", "qwen3", "gemma2", "gemma3", "qwen3moe", "olmoe", "gpt-oss")
+    qkv_bias = (bias and arch in biased) or arch == "qwen2" \
+        or (arch == "qwen2moe" and hf.get("qkv_bias", True))
     return ArchConfig(
         arch=arch,
         hidden_size=hidden,
@@ -338,17 +423,19 @@ def config_from_hf(hf: dict) -> ArchConfig:
         partial_rotary_factor=partial,
         local_rope_theta=local_theta,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in ("gemma2", "gemma3"))),
-        attention_bias=(bias and arch in ("llama", "qwen3", "gemma2", "gemma3")) or arch == "qwen2",
-        o_bias=bias and arch in ("llama", "qwen3", "gemma2", "gemma3"),
+        attention_bias=bool(qkv_bias),
+        o_bias=bias and arch in biased,
         mlp_bias=bool(hf.get("mlp_bias", False)) and arch == "llama",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe"),
         hidden_act=act,
         query_pre_attn_scalar=(float(hf.get("query_pre_attn_scalar", 256))
                                if arch in ("gemma2", "gemma3") else None),
         attn_logit_softcap=hf.get("attn_logit_softcapping") if arch in ("gemma2", "gemma3") else None,
         final_logit_softcap=hf.get("final_logit_softcapping") if arch in ("gemma2", "gemma3") else None,
+        attention_sinks=arch == "gpt-oss",
         sliding_window=int(window) if window else None,
         layer_types=layer_types if window else None,
+        moe=_hf_moe(hf, arch, layers),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )

@@ -31,6 +31,7 @@ def _row_key(s: ScheduledSeq) -> tuple[str, int]:
 class _State:
     matcher: llguidance.LLMatcher
     consumed: int = 0          # output tokens fed to the matcher
+    begin: int = 0             # the output index the grammar starts at (after a think block)
 
 
 class GrammarMasks:
@@ -53,12 +54,43 @@ class GrammarMasks:
         self._helper: ThreadPoolExecutor | None = None
         self._pending: tuple[list[tuple[str, int]], Future] | None = None   # rows, their bitmask
         self._buffer: np.ndarray | None = None    # the additive mask of the last CPU step, reused
+        self._think_ends: dict[str, tuple[int, int | None]] = {}   # request → (scanned, grammar start)
 
     def drop(self, request_ids: Sequence[str]) -> None:
         if self._pending is not None:     # the helper may be creating states; its bitmask stays usable
             wait([self._pending[1]])
         for rid in request_ids:
             self._states.pop(rid, None)
+            self._think_ends.pop(rid, None)
+
+    # ── reasoning first: the grammar starts after the end-of-thinking token (StructuredSpec.think) ──
+    def begin(self, s: ScheduledSeq) -> int | None:
+        """The output index the row's grammar starts at, or None while its think block is open."""
+        think = s.params.structured.think
+        if think is None:
+            return 0
+        start, end = think
+        out = s.output_token_ids
+        if start is not None and (not out or out[0] != start):
+            return 0                      # the model did not open a block: constrained from the start
+        scanned, found = self._think_ends.get(s.request_id, (0, None))
+        if found is None and scanned < len(out):
+            for k in range(scanned, len(out)):
+                if out[k] == end:
+                    found = k + 1
+                    break
+            self._think_ends[s.request_id] = (len(out), found)
+        return found
+
+    def active_rows(self, seqs: Sequence[ScheduledSeq], rows: list[int]) -> list[int]:
+        """The constrained rows whose grammar applies at this step (not inside a think block)."""
+        return [i for i in rows if self.begin(seqs[i]) is not None]
+
+    @staticmethod
+    def _may_open(s: ScheduledSeq) -> int | None:
+        """The start-of-thinking token a row may still open its output with (its first token), else None."""
+        think = s.params.structured.think
+        return think[0] if think is not None and not s.output_token_ids else None
 
     def prefetch(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> None:
         """Before the forward: start the bitmask of these constrained rows on the helper thread, unless
@@ -92,6 +124,11 @@ class GrammarMasks:
         """Set the logits of tokens the grammar forbids to -inf, in place, for `rows` of the batch."""
         # logits: [B, V] float32; rows: indices of constrained rows
         bitmask = self._bitmask([seqs[i] for i in rows], logits.shape[1], self._settle())
+        for r, i in enumerate(rows):
+            tid = self._may_open(seqs[i])
+            if tid is not None:                    # a think block may open the output: allow its tag
+                word = int(bitmask[r, tid // 32]) & 0xFFFFFFFF | (1 << (tid % 32))
+                bitmask[r, tid // 32] = word - (1 << 32) if word >= 1 << 31 else word
         if logits.device.type == "cpu":
             self._buffer = add_bitmask(logits, rows, bitmask, self._buffer)
         else:
@@ -124,14 +161,17 @@ class GrammarMasks:
     # ── state ───────────────────────────────────────────────────────────────────────────────────
     def _state(self, s: ScheduledSeq, vocab_size: int) -> _State:
         st = self._states.get(s.request_id)
-        if st is None:
+        begin = self.begin(s)
+        if begin is None:
+            raise RuntimeError("grammar asked for inside a think block")
+        if st is None or st.begin != begin:
             compiled = s.params.structured.compiled
             if compiled is None:
                 raise RuntimeError("structured output without a compiled grammar")
             if compiled.vocab_size != vocab_size:
                 raise RuntimeError(f"grammar compiled for {compiled.vocab_size} tokens, logits have {vocab_size}")
-            st = self._states[s.request_id] = _State(compiled.template.deep_copy())
-        out = s.output_token_ids
+            st = self._states[s.request_id] = _State(compiled.template.deep_copy(), begin=begin)
+        out = s.output_token_ids[begin:]
         if st.consumed > len(out):    # tokens the scheduler dropped: forget them
             st.matcher.rollback(st.consumed - len(out))
             st.consumed = len(out)
@@ -150,12 +190,14 @@ class GrammarMasks:
             st = self._states.get(seqs[i].request_id)
             if st is None:
                 continue
+            if self._may_open(seqs[i]) == int(tokens[i]):
+                continue                  # the output opened a think block: the grammar waits for its end
             if not st.matcher.consume_token(int(tokens[i])):
                 log.warning("request %s: grammar rejected token %d: %s", seqs[i].request_id, tokens[i],
                             st.matcher.get_error())
             st.consumed += 1
             if not (st.matcher.is_stopped() or st.matcher.is_error()):
-                ahead.append((seqs[i].request_id, st.consumed))
+                ahead.append((seqs[i].request_id, st.begin + st.consumed))
                 matchers.append(st.matcher)
         if ahead and self.overlap is not False:
             self._pending = (ahead, self._submit(_fill, matchers, vocab_size))

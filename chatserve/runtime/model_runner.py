@@ -20,6 +20,8 @@ from chatserve.core.request import SamplingParams
 from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_threads
 from chatserve.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from chatserve.runtime.models import build_model
+from chatserve.runtime.models.layers import RowSplit
+from chatserve.runtime.models.linear_backends import BlockMatrix, choose_block_backend
 from chatserve.runtime.sampler import Sampler
 from chatserve.runtime.arch_config import ArchConfig
 from chatserve.runtime.weights import LoadedWeights, load_weights, torch_dtype
@@ -73,18 +75,25 @@ class ModelRunner:
             torch.manual_seed(model.seed)
         self.dtype = torch_dtype(resolve_dtype(model.dtype, self.device))
         self.model_path = model.resolved_model()
+        in_place = model.gguf_in_place and self.device.type == "cpu"
+        self.block_backend = choose_block_backend(self.device, model.cpu_isa)   # once, for the model's life
         if weights is None:
-            weights = load_weights(self.model_path, self.dtype, progress=progress)
+            weights = load_weights(self.model_path, self.dtype, progress=progress, in_place=in_place)
         self.config: ArchConfig = weights.config
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         weight_quant = model.weight_quant
         if weight_quant == "auto":
-            weight_quant = auto_weight_quant(weights, self.device)
+            weight_quant = None if in_place else auto_weight_quant(weights, self.device)
         self.weight_quant = weight_quant
         if weight_quant and progress:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
-                                 weight_quant=weight_quant)
+                                 weight_quant=weight_quant, block_backend=self.block_backend)
+        self.block_formats = sorted({f for t in weights.tensors.values() if isinstance(t, BlockMatrix)
+                                     for f in t.formats()})
+        if self.block_formats and progress:
+            log.info("backend: %s for the %s matrices, in place", self.block_backend.name,
+                     "/".join(self.block_formats))
         if not model.num_threads and (self.model.chain is not None
                                       or self.model.decode_matmul_bytes() >= self.BIG_MATMUL_BYTES):
             self._threads_small = self._threads_big
@@ -246,16 +255,20 @@ class ModelRunner:
         """Run one flattened batch; return the last-token hidden state of every sampling sequence."""
         ids: list[int] = []
         pos: list[int] = []
+        generated: list[bool] = []          # a row past its prompt: a generated token (RowSplit)
         for s in seqs:
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.seq_len))
+            plen = len(s.prompt_token_ids)
+            generated.extend(p >= plen for p in range(s.start_pos, s.seq_len))
         dev = self.device
         meta = chatserve_kernels.AttentionMetadata.build(
             [s.num_tokens for s in seqs], [s.seq_len for s in seqs], [s.block_table for s in seqs],
             self.block_size, dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)      # [T]
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)      # [T]
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)  # [T, H]
+        rows = RowSplit.build(generated, dev)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, rows)  # [T, H]
         out: dict[str, torch.Tensor] = {}
         end = 0
         for s in seqs:

@@ -72,7 +72,10 @@ class Sampler:
         that will sample), so they are computed while the forward runs; nothing without such rows."""
         rows = [s for s in seqs if s.params.structured is not None]
         if rows:
-            self._grammar_masks().prefetch(rows, vocab_size)
+            masks = self._grammar_masks()
+            rows = [s for s in rows if masks.begin(s) is not None]     # not inside a think block
+        if rows:
+            masks.prefetch(rows, vocab_size)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -82,6 +85,8 @@ class Sampler:
         if B == 0:
             return [], []
         c_rows = [i for i in range(B) if seqs[i].params.structured is not None]
+        if c_rows:
+            c_rows = self._grammar_masks().active_rows(seqs, c_rows)   # a think block first: no grammar yet
         if c_rows:
             self._grammar_masks().apply(logits, seqs, c_rows)   # in place: logits are this step's own
             token_list, logprobs = self._choose(logits, seqs)

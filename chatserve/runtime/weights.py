@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,9 +17,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from chatserve.runtime.models.linear_backends import BlockMatrix
+from chatserve_kernels.block_formats import FORMATS, BlockWeight
+
 # ArchConfig and UnsupportedModelError are also imported from here (models/, model_runner.py)
 from chatserve.runtime.arch_config import (GGUF_ARCHS, ArchConfig, UnsupportedModelError, config_from_hf,
                                            gguf_config)
+from chatserve.runtime.mxfp4 import SUFFIXES as MXFP4_SUFFIXES
+from chatserve.runtime.mxfp4 import fold_mxfp4
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -26,6 +32,17 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """True for a file that starts with the GGUF magic, whatever its name (Ollama's blobs have no suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
@@ -39,23 +56,24 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 @dataclass
 class LoadedWeights:
     config: ArchConfig
-    tensors: dict[str, torch.Tensor]   # HF names: model.layers.0.self_attn.q_proj.weight, ...
+    tensors: dict[str, torch.Tensor | BlockMatrix]   # HF names: model.layers.0.self_attn.q_proj.weight, ...
     source: str                        # "gguf" | "safetensors"
     four_bit: bool = False             # GGUF whose matrices are mostly 4-bit (Q4_0/Q4_1/Q4_K): int4
                                        # weight-only decode reproduces them at no added error
 
 
 def load_weights(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
-                 progress: bool = True) -> LoadedWeights:
-    """Load a GGUF file or a safetensors directory (or a .safetensors file next to config.json)."""
+                 progress: bool = True, in_place: bool = False) -> LoadedWeights:
+    """Load a GGUF file or a safetensors directory (or a .safetensors file next to config.json).
+    in_place: GGUF matrices stay in their block format as views of the mapped file (BlockMatrix)."""
     p = Path(path)
     dt = torch_dtype(dtype)
-    if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p, dt, progress)
+    if p.is_file() and (p.suffix == ".gguf" or is_gguf_file(p)):     # Ollama's blobs have no suffix
+        return load_gguf(p, dt, progress, in_place)
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))
         if not any(p.glob("*.safetensors")) and len(ggufs) == 1:
-            return load_gguf(ggufs[0], dt, progress)
+            return load_gguf(ggufs[0], dt, progress, in_place)
         return load_safetensors_dir(p, dt, progress)
     if p.is_file() and p.suffix == ".safetensors":
         return load_safetensors_dir(p.parent, dt, progress, files=[p])
@@ -86,6 +104,11 @@ _GGUF_LAYER_NAMES = {
     **{f"attn_{g}.{kind}": f"self_attn.{h}_proj.{kind}" for g, h in
        (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")) for kind in ("weight", "bias")},
     **{f"ffn_{n}.{kind}": f"mlp.{n}_proj.{kind}" for n in ("gate", "up", "down") for kind in ("weight", "bias")},
+    # MoE: the router, experts stacked on a first axis [E, ...] (models/moe.read_experts), the shared expert
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    **{f"ffn_{n}_exps.weight": f"mlp.experts.{n}_proj.weight" for n in ("gate", "up", "down")},
+    **{f"ffn_{n}_shexp.weight": f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")},
 }
 # names that differ per architecture (Gemma's four norms; Phi-3's fused gate_up stored as ffn_up)
 _GGUF_ARCH_LAYER_NAMES = {
@@ -93,6 +116,12 @@ _GGUF_ARCH_LAYER_NAMES = {
                "post_attention_norm.weight": "post_attention_layernorm.weight",
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gpt-oss": {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+                "attn_sinks.weight": "self_attn.sinks", "post_attention_norm.weight": "post_attention_layernorm.weight",
+                **{f"ffn_{n}_exps.bias": f"mlp.experts.{n}_proj.bias" for n in ("gate", "up", "down")}},
+    "mixtral": {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+                **{f"ffn_{n}_exps.weight": f"block_sparse_moe.experts.{w}.weight"
+                   for n, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}},
 }
 _GGUF_ARCH_LAYER_NAMES["gemma3"] = _GGUF_ARCH_LAYER_NAMES["gemma2"]
 _GGUF_TOP_NAMES = {
@@ -131,9 +160,23 @@ def gguf_reader(path: str | os.PathLike):
     return _Reader(str(path))
 
 
+def block_matrix(t, n_heads: int | None = None) -> BlockMatrix:
+    """A 2-D GGUF tensor as raw blocks over the reader's memory map (no copy; Q/K rows permuted back to
+    HF order are a copy of those rows, still in blocks)."""
+    n, k = (int(x) for x in reversed(t.shape))
+    raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+    if n_heads:
+        raw = raw[unpermute_qk(np.arange(n), n_heads)]
+    with warnings.catch_warnings():             # the map is read-only; the kernels only read it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(raw)
+    return BlockMatrix([BlockWeight(data, FORMATS[t.tensor_type.name], n, k)])
+
+
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              progress: bool = True) -> LoadedWeights:
-    """Read a GGUF file, dequantize every tensor (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K/...)."""
+              progress: bool = True, in_place: bool = False) -> LoadedWeights:
+    """Read a GGUF file, dequantize every tensor (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K/...); with
+    in_place, the matrices of a format in block_formats.FORMATS stay as BlockMatrix views instead."""
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
@@ -150,6 +193,12 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     bar = tqdm(reader.tensors, desc=f"loading {Path(path).name}", unit="tensor",
                disable=not progress, file=sys.stderr, leave=False)
     for t in bar:
+        hf = gguf_to_hf_name(t.name, cfg.arch)
+        if in_place and hf and len(t.shape) == 2 and t.tensor_type.name in FORMATS:
+            qk = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
+            tensors[hf] = block_matrix(t, (cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
+                                       if qk else None)
+            continue
         arr = dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape(shapes[t.name])
         if not arr.flags.writeable:          # F32 tensors come back as views of the read-only map
@@ -202,10 +251,15 @@ def load_safetensors_dir(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     tensors: dict[str, torch.Tensor] = {}
     handles = [safe_open(str(f), framework="pt") for f in files]
     keys = [(h, k) for h in handles for k in h.keys()]
+    mxfp4: dict[str, torch.Tensor] = {}          # gpt-oss's FP4 experts, kept as stored until folded
     for h, k in tqdm(keys, desc=f"loading {d.name}", unit="tensor", disable=not progress,
                      file=sys.stderr, leave=False):
         name = k if k.startswith(("model.", "lm_head.")) else f"model.{k}"
-        tensors[name] = h.get_tensor(k).to(dtype)
+        if name.endswith(MXFP4_SUFFIXES):
+            mxfp4[name] = h.get_tensor(k)
+        else:
+            tensors[name] = h.get_tensor(k).to(dtype)
+    tensors.update(fold_mxfp4(mxfp4, dtype))
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:
         cfg = replace(cfg, tie_word_embeddings=True)
     return LoadedWeights(cfg, tensors, "safetensors")

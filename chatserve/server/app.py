@@ -183,7 +183,9 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
     if state.redis_check is None and cfg.redis_url:
         state.redis_check = RedisCheck(cfg.redis_url)
 
-    routes: list[Any] = [*openai_routes.routes, *ws.routes,
+    from chatserve.server import responses
+    responses.install(state)
+    routes: list[Any] = [*openai_routes.routes, *responses.routes, *ws.routes,
                          Route("/openapi.json", _openapi, methods=["GET"]), *(extra_routes or [])]
     install_sessions = None
     try:

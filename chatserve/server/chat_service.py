@@ -22,6 +22,7 @@ from chatserve.server.logprobs import (chat_logprobs, completion_logprobs, echo_
                                        vllm_prompt_logprobs)
 from chatserve.server.protocol import (ChatRequest, CompletionRequest, GenerationRequest,
                                        parse_chat_body, parse_completion_body)
+from chatserve.server.reasoning_output import ChoiceReasoning, reasoning_delta
 from chatserve.server.sse import ChunkStreamResponse, FiniteJSONResponse, dumps, sse_response
 from chatserve.server.state import ServerState
 
@@ -75,6 +76,7 @@ class _Usage:
         self.queue: float | None = None
         self.e2e: float | None = None
         self.samples = 0
+        self.reasoning = 0               # completion tokens spent inside think blocks
 
     def add(self, d) -> None:
         self.completion += len(d.token_ids)
@@ -98,6 +100,7 @@ class _Usage:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
                 "total_tokens": self.prompt + self.completion,
                 "prompt_tokens_details": {"cached_tokens": self.cached},
+                "completion_tokens_details": {"reasoning_tokens": self.reasoning},
                 "chatserve": {"ttft_s": r(self.ttft), "tokens_per_s": tps, "queue_s": r(self.queue)}}
 
 
@@ -145,24 +148,25 @@ async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_
     _log_user(req, rid)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": req.model, "system_fingerprint": None}
+    if req.service_tier is not None:
+        base["service_tier"] = req.service_tier
     usage = _Usage(len(req.prompt_ids))
     started: set[int] = set()
     calls = [req.tools.streamer() for _ in range(req.params.n)] if req.tools is not None else None
+    thinks = ([ChoiceReasoning(req.reasoning.parser()) for _ in range(req.params.n)]
+              if req.reasoning is not None else None)
     try:
         async for _, d in _sendable(_merged([stream]), usage):
             if d.finish_reason == "error":
                 yield _failure_chunk(d)
                 return
-            delta: dict[str, Any] = {"content": d.text} if d.text else {}
-            reason = d.finish_reason
-            if calls is not None:          # tool calls read from the text (chatserve.toolcalls.stream)
-                delta = calls[d.index].push(d.text, final=reason is not None)
-                reason = calls[d.index].finish_reason(reason)
-                if not delta and not d.logprobs and reason is None and d.prompt_logprobs is None:
-                    continue
+            delta, reason = _chat_delta(d, calls, thinks)
+            if ((calls is not None or thinks is not None) and not delta and not d.logprobs and reason is None
+                    and d.prompt_logprobs is None):
+                continue
             if d.index not in started:     # the role goes with the choice's first content, never alone
                 started.add(d.index)
-                delta = ({"role": "assistant", "content": None, **delta} if calls is not None
+                delta = ({"role": "assistant", "content": None, **delta} if calls is not None or thinks is not None
                          else {"role": "assistant", "content": d.text})
             choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs(state.tokenizer, d),
                       "finish_reason": reason, "stop_reason": _stop_reason(d, req.params)}
@@ -170,9 +174,26 @@ async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, d.prompt_logprobs,
                                                                    req.prompt_logprobs)
             yield {**base, "choices": [choice]}
+        usage.reasoning = sum(t.tokens for t in thinks or ())
         yield {**base, "choices": [], "usage": usage.to_dict()}
     finally:
         stream.close()
+
+
+def _chat_delta(d: Delta, calls: list | None, thinks: list[ChoiceReasoning] | None) -> tuple[dict, str | None]:
+    """A delta's chat fields: reasoning pieces (chatserve.reasoning), then content or tool calls read from
+    the answer (chatserve.toolcalls.stream); and its finish_reason (stop → tool_calls after a call)."""
+    reason = d.finish_reason
+    text, delta = d.text, {}
+    if thinks is not None:
+        r, text = thinks[d.index].push(d.text, len(d.token_ids), final=reason is not None)
+        delta = reasoning_delta(r)
+    if calls is not None:
+        delta.update(calls[d.index].push(text, final=reason is not None))
+        reason = calls[d.index].finish_reason(reason)
+    elif text:
+        delta["content"] = text
+    return delta, reason
 
 
 async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:

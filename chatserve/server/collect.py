@@ -63,16 +63,35 @@ async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str
 async def collect_chat(chunks: AsyncIterator[dict], req: ChatRequest) -> dict:
     n = req.params.n
     calls = ToolCallFolder(n)
-    f = await _fold(chunks, n, calls.content)
+    thoughts = [""] * n
+
+    def piece(ch: dict) -> str:
+        thoughts[ch["index"]] += (ch.get("delta") or {}).get("reasoning_content") or ""
+        return calls.content(ch)
+
+    f = await _fold(chunks, n, piece)
     out = {"id": f.head["id"], "object": "chat.completion", "created": f.head["created"],
            "model": f.head["model"], "system_fingerprint": None,
-           "choices": [{"index": i, "message": calls.message(i, f.texts[i]),
+           "choices": [{"index": i, "message": _message(calls.message(i, f.texts[i]), thoughts[i], req),
                         "logprobs": f.lps[i], "finish_reason": f.reasons[i], "stop_reason": f.stops[i]}
                        for i in range(n)],
            "usage": f.usage}
+    if req.service_tier is not None:
+        out["service_tier"] = req.service_tier
     if req.prompt_logprobs is not None:     # vLLM: one top-level list (the n samples share the prompt)
         out["prompt_logprobs"] = next((x for x in f.plps if x is not None), None)
     return out
+
+
+def _message(msg: dict, reasoning: str, req: ChatRequest) -> dict:
+    """The assistant message, with reasoning_content (and `reasoning`) beside content when the model
+    reasons (null when it did not think this time); a reply that is all reasoning has content null."""
+    if req.reasoning is None:
+        return msg
+    text = reasoning or None
+    if text is not None and msg.get("content") == "" and not msg.get("tool_calls"):
+        msg = {**msg, "content": None}
+    return {**msg, "reasoning_content": text, "reasoning": text}
 
 
 def _best_of(f: _Folded, per_prompt: int, keep: int) -> list[int]:

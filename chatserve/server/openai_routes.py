@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from chatserve.reasoning.select import template_has_thinking_switch
 from chatserve.server.body import read_json_object
 from chatserve.server.chat_service import precheck, stream_chat, stream_completion
 from chatserve.server.collect import collect_chat, collect_completion
@@ -98,7 +99,10 @@ async def completions(request: Request) -> Response:
 def _model_card(st: ServerState) -> dict:
     return {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "chatserve",
             "root": st.config.model.model or st.model_name, "parent": None, "max_model_len": st.max_model_len,
-            "max_tokens_default": st.default_max_tokens}
+            "max_tokens_default": st.default_max_tokens,
+            # the model's recommended sampling (--generation-config), for clients that show defaults
+            "sampling_defaults": {k: v for k, v in st.sampling_defaults.items() if k != "max_tokens"},
+            "thinking_switch": template_has_thinking_switch(getattr(st.tokenizer, "chat_template", None))}
 
 
 async def models(request: Request) -> Response:

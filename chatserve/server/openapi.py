@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from chatserve.server.schemas import openai as o
+from chatserve.server.schemas import responses as rs
 from chatserve.server.schemas import sessions as ss
 
 REF = "#/components/schemas/{model}"
@@ -35,6 +36,7 @@ class Op:
     path_params: tuple[str, ...] = ()
     query: dict[str, dict] = field(default_factory=dict)
     other_media: str | None = None             # a non-JSON 200 (text/plain, text/html)
+    typed_sse: bool = False                    # `event: <type>` lines and no [DONE] (the Responses API)
     tags: tuple[str, ...] = ()
 
 
@@ -45,6 +47,13 @@ OPS: tuple[Op, ...] = (
        o.ChatCompletionRequest, o.ChatCompletion, errors=GEN_ERRORS, sse=o.ChatCompletionChunk, tags=("openai",)),
     Op("post", "/v1/completions", "createCompletion", "Text completion (SSE with stream: true)",
        o.CompletionRequest, o.Completion, errors=GEN_ERRORS, sse=o.Completion, tags=("openai",)),
+    Op("post", "/v1/responses", "createResponse", "A response (OpenAI's Responses API; typed SSE events with "
+       "stream: true)", rs.ResponsesRequest, rs.Response, errors=GEN_ERRORS, sse=rs.ResponseStreamEvent,
+       typed_sse=True, tags=("openai",)),
+    Op("get", "/v1/responses/{response_id}", "retrieveResponse", "A stored response (the caller's own)",
+       ok=rs.Response, errors=(401, 404), path_params=("response_id",), tags=("openai",)),
+    Op("delete", "/v1/responses/{response_id}", "deleteResponse", "Delete a stored response",
+       ok=rs.ResponseDeleted, errors=(401, 404), path_params=("response_id",), tags=("openai",)),
     Op("get", "/v1/models", "listModels", "The served model", ok=o.ModelList, errors=(401,), tags=("openai",)),
     Op("get", "/v1/models/{model_id}", "retrieveModel", "One model by name", ok=o.Model, errors=(401, 404),
        path_params=("model_id",), tags=("openai",)),
@@ -147,9 +156,11 @@ def _operation(op: Op, refs: dict) -> dict:
     if op.ok is not None:
         content.update(_json(_ref(refs, op.ok, "serialization")))
     if op.sse is not None:
+        framing = ("`event: <type>` and `data: {json}` lines framed with bare LF, empty keep-alive events, "
+                   "no [DONE]" if op.typed_sse else "`data: {json}` events framed with bare LF, empty "
+                   "keep-alive events, `data: [DONE]` last")
         content["text/event-stream"] = {
-            "schema": {"type": "string", "description": "`data: {json}` events framed with bare LF, empty "
-                       "keep-alive events, `data: [DONE]` last; each event's JSON is an " + op.sse.__name__},
+            "schema": {"type": "string", "description": framing + "; each event's JSON is an " + op.sse.__name__},
             "x-event-schema": _ref(refs, op.sse, "serialization")}
     if op.other_media:
         content[op.other_media] = {"schema": {"type": "object"} if op.other_media.endswith("json")

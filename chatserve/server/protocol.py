@@ -16,7 +16,9 @@ from chatserve.core.request import SamplingParams
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.schemas import openai as s
 from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_TOP_LOGPROBS  # noqa: F401
+from chatserve.reasoning import thinking_switch
 from chatserve.server.chat_constraints import chat_constraints, tool_message_fields
+from chatserve.server.reasoning_plan import ReasoningPlan, reasoning_plan, replayed_reasoning
 from chatserve.toolcalls.request import ToolPlan
 
 GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
@@ -46,6 +48,8 @@ class ChatRequest(GenerationRequest):
     top_logprobs: int = 0
     prompt_logprobs: int | None = None                   # vLLM's top-level prompt_logprobs
     tools: ToolPlan | None = None                        # tool calls to read back from the output
+    reasoning: ReasoningPlan | None = None               # how to tell reasoning from the answer
+    service_tier: str | None = None                      # echoed ("default") when the client sent one
 
 
 @dataclass
@@ -232,12 +236,14 @@ def normalize_messages(messages: list[s.ChatMessage]) -> list[dict]:
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        msg.update(replayed_reasoning(m, p))
         msg.update(extra)                  # tool_calls / tool_call_id
         out.append(msg)
     return out
 
 
-def template_options(r: s.ChatCompletionRequest | s.TokenizeRequest) -> dict[str, Any]:
+def template_options(r: s.ChatCompletionRequest | s.TokenizeRequest,
+                     tokenizer_template: str | None = None) -> dict[str, Any]:
     """Keyword arguments for tokenizer.apply_chat_template: only what the client set, so a tokenizer
     without `chat_template`/`continue_final_message` keeps working for everyone else."""
     set_ = r.model_fields_set
@@ -251,6 +257,8 @@ def template_options(r: s.ChatCompletionRequest | s.TokenizeRequest) -> dict[str
         kw["continue_final_message"] = True
     if r.chat_template is not None:
         kw["chat_template"] = r.chat_template
+    if isinstance(r, s.ChatCompletionRequest):
+        kw.update(thinking_switch(r.reasoning_effort, r.chat_template or tokenizer_template))
     for k, v in (r.chat_template_kwargs or {}).items():
         if k in ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "tools",
                  "prefix_ids"):
@@ -302,21 +310,23 @@ def _parse_chat(r: s.ChatCompletionRequest, state: ServerState) -> ChatRequest:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     params = sampling_params(r, state, n=r.n, logprobs=(r.top_logprobs or 0) if r.logprobs else None)
     constraints = chat_constraints(r, messages, state)      # response_format, tools: 400s first
-    options = template_options(r)
+    options = template_options(r, getattr(state.tokenizer, "chat_template", None))
     if constraints.template_tools:
         options["tools"] = constraints.template_tools
     prompt_ids = render_prompt(state, constraints.messages, options)
+    plan = reasoning_plan(state, r.chat_template, prompt_ids)
     requested = (("max_completion_tokens", r.max_completion_tokens) if r.max_completion_tokens is not None
                  else ("max_tokens", r.max_tokens))
     params.max_tokens = max_tokens_for(requested, "messages", len(prompt_ids), state.max_model_len,
                                        state.kv_tokens, state.default_max_tokens)
     _check_min_tokens(params)
-    params.structured = constraints.spec
+    params.structured = plan.gate(constraints.spec) if plan is not None else constraints.spec
     params.prompt_logprobs = r.prompt_logprobs
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
-                       logprobs=r.logprobs, top_logprobs=r.top_logprobs or 0, user=r.user,
-                       tools=constraints.tools, prompt_logprobs=r.prompt_logprobs)
+                       logprobs=r.logprobs, top_logprobs=r.top_logprobs or 0, user=r.user or r.safety_identifier,
+                       tools=constraints.tools, prompt_logprobs=r.prompt_logprobs, reasoning=plan,
+                       service_tier="default" if r.service_tier is not None else None)
 
 
 def _check_prompt_logprobs(k: int | None, stream: bool) -> None:

@@ -20,6 +20,7 @@ from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_argume
 from chatserve.config import parse_bytes  # noqa: F401  (re-exported: tests/server/test_server_cli.py imports it here)
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
+from chatserve.model_source import prepare_model
 from chatserve.server.redis_check import redact_url
 
 if TYPE_CHECKING:
@@ -65,6 +66,14 @@ def served_name(cfg: EngineConfig) -> str:
     return base
 
 
+def weights_text(runner) -> str:
+    """How the weights are held: "Q4_1/Q8_0 in place (85 MiB), backend: cpu-avx512", or the repack."""
+    formats = getattr(runner, "block_formats", None)
+    if not formats:
+        return runner.weight_quant or "dense"
+    return f"{'/'.join(formats)} in place, backend: {runner.block_backend.name}"
+
+
 def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
     """The startup summary: what was loaded, how the KV cache is sized, where to connect."""
     engine = state.engine
@@ -86,8 +95,9 @@ def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
         "",
         f"  chatserve · {state.model_name}",
         f"  model      {cfg.model.resolved_model()}",
-        f"  dtype      {dtype} on {runner.device}, weights {runner.weight_quant or 'dense'}, KV {kv_dtype}"
+        f"  dtype      {dtype} on {runner.device}, weights {weights_text(runner)}, KV {kv_dtype}"
         f"   (loaded in {load_s:.1f} s)",
+        f"  backends   {runner.model.describe_backends()}",
         f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens ({mem / (1 << 20):.0f} MiB)"
         f", prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}",
         f"  context    {ctx:,} tokens; {tokens / max(1, ctx):.1f} sequences fit at full context; "
@@ -235,9 +245,10 @@ def listener(config, send_buffer: int):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)    # --help and --version exit here, before the environment is read
     try:
-        cfg = config_from_args(args, env_config())
+        cfg = prepare_model(config_from_args(args, env_config()))   # a name → a local path, files checked
         model_path = cfg.model.resolved_model()
-        generation_defaults = load_generation_defaults(cfg.model)
+        from chatserve.runtime.weights import gguf_reader
+        generation_defaults = load_generation_defaults(cfg.model, gguf_reader)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"chatserve serve: {e}", file=sys.stderr)
         return 2

@@ -74,8 +74,9 @@ class ChunkStreamResponse(Response):
     arrive as an in-stream error event. Every event is framed with bare LF."""
 
     def __init__(self, chunks: AsyncIterator[dict], *, send_timeout: float | None,
-                 ping: float | None = None) -> None:
+                 ping: float | None = None, typed: bool = False) -> None:
         self.chunks = chunks
+        self.typed = typed               # Responses API: `event: <type>` lines, no [DONE], typed errors
         self.send_timeout = send_timeout
         self.ping = ping
         self.background = None
@@ -96,25 +97,29 @@ class ChunkStreamResponse(Response):
                 try:
                     c = await first_task
                 except StopAsyncIteration:
-                    yield {"data": "[DONE]"}
+                    if not self.typed:
+                        yield {"data": "[DONE]"}
                     return
                 while True:
-                    yield {"data": dumps(c)}
-                    if "error" in c:
+                    yield self._event(c)
+                    if "error" in c or c.get("type") == "error":
                         break
                     try:
                         c = await chunks.__anext__()
                     except StopAsyncIteration:
                         break
-                yield {"data": "[DONE]"}
+                if not self.typed:
+                    yield {"data": "[DONE]"}
 
             async def guarded() -> AsyncIterator[Any]:
                 try:
                     async for e in events():
                         yield e
                 except APIError as e:                   # raised after the headers went out
-                    yield {"data": dumps(e.to_dict())}
-                    yield {"data": "[DONE]"}
+                    err = e.to_dict()
+                    yield self._event({"type": "error", **err["error"]} if self.typed else err)
+                    if not self.typed:
+                        yield {"data": "[DONE]"}
 
             resp = EventSourceResponse(guarded(), ping=SSE_PING_SECONDS if self.ping is None else self.ping,
                                        sep=SSE_SEP, ping_message_factory=_ping_event,
@@ -131,7 +136,13 @@ class ChunkStreamResponse(Response):
             await chunks.aclose()          # aborts the request in the engine if it is still running
 
 
-def sse_response(chunks: AsyncIterator[dict], request: Request | None = None) -> Response:
+    def _event(self, c: dict) -> dict:
+        if self.typed:
+            return {"event": c["type"], "data": dumps(c)}
+        return {"data": dumps(c)}
+
+
+def sse_response(chunks: AsyncIterator[dict], request: Request | None = None, *, typed: bool = False) -> Response:
     """Stream chunk dicts as `data: {json}` events, `data: [DONE]` last, with keep-alive pings; every
     SSE stream of the server (chat, completions, session turns) goes through here.
     A reader that blocks a send for ServerConfig.stream_timeout is ended; a disconnect aborts."""
@@ -139,4 +150,4 @@ def sse_response(chunks: AsyncIterator[dict], request: Request | None = None) ->
     if request is not None:
         st = getattr(request.app.state, "chatserve", None)
         timeout = st.config.server.stream_timeout if st is not None else None
-    return ChunkStreamResponse(chunks, send_timeout=timeout)
+    return ChunkStreamResponse(chunks, send_timeout=timeout, typed=typed)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from chatserve.server.prompt_guard import PromptGuard
     from chatserve.server.ratelimit import RateLimiter
     from chatserve.server.redis_check import RedisCheck
+    from chatserve.server.responses.store import ResponseStore
     from chatserve.server.sessions.store import SessionStore
     from chatserve.server.shared_prompts import SharedPrompts
 
@@ -32,6 +33,7 @@ class ServerState:
     tokenizer: TokenizerLike | None
     model_name: str
     sessions: SessionStore | None = None  # set by the sessions module's install()
+    responses: ResponseStore | None = None  # stored /v1/responses; set by the responses module's install()
     metrics: Metrics | None = None
     session_secret: bytes = b""           # HMAC key for cache salts; random per process when unset
     vocab_size: int | None = None

@@ -19,6 +19,10 @@ class StructuredSpec:
     kind: Kind
     source: str = ""
     compiled: Any = field(default=None, compare=False, hash=False, repr=False)  # set by the compiler
+    # reasoning first: (start token id or None, end token id). The grammar applies from after the end
+    # token; with a start id, only when the output opens with it (else from the first token, the start
+    # token being allowed there too). None: from the first token.
+    think: tuple[int | None, int] | None = field(default=None, compare=False, hash=False)
 
     @property
     def key(self) -> tuple[str, str]:

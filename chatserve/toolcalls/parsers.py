@@ -146,6 +146,7 @@ def _held_back(text: str, marker: str) -> str:
 # ── the formats ──────────────────────────────────────────────────────────────────────────────────
 class ToolCallParser:
     name = ""
+    whole_calls = False          # True: a call is sent only once its arguments are complete
 
     def extract(self, text: str, final: bool) -> Extraction:
         raise NotImplementedError
@@ -227,6 +228,7 @@ class ForcedArrayParser(ToolCallParser):
     """Output forced by the grammar for tool_choice "required": `[{"name": …, "arguments": {…}}, …]`."""
 
     name = "forced"
+    whole_calls = True           # the grammar makes complete arguments valid; cut-off ones never go out
 
     def extract(self, text: str, final: bool) -> Extraction:
         return Extraction(calls=scan_call_array(text))
@@ -236,6 +238,7 @@ class ForcedNamedParser(ToolCallParser):
     """Output forced by the grammar for a named tool_choice: the arguments object itself."""
 
     name = "forced_named"
+    whole_calls = True
 
     def __init__(self, function: str) -> None:
         self.function = function

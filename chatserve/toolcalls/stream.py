@@ -39,6 +39,8 @@ class ToolCallStream:
         for i, c in enumerate(ex.calls):
             if c.name is None:
                 break                   # arguments wait until the name is known
+            if self._parser.whole_calls and not c.arguments_done:
+                break                   # forced calls go out whole: one cut off by max_tokens never does
             if i == len(self._calls_sent):
                 cid = new_call_id()
                 self._calls_sent.append((cid, 0))

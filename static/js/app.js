@@ -1,12 +1,14 @@
 // The page: renders ChatState into the DOM and turns clicks and keys into api calls.
 // Chat data lives in store.js, the network in api.js, markdown safety in render.js.
-import { ChatState, formatStats, contextUsage, compactNumber, paramsFromInputs, SAMPLING_FIELDS } from './store.js';
+import { ChatState, formatStats, contextUsage, compactNumber, paramsFromInputs, SAMPLING_FIELDS, newChatDefaults } from './store.js';
 import { api, streamTurn, attachTurn, onStoreHeader, transport, setApiKey, isNetworkError, ping } from './api.js';
 import { MarkdownView } from './render.js';
+import { ThinkingView, thinkingOn, withThinking } from './thinking.js';
 
 const $ = (id) => document.getElementById(id);
 const state = new ChatState();
 const models = { list: [], chosen: null };     // /v1/models; `chosen` is the model for a new chat
+const newChat = { thinking: true };            // the thinking switch of the chat not created yet
 let stickToBottom = true;
 const queued = new Set();                       // session ids with a reply render queued for the next frame
 
@@ -270,6 +272,8 @@ function messageNode(m, index, isLast) {
   node.setAttribute('aria-label', `${who}, message ${index + 1}`);
   const body = node.querySelector('.msg-body');
   if (m.role === 'assistant') {
+    node.thinking = new ThinkingView(body, copyText);
+    node.thinking.update(m);
     node.view = new MarkdownView(body, copyText);
     node.view.update(m.content, !!m.streaming);
     if (m.streaming) { node.classList.add('streaming'); node.setAttribute('aria-busy', 'true'); }
@@ -365,6 +369,7 @@ function queueReplyRender(sid) {
     const nodes = $('messages').querySelectorAll('.msg');
     const node = nodes[nodes.length - 1];
     if (!r || !node || !node.view) return;
+    node.thinking.update(r);
     node.view.update(r.content, true);
     fillFoot(node, r, nodes.length - 1, true);
     scrollIfStuck();
@@ -412,9 +417,10 @@ async function ensureSession() {
   if (state.current) return state.current;
   const { params, errors } = settingsFromPanel();
   if (Object.keys(errors).length) throw new Error('the settings have errors');
-  const body = { system_prompt: $('system-prompt').value, params };
+  const body = { system_prompt: $('system-prompt').value, params: withThinking(params, newChat.thinking) };
   if (models.chosen) body.model = models.chosen;
   const s = await api.create(body);
+  newChat.thinking = true;                              // the switch was this chat's; the next starts on
   state.setCurrent(s);
   history.replaceState(null, '', `#${s.id}`);
   state.setSessions([{ id: s.id, title: s.title, created: s.created, updated: s.updated }, ...state.sessions.filter((x) => x.id !== s.id)]);
@@ -501,8 +507,10 @@ function showFieldErrors(errors) {
 function renderSettings() {
   const s = state.current;
   $('system-prompt').value = s ? s.system_prompt || '' : '';       // a new chat starts from the default
-  for (const k of Object.keys(SAMPLING_FIELDS)) $(`p-${k}`).value = s && s.params && s.params[k] != null ? s.params[k] : '';
+  const start = s ? s.params || {} : newChatDefaults(currentModel());
+  for (const k of Object.keys(SAMPLING_FIELDS)) $(`p-${k}`).value = start[k] != null ? start[k] : '';
   showFieldErrors({});
+  renderThinkingToggle();
 }
 async function saveSettings() {
   const { params, errors } = settingsFromPanel();
@@ -513,7 +521,9 @@ async function saveSettings() {
   }
   try {
     if (state.current) {
-      const s = await api.patch(state.current.id, { system_prompt: $('system-prompt').value, params });
+      const keep = state.current.params && state.current.params.reasoning_effort;
+      const all = keep ? { ...params, reasoning_effort: keep } : params;
+      const s = await api.patch(state.current.id, { system_prompt: $('system-prompt').value, params: all });
       state.current.system_prompt = s.system_prompt;
       state.current.params = s.params;
     } else {
@@ -523,6 +533,29 @@ async function saveSettings() {
     setTimeout(() => { $('save-settings').textContent = 'Save'; }, 1200);
     await refreshSessions();
   } catch (e) { if (!noteFailure(e)) showError(`Settings not saved: ${e.message}`); }
+}
+
+// ── the thinking switch: per chat, shown where the model's template has one ──────────────────
+function currentModel() {
+  const name = (state.current && state.current.model) || models.chosen;
+  return models.list.find((x) => x.id === name) || models.list[0] || null;
+}
+function renderThinkingToggle() {
+  const m = currentModel();
+  const btn = $('thinking-toggle');
+  btn.hidden = !(m && m.thinking_switch);
+  const on = state.current ? thinkingOn(state.current.params) : newChat.thinking;
+  btn.setAttribute('aria-pressed', String(on));
+  btn.textContent = on ? 'Thinking: on' : 'Thinking: off';
+}
+async function toggleThinking() {
+  if (!state.current) { newChat.thinking = !newChat.thinking; renderThinkingToggle(); return; }
+  const params = withThinking(state.current.params, !thinkingOn(state.current.params));
+  try {
+    const s = await api.patch(state.current.id, { params });
+    state.current.params = s.params;
+    renderThinkingToggle();
+  } catch (e) { if (!noteFailure(e)) showError(`Could not switch thinking: ${e.message}`); }
 }
 
 // ── the store notice ────────────────────────────────────────────────────────────────────────
@@ -618,6 +651,7 @@ function wire() {
     $('toggle-settings').setAttribute('aria-expanded', String(open));
   });
   $('save-settings').addEventListener('click', saveSettings);
+  $('thinking-toggle').addEventListener('click', toggleThinking);
   $('export-chat').addEventListener('click', () => {
     if (!state.current) return;
     const a = el('a');
@@ -711,6 +745,8 @@ async function loadModelInfo() {
   const pick = $('model-picker');
   pick.replaceChildren(...models.list.map((x) => { const o = el('option', '', x.id); o.value = x.id; return o; }));
   renderHeader();
+  if (!state.current) renderSettings();             // a new chat starts from the model's defaults
+  else renderThinkingToggle();
 }
 
 async function main() {

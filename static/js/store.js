@@ -83,9 +83,24 @@ export class ChatState extends EventTarget {
     if (item.object && item.object !== 'chat.completion.chunk') return;
     for (const ch of item.choices || []) {
       const text = ch.delta && typeof ch.delta.content === 'string' ? ch.delta.content : null;
-      if (text !== null && r.replaceNext) { r.content = text; r.replaceNext = false; }
-      else if (text) r.content += text;
-      if (text) r.progress = null;
+      const thought = ch.delta && typeof ch.delta.reasoning_content === 'string' ? ch.delta.reasoning_content : null;
+      if (text !== null && r.replaceNext) {          // a replay: the reply so far, thinking included
+        r.content = text;
+        r.reasoning_content = thought || '';
+        r.replaceNext = false;
+        if (r.reasoning_content && !r.thinkStart) r.thinkStart = Date.now();
+        if (r.reasoning_content && r.content) r.thinkEnd = Date.now();
+      } else {
+        if (thought) {
+          r.reasoning_content = (r.reasoning_content || '') + thought;
+          if (!r.thinkStart) r.thinkStart = Date.now();
+        }
+        if (text) {
+          r.content += text;
+          if (r.thinkStart && !r.thinkEnd) r.thinkEnd = Date.now();   // the answer starts: thinking folds
+        }
+      }
+      if (text || thought) r.progress = null;
       if (ch.finish_reason) r.finish_reason = ch.finish_reason;
     }
     if (item.usage) r.usage = usageFromChunk(item.usage);
@@ -119,6 +134,7 @@ export function usageFromChunk(u) {
     completion_tokens: u.completion_tokens,
     cached_tokens: (u.prompt_tokens_details || {}).cached_tokens || 0,
     ttft_s: x.ttft_s, tokens_per_s: x.tokens_per_s, queue_s: x.queue_s,
+    reasoning_tokens: (u.completion_tokens_details || {}).reasoning_tokens,
   };
 }
 
@@ -163,6 +179,19 @@ export const SAMPLING_FIELDS = {
   repetition_penalty: { conv: Number, min: 0, max: 2, lo_open: true },
   seed: { conv: Number, min: -(2 ** 63), max: 2 ** 64 - 1, int: true },
 };
+
+// What a new chat starts from, shown and editable in Settings: llama.cpp's UI defaults, which keep a
+// small model coherent (OpenAI's temperature 1 with no truncation samples from the whole tail). A
+// model's own recommendation (/v1/models `sampling_defaults`: its generation_config.json or GGUF
+// general.sampling.* keys) wins field by field.
+export const UI_SAMPLING_DEFAULTS = { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05 };
+
+export function newChatDefaults(model) {
+  const out = { ...UI_SAMPLING_DEFAULTS };
+  const rec = (model && model.sampling_defaults) || {};
+  for (const k of Object.keys(UI_SAMPLING_DEFAULTS)) if (typeof rec[k] === 'number') out[k] = rec[k];
+  return out;
+}
 
 // {params, errors}: errors maps a field to a sentence; `limits` may tighten max_tokens to the context.
 export function paramsFromInputs(values, limits = {}) {

@@ -69,3 +69,19 @@ def test_full_shape_is_llama_3_2_1b():
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (32, 8, 64)
     with pytest.raises(ValueError, match="shape"):
         checkpoint_config("llama-9b")
+
+
+def test_the_moe_shape_builds_and_loads_as_qwen3_moe(tmp_path):
+    """Qwen3-30B-A3B's routing (128 experts, top 8, renormalized) at small dims: chatserve reads it as a
+    MoE on every layer."""
+    from chatserve.runtime.models import build_model
+    from chatserve.runtime.models.moe import MoE
+    from chatserve.runtime.weights import load_weights
+
+    d = build_checkpoint(tmp_path / "moe-small", "qwen3-30b-a3b-2l", seed=1, progress=False,
+                         **{**SMALL, "moe_intermediate_size": 16})
+    w = load_weights(d, "bfloat16", progress=False)
+    spec = w.config.moe
+    assert (w.config.arch, spec.num_experts, spec.top_k, spec.norm_topk_prob) == ("qwen3moe", 128, 8, True)
+    m = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64)
+    assert all(isinstance(ly.mlp, MoE) and len(ly.mlp.experts) == 128 for ly in m.layers)

@@ -146,16 +146,17 @@ def test_settings_are_checked_against_the_servers_limits(live, chat, page):
     page.wait_for_selector("#err-max_tokens:has-text('at most 4096')")
     assert page.get_attribute("#p-temperature", "aria-invalid") == "true"
     page.wait_for_timeout(300)
-    assert page.request.get(f"{srv.url}/v1/sessions/{sid}").json()["params"] == {}     # nothing saved
+    ui_defaults = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}       # a new chat's (issue 31)
+    assert page.request.get(f"{srv.url}/v1/sessions/{sid}").json()["params"] == ui_defaults   # nothing saved
     page.fill("#p-temperature", "0.7")
     page.fill("#p-max_tokens", "")
     page.fill("#system-prompt", "You are a pirate.")
     page.click("#save-settings")
     page.wait_for_selector("#save-settings:has-text('Saved')")
-    assert page.request.get(f"{srv.url}/v1/sessions/{sid}").json()["params"] == {"temperature": 0.7}
+    assert page.request.get(f"{srv.url}/v1/sessions/{sid}").json()["params"] == {**ui_defaults, "temperature": 0.7}
     # a new chat starts from the defaults, not from the previous chat's settings
     page.click("#new-chat")
-    assert page.input_value("#system-prompt") == "" and page.input_value("#p-temperature") == ""
+    assert page.input_value("#system-prompt") == "" and page.input_value("#p-temperature") == "0.8"
 
 
 def test_model_name_picker_search_and_new_chat_listed_at_once(live, chat, page):

@@ -82,9 +82,10 @@ def make_case(query_lens: list[int], seq_lens: list[int], *, q_heads: int, kv_he
 
 
 def dense_reference(case: PagedCase, sliding_window: int | None = None,
-                    logit_softcap: float | None = None) -> torch.Tensor:
+                    logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale) v in float64 on each sequence's gathered, contiguous (dequantized) K/V
-    (scores soft-capped to c·tanh(s / c) with logit_softcap c)."""
+    (scores soft-capped to c·tanh(s / c) with logit_softcap c; with sinks [hq], each head's sink logit
+    joins the softmax as one more column that is then dropped, as transformers' gpt-oss does)."""
     q, meta = case.q, case.meta
     bs = case.k_cache.shape[1]
     hq, hkv = q.shape[1], case.k_cache.shape[2]
@@ -106,7 +107,12 @@ def dense_reference(case: PagedCase, sliding_window: int | None = None,
         if sliding_window:
             mask &= (qpos - pos[None, :]) < sliding_window
         s = s.masked_fill(~mask, float("-inf"))
-        out[start:start + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        if sinks is not None:
+            sink = sinks.double().cpu()[:, None, None].expand(hq, ql, 1)
+            p = torch.cat([s, sink], -1).softmax(-1)[..., :-1]
+        else:
+            p = s.softmax(-1)
+        out[start:start + ql] = torch.einsum("hqk,khd->qhd", p, v)
         start += ql
     return out
 

@@ -60,7 +60,25 @@ SPECS: dict[str, tuple[str, dict]] = {
     "rope_longrope": ("LlamaConfig", dict(rope_scaling={"rope_type": "longrope", "long_factor": LONG[:8],
                                                         "short_factor": SHORT[:8], "factor": 4.0,
                                                         "original_max_position_embeddings": 32})),
+    # mixture of experts: 8 experts, top 2 (GGUF: llama.cpp renormalizes the top-k of qwen3moe and
+    # Mixtral, never of qwen2moe and olmoe)
+    "qwen3moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        norm_topk_prob=True)),
+    "qwen3moe_dense_layers": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                                     num_hidden_layers=3, mlp_only_layers=[1],
+                                                     attention_bias=True)),
+    "qwen2moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=48)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    # attention sinks, sliding and full layers alternating, YaRN (its default RoPE), clamped SwiGLU experts
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                     sliding_window=WINDOW, num_hidden_layers=3)),
+    # a SwiGLU limit the random weights reach (llama.cpp, hence GGUF, fixes it at 7)
+    "gpt_oss_clamped": ("GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                             sliding_window=WINDOW, num_hidden_layers=3, swiglu_limit=0.9)),
 }
+MOE_SPECS = ("qwen3moe", "qwen3moe_dense_layers", "qwen2moe", "mixtral", "olmoe", "gpt_oss", "gpt_oss_clamped")
 # the spec's phi3 configs derive head_dim from hidden/heads: keep 16
 for _n in ("phi3", "phi3_longrope", "phi4mini"):
     SPECS[_n][1]["head_dim"] = None
@@ -126,7 +144,8 @@ def save_safetensors(model, path: Path, legacy_rope: bool = False) -> str:
 
 GGUF_ARCH = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA", "Qwen2ForCausalLM": "QWEN2",
              "Qwen3ForCausalLM": "QWEN3", "Gemma2ForCausalLM": "GEMMA2", "Gemma3ForCausalLM": "GEMMA3",
-             "Phi3ForCausalLM": "PHI3"}
+             "Phi3ForCausalLM": "PHI3", "Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
+             "MixtralForCausalLM": "LLAMA", "OlmoeForCausalLM": "OLMOE", "GptOssForCausalLM": "GPT_OSS"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -191,6 +210,7 @@ def save_gguf(model, path: Path) -> str:
     if name == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    _add_moe_keys(w, cfg)
     nm = gguf.get_tensor_name_map(arch, n_layers)
     state = model.state_dict()
     if cfg.tie_word_embeddings:
@@ -198,8 +218,13 @@ def save_gguf(model, path: Path) -> str:
     for hf_name, t in state.items():
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
+        if ".experts." in hf_name:                   # stacked [E, ...] as llama.cpp's converter writes
+            _add_experts(w, hf_name, t.detach().float().numpy(), name == "gpt-oss")
+            continue
         g = nm.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert g is not None, hf_name
+        if not g.endswith((".weight", ".bias")):      # gpt-oss's sinks: llama.cpp loads attn_sinks.weight
+            g += ".weight"
         arr = t.detach().float().numpy()
         if name == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             arr = _permute(arr, heads if ".q_proj." in hf_name else kv)
@@ -213,3 +238,65 @@ def save_gguf(model, path: Path) -> str:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def _add_moe_keys(w, cfg) -> None:
+    """llama.cpp's MoE keys: expert counts and sizes (Mixtral and OLMoE experts use feed_forward_length)."""
+    n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if not n:
+        return
+    w.add_expert_count(n)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if hasattr(cfg, "moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if hasattr(cfg, "shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _add_experts(w, hf_name: str, arr: np.ndarray, oss: bool = False) -> None:
+    """transformers' fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as GGUF's
+    ffn_{gate,up,down}_exps [E, I, H] / [E, H, I]. gpt-oss (oss): gate_up_proj [E, H, 2I] with gate and up
+    columns interleaved, down_proj [E, I, H], and their _bias tensors."""
+    blk = f"blk.{hf_name.split('.layers.')[1].split('.')[0]}"
+    if oss:
+        kind = "bias" if hf_name.endswith("_bias") else "weight"
+        if "gate_up_proj" in hf_name:
+            gate, up = arr[..., 0::2], arr[..., 1::2]
+            if kind == "weight":
+                gate, up = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+            w.add_tensor(f"{blk}.ffn_gate_exps.{kind}", np.ascontiguousarray(gate, dtype=np.float32))
+            w.add_tensor(f"{blk}.ffn_up_exps.{kind}", np.ascontiguousarray(up, dtype=np.float32))
+        else:
+            down = arr.transpose(0, 2, 1) if kind == "weight" else arr
+            w.add_tensor(f"{blk}.ffn_down_exps.{kind}", np.ascontiguousarray(down, dtype=np.float32))
+        return
+    if hf_name.endswith("gate_up_proj"):
+        gate, up = np.split(arr, 2, axis=1)
+        w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(gate, dtype=np.float32))
+        w.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(up, dtype=np.float32))
+    else:
+        assert hf_name.endswith("down_proj"), hf_name
+        w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(arr, dtype=np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# exact-loading helpers: an edited copy of a saved checkpoint, and chatserve's build of one
+
+def with_tensors(src: str, dst: Path, edit) -> str:
+    """A copy of the safetensors checkpoint dir src at dst with edit(tensors dict) applied."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    t = load_file(f"{dst}/model.safetensors")
+    edit(t)
+    save_file(t, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def build_exact(path: str):
+    """chatserve's model of the checkpoint (float32, CPU): raises UnsupportedModelError when inexact."""
+    from chatserve.runtime.models import build_model
+    from chatserve.runtime.weights import load_weights
+    w = load_weights(path, "float32", progress=False)
+    return build_model(w.config, w.tensors, torch.float32, "cpu", 64)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import hf_checkpoints as H
-from chatserve.runtime.models import build_model
 from chatserve.runtime.arch_config import UnsupportedModelError
 from chatserve.runtime.weights import load_weights
 
@@ -20,18 +18,7 @@ def llama_dir(tmp_path_factory):
     return H.save_safetensors(H.hf_model("llama_bias"), tmp_path_factory.mktemp("exact") / "m")
 
 
-def _with_tensors(src: str, dst, edit) -> str:
-    import shutil
-    shutil.copytree(src, dst)
-    t = load_file(f"{dst}/model.safetensors")
-    edit(t)
-    save_file(t, f"{dst}/model.safetensors", metadata={"format": "pt"})
-    return str(dst)
-
-
-def _build(path: str):
-    w = load_weights(path, "float32", progress=False)
-    return build_model(w.config, w.tensors, torch.float32, "cpu", 64)
+_with_tensors, _build = H.with_tensors, H.build_exact
 
 
 def test_unused_tensor_is_a_load_error_naming_it(llama_dir, tmp_path):

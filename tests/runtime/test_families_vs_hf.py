@@ -17,8 +17,10 @@ import hf_checkpoints as H  # noqa: E402  (tests/runtime is on sys.path via root
 
 BS = 8                                   # small blocks: a 40-token prompt spans 5 of them
 N_NEW = 8
-# llama.cpp has no dynamic NTK, no query_pre_attn_scalar and a fixed 10,000 base for Gemma 3's local layers
-GGUF_NAMES = [n for n in H.SPECS if n not in ("rope_dynamic", "gemma3_qpas")]
+# llama.cpp has no dynamic NTK, no query_pre_attn_scalar, a fixed 10,000 base for Gemma 3's local layers
+# and no dense layers among MoE ones (mlp_only_layers) nor a gpt-oss SwiGLU limit other than 7
+GGUF_NAMES = [n for n in H.SPECS if n not in ("rope_dynamic", "gemma3_qpas", "qwen3moe_dense_layers",
+                                               "gpt_oss_clamped")]
 # prompt lengths per spec: one short, one over several blocks, one past the 24-token sliding window
 PROMPTS = {n: (5, 40, 60) for n in H.SPECS}
 PROMPTS["rope_dynamic"] = (5, 20, 30)    # + 8 new tokens run past its 32-token original context
@@ -149,11 +151,11 @@ def test_first_step_logits_match_transformers(checkpoints, name, form):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("form", ["safetensors", "gguf"])
-@pytest.mark.parametrize("name", list(H.SPECS))
+GREEDY_FORMS = [(n, f) for n in H.SPECS for f in ("safetensors", "gguf") if f != "gguf" or n in GGUF_NAMES]
+
+
+@pytest.mark.parametrize("name,form", GREEDY_FORMS, ids=[f"{n}-{f}" for n, f in GREEDY_FORMS])
 def test_greedy_tokens_match_transformers_alone_batched_chunked_and_on_prefix_hits(checkpoints, name, form):
-    if form == "gguf" and name not in GGUF_NAMES:
-        pytest.skip("no GGUF form")
     runner = runner_for(checkpoints(name, form), name)
     prompts = [prompt_ids(name, n) for n in PROMPTS[name]]
     expected = [hf_greedy(name, p) for p in prompts]
@@ -191,4 +193,21 @@ def test_blocks_freed_past_the_window_keep_outputs_through_the_scheduler(checkpo
     assert llm.generate(prompts[:3], params) == [hf_greedy(name, p) for p in prompts[:3]]
     assert llm.generate(prompts[3:], params) == [hf_greedy(name, prompts[3])]
     assert llm.kv.window_drops > 0 and llm.kv.prefix_hits > 0
+    llm.kv.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "gpt_oss_clamped"])
+def test_moe_families_through_the_scheduler(checkpoints, name):
+    """A MoE family (gpt-oss: sinks, alternating windows, so the cache keeps every block) under the real
+    scheduler: chunked prefills, a batch and a prefix hit, tokens equal to transformers'."""
+    from chatserve.engine.llm import LLM
+    llm = LLM(checkpoints(name, "safetensors"), block_size=BS, num_blocks=48, max_num_batched_tokens=24,
+              num_threads=1, eos_token_ids=[])
+    assert llm.kv.sliding_window is None
+    prompts = [prompt_ids(name, n) for n in PROMPTS[name]]
+    prompts.append(prompts[2][:40] + prompt_ids(name, 20, seed=1))       # a prefix hit on prompt 2
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW)
+    assert llm.generate(prompts[:3], params) == [hf_greedy(name, p) for p in prompts[:3]]
+    assert llm.generate(prompts[3:], params) == [hf_greedy(name, prompts[3])]
+    assert llm.kv.prefix_hits > 0
     llm.kv.check_integrity()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
-from starlette.responses import PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from chatserve.config import EngineConfig, ServerConfig
@@ -27,15 +27,20 @@ from chatserve.server.state import ServerState
 
 
 class ScriptedChat:
-    """Says `reply(messages)` word by word, `delay_s` apart; `active` counts running generations."""
+    """Says `reply(messages)` word by word, `delay_s` apart; `active` counts running generations.
+    With `think` set, `think(messages)` comes first, as `delta.reasoning_content` (a reasoning model's
+    parsed thinking), and `think_gate` (a threading.Event or asyncio.Event) holds the answer back until set."""
 
     def __init__(self, reply: Callable[[list[dict]], str] | None = None, delay_s: float = 0.0) -> None:
         self.reply = reply or (lambda msgs: f"echo: {msgs[-1]['content']}")
+        self.think: Callable[[list[dict]], str] | None = None
+        self.think_gate: Any = None
         self.delay_s = delay_s
         self.active = 0
         self.started = 0
         self.aborted = 0
         self.requests: list[dict] = []
+        self.rewarms: list[dict] = []         # rewarm(...) calls: the chat each would prefill
         self._seen: dict[str, list[list[str]]] = {}
 
     def parse(self, body: dict, state: Any, rate_key: str | None = None) -> dict:
@@ -64,13 +69,23 @@ class ScriptedChat:
             limit = req.get("max_tokens", 10_000)
             finish = "length" if len(pieces) > limit else "stop"
             pieces = pieces[:limit]
+            thinking = re.findall(r"\s*\S+|\s+", self.think(req["messages"])) if self.think else []
+            for piece in thinking:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                yield {**base, "choices": [{"index": 0, "delta": {"reasoning_content": piece},
+                                            "finish_reason": None}]}
+            while self.think_gate is not None and not self.think_gate.is_set():
+                await asyncio.sleep(0.01)
             for piece in pieces:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 yield {**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
             yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}
             yield {**base, "choices": [], "usage": {
-                "prompt_tokens": len(words), "completion_tokens": len(pieces), "total_tokens": len(words) + len(pieces),
+                "prompt_tokens": len(words), "completion_tokens": len(pieces) + len(thinking),
+                "total_tokens": len(words) + len(pieces) + len(thinking),
+                "completion_tokens_details": {"reasoning_tokens": len(thinking)},
                 "prompt_tokens_details": {"cached_tokens": cached},
                 "chatserve": {"ttft_s": 0.012, "tokens_per_s": 42.0, "queue_s": 0.001}}}
             finished = True
@@ -78,6 +93,11 @@ class ScriptedChat:
             self.active -= 1
             if not finished:
                 self.aborted += 1
+
+
+    async def rewarm(self, state: Any, messages: list[dict], *, owner: str, request_id: str) -> int:
+        self.rewarms.append({"messages": messages, "owner": owner, "request_id": request_id})
+        return 0
 
 
 class IdleEngine:
@@ -88,9 +108,10 @@ class IdleEngine:
 
 
 def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None,
-             api_keys: tuple[str, ...] = ()) -> Starlette:
+             api_keys: tuple[str, ...] = (), model_card: dict | None = None) -> Starlette:
     """The smallest app that serves the session routes, the real /v1/ws, and a /metrics with the KV
-    usage gauge (the fake's running generations); no engine but an IdleEngine for progress."""
+    usage gauge (the fake's running generations); no engine but an IdleEngine for progress. With
+    `model_card`, GET /v1/models lists that one card (what the UI reads the thinking switch from)."""
     cfg = EngineConfig(server=ServerConfig(redis_url=redis_url, api_keys=api_keys))
     state = ServerState(config=cfg, engine=IdleEngine(), tokenizer=None,  # type: ignore[arg-type]  # IdleEngine: a fake
                         model_name="fake-model", sessions=store)
@@ -99,7 +120,11 @@ def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = N
         usage = 0.25 * backend.active
         return PlainTextResponse(f"chatserve:kv_cache_usage_perc {usage}\n")
 
-    app = Starlette(routes=[*sessions.routes, *ws.routes, Route("/metrics", metrics)])
+    async def models(request: Any) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card]})
+
+    extra = [Route("/v1/models", models)] if model_card is not None else []
+    app = Starlette(routes=[*sessions.routes, *ws.routes, Route("/metrics", metrics), *extra])
     app.state.chatserve = state
     sessions.install(app, state, backend=backend)
     if api_keys:

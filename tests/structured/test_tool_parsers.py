@@ -67,3 +67,15 @@ def test_default_parser_from_template():
     assert default_parser_name("{{ '<|python_tag|>' }}") == "llama3_json"
     assert default_parser_name("{% for tool in tools %}<tool_call>{% endfor %}") == "hermes"
     assert default_parser_name(None) == "hermes"
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000])
+def test_forced_call_cut_off_never_goes_out(step):
+    """tool_choice "required" cut by max_tokens inside a second call: only the complete first call,
+    its arguments valid JSON; the cut one is never announced (not even with arguments "")."""
+    text = json.dumps([{"name": "weather", "arguments": ARGS}], separators=(",", ":"))[:-1] + ',{"name":"time"'
+    content, calls, _ = _stream(ForcedArrayParser(), text, step)
+    assert [c["function"]["name"] for c in calls] == ["weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == ARGS
+    _, cut, _ = _stream(ForcedNamedParser("weather"), json.dumps(ARGS)[:-3], step)
+    assert cut == []

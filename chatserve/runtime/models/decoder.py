@@ -14,11 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, StepInfo,
+from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, RowSplit, StepInfo,
                                              pick_ops)
+from chatserve.runtime.models.linear_backends import BlockLinear, BlockMatrix, TorchBlockLinear, cat_rows
+from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 from chatserve_kernels import AttentionMetadata, cpu_decode
+from chatserve_kernels.attention_backend import AttentionBackend, pick_attention_backend
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
 HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -42,7 +45,12 @@ class WeightReader:
             self.missing.append(name)
             return None
         self.taken.add(name)
+        if isinstance(t, BlockMatrix):          # kept in its file's block format (linear_backends.py)
+            return t
         return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
 
     def skip(self, name: str) -> None:
         """Mark a tensor as knowingly unused (e.g. a tied LM head saved beside the embeddings)."""
@@ -61,6 +69,14 @@ class WeightReader:
                                                unused))
 
 
+def _qk_norm(ops, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of q or k before RoPE: per head when w is [d] (Qwen3, Gemma 3), over all the row's heads
+    when w is [n·d] (OLMoE). x: [T, n, d] → [T, n, d]."""
+    T, n, d = x.shape
+    rows = T * n if w.shape[0] == d else T
+    return ops.rms_norm(x.reshape(rows, -1), w).view(T, n, d)
+
+
 def _names(what: str, names: list[str], shown: int = 6) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return f"{what}: {', '.join(names[:shown])}{more}"
@@ -75,7 +91,7 @@ class DecoderLayer:
     o: Linear                                # [H, q_size]
     post_attn_norm: torch.Tensor | None      # [H]  (Gemma: normed before the residual add)
     pre_ffn_norm: torch.Tensor               # [H]
-    mlp: GatedMLP
+    mlp: GatedMLP | MoE                      # MoE: models/moe.py
     post_ffn_norm: torch.Tensor | None       # [H]  (Gemma)
     rotary: Rotary
     attention: Attention
@@ -92,15 +108,20 @@ class DecoderModel:
     def __init__(self, config: ArchConfig, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  max_model_len: int | None = None, weight_quant: str | None = None,
-                 fused: bool = True) -> None:
-        """fused: use the CPU C ops where they run (False: the plain torch oracle)."""
+                 fused: bool = True, block_backend: type[BlockLinear] = TorchBlockLinear) -> None:
+        """fused: use the CPU C ops where they run (False: the plain torch oracle). block_backend: the
+        LinearBackend of matrices kept in a GGUF block format (chosen once at load)."""
         self.config = config
+        self.block_backend = block_backend
         self.weight_quant = weight_quant
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         self.ops = pick_ops(config.rms_norm_eps, dtype, self.device, fused)
         fused_ops = self.ops.name == "cpu_fused"
+        self.fused = fused
+        self.attention_backend: AttentionBackend | None = None     # picked for the caches at their first forward
+        self._backend_caches: KVCaches | None = None
         r = WeightReader(tensors, dtype, self.device)
 
         self.embed = r("model.embed_tokens.weight")                       # [V, H]
@@ -114,7 +135,8 @@ class DecoderModel:
         # [V, H]: 8-bit codes beat the dense head up to 16 rows. It stays 8-bit under int4: its error is what
         # the logits show
         head_quant = "int8" if weight_quant == "int4" else weight_quant
-        self.lm_head = Linear(lm_head, None, head_quant, small_m=16)
+        self.lm_head = (block_backend(lm_head) if isinstance(lm_head, BlockMatrix)
+                        else Linear(lm_head, None, head_quant, small_m=16))
         self.normalizer = (torch.tensor(math.sqrt(config.hidden_size), dtype=dtype)
                            if self.embed_scale else None)
 
@@ -138,8 +160,9 @@ class DecoderModel:
         config, p = self.config, f"model.layers.{i}."
         window = config.layer_window(i)
         qkv_w, qkv_b, o_w, o_b = self.read_attention(r, p + "self_attn.")
-        gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
+        mlp = self.build_mlp(r, p, i)
         norms = self.read_norms(r, p)
+        sinks = r(p + "self_attn.sinks", config.attention_sinks)                 # [hq] (gpt-oss)
         q_norm = r(p + "self_attn.q_norm.weight", config.qk_norm)
         k_norm = r(p + "self_attn.k_norm.weight", config.qk_norm)
         r.check_missing()
@@ -148,10 +171,11 @@ class DecoderModel:
             input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
             q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b),
             post_attn_norm=nw(norms[1]), pre_ffn_norm=nw(norms[2]),
-            mlp=GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), config.hidden_act),
+            mlp=mlp,
             post_ffn_norm=nw(norms[3]),
             rotary=rotary(window is not None and config.local_rope_theta is not None),
-            attention=Attention(scale, window, config.attn_logit_softcap))
+            attention=Attention(scale, window, config.attn_logit_softcap,
+                                None if sinks is None else sinks.float()))
 
     def _decode_chain(self, fused_ops: bool) -> cpu_decode.DecodeChain | None:
         """The C chain for few-row decode steps, where every layer is the plain pre-norm SwiGLU one with
@@ -162,9 +186,12 @@ class DecoderModel:
             return None
         layers = []
         for ly in self.layers:
+            if not isinstance(ly.mlp, GatedMLP):
+                return None
             lins = (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)
             plain = (ly.q_norm is None and ly.k_norm is None and ly.post_attn_norm is None
-                     and ly.post_ffn_norm is None and not ly.attention.window and not ly.attention.softcap)
+                     and ly.post_ffn_norm is None and not ly.attention.window and not ly.attention.softcap
+                     and ly.attention.sinks is None)
             if not plain or any(m.qw is None or m.b is not None or m.small_m != ly.qkv.small_m for m in lins):
                 return None
             layers.append(cpu_decode.ChainLayer(ly.input_norm, ly.qkv.qw, ly.o.qw, ly.pre_ffn_norm,
@@ -183,14 +210,22 @@ class DecoderModel:
         o_w, o_b = r(a + "o_proj.weight"), r(a + "o_proj.bias", c.o_bias)
         if None in ws or (c.attention_bias and None in bs):
             return None, None, o_w, o_b                   # reported by check_missing
-        return torch.cat(ws), (torch.cat(bs) if c.attention_bias else None), o_w, o_b
+        return cat_rows(ws), (torch.cat(bs) if c.attention_bias else None), o_w, o_b
+
+    def build_mlp(self, r: WeightReader, p: str, i: int) -> GatedMLP | MoE | None:
+        """Layer i's feed-forward block (p: the layer's tensor prefix); MoE families override it.
+        None when a tensor is missing (r records it)."""
+        gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
+        if gu_w is None or down_w is None:
+            return None
+        return GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), self.config.hidden_act, self.ops)
 
     def read_mlp(self, r: WeightReader, m: str) -> tuple:
         """(gate_up weight [2I, H] (gate rows, then up rows), its bias, down weight [H, I], its bias)."""
         b = self.config.mlp_bias
         g, u, d = r(m + "gate_proj.weight"), r(m + "up_proj.weight"), r(m + "down_proj.weight")
         gb, ub, db = r(m + "gate_proj.bias", b), r(m + "up_proj.bias", b), r(m + "down_proj.bias", b)
-        gu = None if g is None or u is None else torch.cat([g, u])
+        gu = None if g is None or u is None else cat_rows([g, u])
         gub = None if gb is None or ub is None else torch.cat([gb, ub])
         return gu, gub, d, db
 
@@ -207,23 +242,39 @@ class DecoderModel:
             return w
         return (w.float() + self.norm_offset).to(self.dtype)         # (1 + w) in float32, as Gemma does
 
-    def _lin(self, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None) -> Linear | BlockLinear:
+        if isinstance(w, BlockMatrix):
+            return self.block_backend(w, b)
         return Linear(w, b, self.weight_quant)
+
+    def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] → embedding rows [T, H] in the model dtype."""
+        if isinstance(self.embed, BlockMatrix):
+            return self.embed.rows(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     # ── forward ──────────────────────────────────────────────────────────────────────────────
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64 → final-normed hidden states [T, H]."""
+                meta: AttentionMetadata, rows: RowSplit | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64 → final-normed hidden states [T, H]. rows: which rows are
+        generated tokens and which prompt tokens (the runner's; batch invariance), None: the Linears
+        pick their path by step size."""
         c = self.config
         T = input_ids.shape[0]
         if T and int(positions.max()) >= self.max_model_len:          # C reads the tables unchecked
             raise IndexError(f"position {int(positions.max())} beyond the RoPE tables ({self.max_model_len})")
-        x = F.embedding(input_ids, self.embed)                            # [T, H]
+        x = self.embed_rows(input_ids)                                    # [T, H]
         if self.normalizer is not None:
             x = x * self.normalizer
-        if self.chain is not None and self.chain.takes(x, meta, kv_caches):
+        if kv_caches is not self._backend_caches:          # new caches (a runner's are one list for life)
+            self.attention_backend = pick_attention_backend(self.dtype, c.num_heads, kv_caches[0],
+                                                            oracle=not self.fused)
+            self._backend_caches = kv_caches
+        if (self.chain is not None and (rows is None or rows.all_gen) and self.attention_backend.name == "cpu-c"
+                and self.chain.takes(x, meta)):
             return self.chain.run(x, positions, meta, kv_caches)
-        step = StepInfo(meta, positions, bool((meta.slot_mapping >= 0).all()) if T else True)
+        step = StepInfo(meta, positions, bool((meta.slot_mapping >= 0).all()) if T else True,
+                        self.attention_backend, rows)
         for rot in self._rotaries:
             rot.begin_step(positions)
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -231,37 +282,50 @@ class DecoderModel:
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = ops.add_rms_norm(x, residual, layer.input_norm)
-            qkv = layer.qkv(x).view(T, hq + 2 * hkv, d)                   # [T, hq+2hkv, d]
+            qkv = layer.qkv(x, rows).view(T, hq + 2 * hkv, d)             # [T, hq+2hkv, d]
             v = qkv[:, hq + hkv:]
             if layer.q_norm is not None:
-                q = layer.rotary(ops.rms_norm(qkv[:, :hq].reshape(T * hq, d), layer.q_norm).view(T, hq, d),
-                                 positions)
-                k = layer.rotary(ops.rms_norm(qkv[:, hq:hq + hkv].reshape(T * hkv, d),
-                                              layer.k_norm).view(T, hkv, d), positions)
+                q = layer.rotary(_qk_norm(ops, qkv[:, :hq], layer.q_norm), positions)
+                k = layer.rotary(_qk_norm(ops, qkv[:, hq:hq + hkv], layer.k_norm), positions)
             else:
                 qk = layer.rotary(qkv[:, :hq + hkv], positions)           # [T, hq+hkv, d]
                 q, k = qk[:, :hq], qk[:, hq:]
             attn = layer.attention(q, k, v, cache, step)                  # [T, hq, d]
-            x = layer.o(attn.reshape(T, hq * d))                          # [T, H]
+            x = layer.o(attn.reshape(T, hq * d), rows)                    # [T, H]
             if layer.post_attn_norm is not None:
                 x = ops.rms_norm(x, layer.post_attn_norm)
             x, residual = ops.add_rms_norm(x, residual, layer.pre_ffn_norm)
-            x = layer.mlp(x)
+            x = layer.mlp(x, rows)
             if layer.post_ffn_norm is not None:
                 x = ops.rms_norm(x, layer.post_ffn_norm)
         return ops.add_rms_norm(x, residual, self.norm)[0]
 
     __call__ = forward
 
+    def describe_backends(self) -> str:
+        """The kernels this model runs, chosen at load: attention, linears, norms, the decode chain."""
+        lin = self.layers[0].qkv
+        if isinstance(lin, BlockLinear):
+            linears = f"{lin.name} on the file's blocks ({'/'.join(lin.w.formats())}) for every row"
+        else:
+            linears = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
+            dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
+            linears = f"{linears} for generated rows, {dense} for prompt rows" if linears else dense
+        attn = self.attention_backend.name if self.attention_backend is not None else "picked at the first step"
+        return (f"attention {attn}; linears {linears}; norms {self.ops.name}; "
+                f"decode chain {'on' if self.chain is not None else 'off'}")
+
     def decode_weight_bytes(self, rows: int = 1) -> int:
         """Weight bytes a forward + LM head over `rows` tokens reads (matrices, norms, embedding rows):
         the numerator of the memory-bandwidth floor of a decode step."""
-        lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)]
+        lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o)]
         norms = [self.norm] + [n for ly in self.layers for n in (ly.input_norm, ly.q_norm, ly.k_norm,
                                                                 ly.post_attn_norm, ly.pre_ffn_norm,
                                                                 ly.post_ffn_norm) if n is not None]
-        embed_rows = rows * self.embed.shape[1] * self.embed.element_size()
-        return sum(m.bytes_read(rows) for m in lins) + sum(n.numel() * n.element_size() for n in norms) + embed_rows
+        embed_rows = rows * (self.embed.nbytes() // self.embed.n if isinstance(self.embed, BlockMatrix)
+                             else self.embed.shape[1] * self.embed.element_size())
+        return (sum(m.bytes_read(rows) for m in lins) + sum(ly.mlp.bytes_read(rows) for ly in self.layers)
+                + sum(n.numel() * n.element_size() for n in norms) + embed_rows)
 
     def decode_matmul_bytes(self) -> float:
         """Mean weight bytes of one matmul of a one-token decode step (the layers' four and the LM head)."""

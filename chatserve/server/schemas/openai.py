@@ -72,6 +72,9 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = Field(None, description="an assistant turn's reasoning, replayed: handed "
+                                          "to the chat template (which keeps or drops it)")
+    reasoning: str | None = Field(None, description="the same as reasoning_content (newer vLLM's name)")
 
 
 class StreamOptions(Strict):
@@ -122,6 +125,20 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="none (or minimal): the template's thinking switch off (enable_thinking=false); "
+        "low/medium/high: on. chat_template_kwargs.enable_thinking, when set, wins")
+    # OpenAI fields that change nothing about the output: accepted (service_tier is echoed)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted, no effect; the response says 'default'")
+    metadata: Annotated[dict[str, Annotated[str, StringConstraints(max_length=512)]],
+                        Field(max_length=16)] | None = Field(None, description="accepted, not stored")
+    store: bool | None = Field(None, description="accepted; chat completions are not stored")
+    prompt_cache_key: Annotated[str, StringConstraints(max_length=1024)] | None = Field(
+        None, description="accepted; prefix caching is automatic")
+    safety_identifier: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = Field(
+        None, description="accepted, logged like user")
+    modalities: list[Literal["text"]] | None = Field(None, description="text only")
 
 
 class CompletionRequest(SamplingFields):
@@ -174,11 +191,16 @@ class PromptTokensDetails(Open):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(Open):
+    reasoning_tokens: int = 0
+
+
 class Usage(Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
     chatserve: dict[str, float | None] | None = Field(None, description="extension: ttft_s, tokens_per_s, "
                                                        "queue_s")
 
@@ -200,6 +222,9 @@ class ChatLogprobs(Open):
 class AssistantMessage(Open):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = Field(None, description="the model's reasoning (think block), apart "
+                                          "from content; null when the model did not reason")
+    reasoning: str | None = Field(None, description="the same as reasoning_content")
 
 
 class ChatChoice(Open):
@@ -224,6 +249,9 @@ class ChatCompletion(Open):
 class ChunkDelta(Open):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="a piece of the reasoning; reasoning chunks "
+                                          "come before the content")
+    reasoning: str | None = None
 
 
 class ChunkChoice(Open):
@@ -282,6 +310,11 @@ class Model(Open):
     # max_tokens of a request that sets none (--max-tokens-default or the model's generation config);
     # null = the rest of the context, as OpenAI does
     max_tokens_default: int | None = None
+    # the model's recommended sampling for fields a request leaves unset (--generation-config: its
+    # generation_config.json or GGUF general.sampling.* keys); {} = OpenAI's defaults
+    sampling_defaults: dict[str, float] = {}
+    # the chat template has a thinking switch (enable_thinking; reasoning_effort "none" turns it off)
+    thinking_switch: bool = False
 
 
 class ModelList(Open):

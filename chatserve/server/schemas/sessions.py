@@ -34,6 +34,8 @@ class SessionParams(_Body):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    reasoning_effort: Literal["none", "low", "medium", "high"] | None = Field(
+        None, description="the chat's thinking switch (\"none\": off) where the model's template has one")
 
 
 class SessionSettings(_Body):
@@ -51,6 +53,8 @@ class StoredUsage(_Out):
     ttft_s: float | None = None
     tokens_per_s: float | None = None
     queue_s: float | None = None
+    reasoning_tokens: int | None = None
+    reasoning_s: float | None = Field(None, description="seconds from the first reasoning text to the answer")
 
 
 class StoredMessage(_Out):
@@ -59,6 +63,8 @@ class StoredMessage(_Out):
     parent: str | None = None
     role: Literal["user", "assistant", "system"]
     content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
+    reasoning_content: str | None = Field(None, description="an assistant reply's thinking, kept apart "
+                                          "from its answer; the chat template decides if later prompts show it")
     created: float | None = None
     usage: StoredUsage | None = None
     finish_reason: str | None = Field(None, description="null while generating; \"interrupted\" when its "
@@ -71,6 +77,7 @@ class StoredMessage(_Out):
 class ImportedMessage(_Body):
     role: Literal["user", "assistant", "system"]
     content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
+    reasoning_content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = None
     created: float | None = None
     usage: dict[str, float] | None = None
     finish_reason: Annotated[str, StringConstraints(max_length=20)] | None = None

@@ -17,7 +17,10 @@ from chatserve.server.sessions.session import ROOT, Session
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "stop")
-USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tokens_per_s", "queue_s")
+PARAM_KEYS = SAMPLING_KEYS + ("reasoning_effort",)     # a session's params: sampling + the thinking switch
+REASONING_EFFORTS = ("none", "low", "medium", "high")
+USAGE_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tokens_per_s", "queue_s",
+              "reasoning_tokens", "reasoning_s")
 MAX_CONTENT_CHARS = 200_000
 MAX_TITLE_CHARS = 200
 MAX_IMPORT_MESSAGES = 5_000
@@ -27,16 +30,20 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "interrupted", "content_fi
 
 
 def clean_params(raw: Any, state: Any, param: str = "params") -> dict[str, Any]:
-    """Sampling defaults: only the known keys, each valid by the OpenAI routes' rules (protocol.py)."""
+    """Sampling defaults and the thinking switch: only the known keys, each valid by the OpenAI routes'
+    rules (protocol.py)."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise invalid(f"'{param}' must be an object", param, "invalid_type")
     for k in raw:
-        if k not in SAMPLING_KEYS:
+        if k not in PARAM_KEYS:
             raise invalid(f"unknown sampling parameter {k[:40]!r}", param)
     out = {k: v for k, v in raw.items() if v is not None}
-    sampling_params(validate(SamplingFields, out), state, n=1, logprobs=None)   # the routes' own 400s
+    if out.get("reasoning_effort", "none") not in REASONING_EFFORTS:
+        raise invalid(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+    sampling = {k: v for k, v in out.items() if k in SAMPLING_KEYS}
+    sampling_params(validate(SamplingFields, sampling), state, n=1, logprobs=None)   # the routes' own 400s
     if isinstance(out.get("stop"), str):
         out["stop"] = [out["stop"]]
     return out
@@ -80,6 +87,9 @@ def clean_message(m: Any, param: str) -> dict[str, Any]:
     if m["role"] == "assistant" and isinstance(m.get("usage"), dict):
         msg["usage"] = {k: v for k, v in m["usage"].items()
                         if k in USAGE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if m["role"] == "assistant" and m.get("reasoning_content"):
+        msg["reasoning_content"] = clean_text(m["reasoning_content"], f"{param}.reasoning_content",
+                                              MAX_CONTENT_CHARS)
     if m.get("finish_reason") in FINISH_REASONS:
         msg["finish_reason"] = m["finish_reason"]
     if isinstance(m.get("error"), str):
@@ -146,7 +156,7 @@ def parse_turn(body: dict[str, Any], state: Any) -> TurnRequest:
     edit_id = None if t.edit_id is None else clean_id(t.edit_id, "edit_id")
     if replace_from is not None and edit_id is not None:
         raise invalid("send 'replace_from' or 'edit_id', not both", "edit_id")
-    overrides = clean_params({k: v for k, v in body.items() if k in SAMPLING_KEYS}, state, "params")
+    overrides = clean_params({k: v for k, v in body.items() if k in PARAM_KEYS}, state, "params")
     if content is None and not regenerate and replace_from is None and edit_id is None:
         raise APIError(400, "'content' is required", param="content", code="missing_required_parameter")
     return TurnRequest(content, replace_from, edit_id, regenerate, overrides, t.stream)

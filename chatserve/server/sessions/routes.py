@@ -214,7 +214,8 @@ async def export_session(request: Request) -> Response:
     store, s = await _get_own(request)
     doc = {"format": EXPORT_FORMAT, "title": s.title, "created": s.created, "updated": s.updated,
            "model": s.model, "system_prompt": s.system_prompt, "params": s.params,
-           "messages": [{k: m[k] for k in ("role", "content", "created", "usage", "finish_reason", "error")
+           "messages": [{k: m[k] for k in ("role", "content", "reasoning_content", "created", "usage",
+                                                 "finish_reason", "error")
                          if k in m} for m in s.public_messages()],
            "tree": s.tree()}
     safe = re.sub(r"[^A-Za-z0-9_-]+", "-", s.title)[:40].strip("-") or "chat"

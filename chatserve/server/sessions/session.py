@@ -14,7 +14,7 @@ from typing import Any
 SCHEMA = 2
 TURN_STALE_S = 20.0          # a turn whose heartbeat is older than this died with its process
 ROOT = ""                    # the parent id of first messages
-MESSAGE_FIELDS = ("role", "content", "created", "usage", "finish_reason", "error", "status")
+MESSAGE_FIELDS = ("role", "content", "reasoning_content", "created", "usage", "finish_reason", "error", "status")
 
 
 def new_message_id() -> str:
@@ -32,7 +32,8 @@ class Session:
     system_prompt: str = ""
     params: dict[str, Any] = field(default_factory=dict)
     # every message ever written, oldest first: {"id", "parent", "role", "content", "created", "n"}
-    # + for replies "usage", "finish_reason", "error", and "status": "generating" while being written
+    # + for replies "usage", "finish_reason", "error", "reasoning_content" (the thinking, apart from
+    # the answer, when the model's reasoning parser found some), and "status": "generating" while written
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     active: dict[str, str] = field(default_factory=dict)     # parent id → the child shown
     turn: dict[str, Any] | None = None   # {"id", "message_id", "phase", "heartbeat"} while generating
@@ -183,3 +184,19 @@ class Session:
         return {"nodes": [{**{k: v for k, v in n.items() if k != "n"}, "parent": n["parent"] or None}
                           for n in sorted(self.nodes.values(), key=lambda n: n.get("n", 0))],
                 "active": path[-1]["id"] if path else None}
+
+
+def chat_messages(s: Session, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The session's system prompt and stored history as the chat template gets them."""
+    system = [{"role": "system", "content": s.system_prompt}] if s.system_prompt else []
+    return system + [history_message(m) for m in history]
+
+
+def history_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A stored message as the chat template gets it: an assistant reply keeps its reasoning apart, as
+    `reasoning_content`, and the template decides whether the next prompt shows it (Qwen3 and
+    DeepSeek-R1 drop it from earlier turns; a template that keeps thinking in history writes it)."""
+    out = {"role": m["role"], "content": m["content"]}
+    if m["role"] == "assistant" and m.get("reasoning_content"):
+        out["reasoning_content"] = m["reasoning_content"]
+    return out

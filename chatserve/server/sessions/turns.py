@@ -14,11 +14,11 @@ import secrets
 import time
 from collections.abc import AsyncGenerator as AsyncGeneratorABC
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Coroutine, Protocol
 
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.sessions.inputs import TurnRequest
-from chatserve.server.sessions.session import ROOT, Session
+from chatserve.server.sessions.session import ROOT, Session, chat_messages, history_message
 from chatserve.server.sessions.store import SessionStore, StoreUnavailable, valid_session_id
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ class ChatBackend(Protocol):
               rate_key: str | None = None) -> ChatRequest | Awaitable[ChatRequest]: ...
     def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
                rate_key: str | None = None) -> AsyncIterator[dict[str, Any]]: ...
+    def rewarm(self, state: ServerState, messages: list[dict[str, Any]], *, owner: str,
+               request_id: str) -> Coroutine[Any, Any, int]: ...
 
 
 class ChatServiceBackend:
@@ -58,6 +60,11 @@ class ChatServiceBackend:
         from chatserve.server import chat_service
         return chat_service.stream_chat(state, req, owner=owner, keep_warm=keep_warm,
                                         request_id=request_id, rate_key=rate_key)
+
+    def rewarm(self, state: ServerState, messages: list[dict[str, Any]], *, owner: str,
+               request_id: str) -> Coroutine[Any, Any, int]:
+        from chatserve.server.sessions import rewarm
+        return rewarm.rewarm(state, messages, owner=owner, request_id=request_id)
 
 
 def not_found() -> APIError:
@@ -81,7 +88,9 @@ class LiveTurn:
     user_message_id: str | None
     request_id: str                       # the engine's request id
     model: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the chat the reply answers, as the template gets it
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)     # delta.reasoning_content, apart from the answer
     phase: str = "queued"
     progress: dict[str, Any] | None = None          # the last progress event sent
     followers: set[asyncio.Queue[Any]] = field(default_factory=set)
@@ -103,11 +112,13 @@ class LiveTurn:
         q: asyncio.Queue[Any] = asyncio.Queue()
         q.put_nowait(self.event(replay))
         if replay:
+            delta = {"role": "assistant", "content": "".join(self.text)}
+            if self.reasoning:
+                delta["reasoning_content"] = "".join(self.reasoning)
             q.put_nowait({"id": self.request_id, "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": self.model,
-                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": "".join(self.text)},
-                                       "finish_reason": None}]})
-            if self.progress is not None and not self.text:
+                          "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+            if self.progress is not None and not self.text and not self.reasoning:
                 q.put_nowait(self.progress)
         if self.done:
             q.put_nowait(_END)
@@ -132,6 +143,8 @@ class _Outcome:
     finish: str | None = None
     usage: dict[str, Any] | None = None
     first_token_at: float | None = None
+    reasoning_at: float | None = None     # the first reasoning text
+    answer_at: float | None = None        # the first answer text after reasoning
     n_chunks: int = 0
     n_content: int = 0                    # chunks that carried text
     error: str | None = None
@@ -142,12 +155,19 @@ class _Outcome:
         self.n_chunks += 1
         for ch in item.get("choices") or []:
             delta = ch.get("delta") or {}
-            if delta.get("content"):
-                turn.text.append(delta["content"])
+            for key, parts in (("reasoning_content", turn.reasoning), ("content", turn.text)):
+                if not delta.get(key):
+                    continue
+                parts.append(delta[key])
                 self.n_content += 1
+                now = time.perf_counter()
                 if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
+                    self.first_token_at = now
                     turn.phase = "generating"
+                if key == "reasoning_content" and self.reasoning_at is None:
+                    self.reasoning_at = now
+                if key == "content" and self.reasoning_at is not None and self.answer_at is None:
+                    self.answer_at = now
             if ch.get("finish_reason"):
                 self.finish = ch["finish_reason"]
         if item.get("usage"):
@@ -159,11 +179,15 @@ class _Outcome:
     def reply(self, turn: LiveTurn, t0: float) -> dict[str, Any] | None:
         """The reply message to store, or None to drop the placeholder (refused, or nothing said
         before an error)."""
-        text = "".join(turn.text)
-        if self.early is not None or (not text and self.error):
+        text, reasoning = "".join(turn.text), "".join(turn.reasoning)
+        if self.early is not None or (not text and not reasoning and self.error):
             return None
         msg: dict[str, Any] = {"content": text, "finish_reason": self.finish or "stop",
                                "usage": usage_record(self.usage, t0, self.first_token_at, self.n_content)}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+            end = self.answer_at or time.perf_counter()
+            msg["usage"]["reasoning_s"] = round(end - (self.reasoning_at or end), 3)
         if self.error:
             msg["error"] = self.error[:500]
         return msg
@@ -213,6 +237,7 @@ class TurnService:
                  backend: ChatBackend | None = None) -> None:
         self.app_state, self.state, self.store = app_state, state, store
         self.by_session: dict[str, LiveTurn] = {}
+        self.rewarming: set[asyncio.Task[int]] = set()
         self.backend: ChatBackend = backend or ChatServiceBackend()
 
     def live(self, owner: str, sid: str) -> LiveTurn | None:
@@ -255,6 +280,7 @@ class TurnService:
                 raise not_found()
             if _chat_key(s, history[0]) != _chat_key(cur, preview):
                 req = await self._parse(s, history[0], treq.overrides, None)   # changed meanwhile
+            turn.messages = chat_messages(s, history[0])
             turn.model = s.model or self.state.model_name or ""
         except BaseException:
             self.by_session.pop(sid, None)
@@ -273,8 +299,7 @@ class TurnService:
                      rate_key: str | None) -> ChatRequest:
         chat: dict[str, Any] = {
             "model": s.model or self.state.model_name or "default",
-            "messages": ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else [])
-            + [{"role": m["role"], "content": m["content"]} for m in history],
+            "messages": chat_messages(s, history),
             "stream": True, "stream_options": {"include_usage": True},
             **s.params, **overrides}
         req = self.backend.parse(chat, self.state, rate_key)
@@ -301,6 +326,8 @@ class TurnService:
         deadline = time.monotonic() + grace_s
         while self.by_session and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        for task in list(self.rewarming):
+            task.cancel()
         tasks = [t.task for t in self.by_session.values() if t.task is not None]
         for t in list(self.by_session.values()):
             t.cancel()
@@ -334,7 +361,10 @@ class TurnService:
             turn.publish({"id": turn.request_id, "object": "chat.completion.chunk",
                           "created": int(time.time()), "model": turn.model,
                           "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
-        await self._finish(turn, out.reply(turn, t0))
+        reply = out.reply(turn, t0)
+        await self._finish(turn, reply)
+        if reply is not None and reply.get("reasoning_content") and reply["finish_reason"] in ("stop", "length"):
+            self._rewarm(turn, reply)
         admitted = turn.admitted
         if admitted is not None and not admitted.done():
             if out.early is not None:
@@ -344,6 +374,14 @@ class TurnService:
         turn.done = True
         turn.publish(_END)
         turn.followers.clear()
+
+    def _rewarm(self, turn: LiveTurn, reply: dict[str, Any]) -> None:
+        """In the background: prefill the history as the next prompt will start (rewarm.py)."""
+        msgs = [*turn.messages, history_message({"role": "assistant", **reply})]
+        task = asyncio.get_running_loop().create_task(
+            self.backend.rewarm(self.state, msgs, owner=turn.cache_owner, request_id=turn.request_id + "-rewarm"))
+        self.rewarming.add(task)
+        task.add_done_callback(self.rewarming.discard)
 
     async def _finish(self, turn: LiveTurn, msg: dict[str, Any] | None) -> None:
         """Store the reply (or drop its placeholder) and clear the session's turn marker."""
@@ -372,7 +410,7 @@ class TurnService:
         saved_len, saved_at = 0, time.monotonic()
         while True:
             await asyncio.sleep(TICK_S)
-            if not turn.text:
+            if not turn.text and not turn.reasoning:
                 p = engine.progress(turn.request_id)
                 if p is not None:
                     ev = {"object": "chatserve.turn.progress", "turn_id": turn.id, **p}
@@ -381,7 +419,7 @@ class TurnService:
                         turn.phase = p.get("phase", turn.phase)
                         turn.publish(ev)
             now = time.monotonic()
-            n = sum(len(x) for x in turn.text)
+            n = sum(len(x) for x in turn.text) + sum(len(x) for x in turn.reasoning)
             if now - saved_at >= SAVE_EVERY_S and (n != saved_len or now - saved_at >= HEARTBEAT_S):
                 saved_len, saved_at = n, now
                 await self._save_partial(turn)
@@ -390,12 +428,14 @@ class TurnService:
         """Save the reply so far. The write runs to its end even when the turn ends meanwhile (the
         ticker is cancelled): a write cancelled while Redis runs it lands without the store knowing,
         and the reply saved after it could then be refused as not newer."""
-        text, phase = "".join(turn.text), turn.phase
+        text, reasoning, phase = "".join(turn.text), "".join(turn.reasoning), turn.phase
 
         def apply(s: Session) -> None:
             node = s.nodes.get(turn.message_id)
             if node is not None and node.get("status") == "generating":
                 node["content"] = text
+                if reasoning:
+                    node["reasoning_content"] = reasoning
             if s.turn and s.turn.get("id") == turn.id:
                 s.turn.update(heartbeat=time.time(), phase=phase)
 
@@ -407,7 +447,7 @@ class TurnService:
 
 
 def _chat_key(s: Session, history: list[dict[str, Any]]) -> tuple[Any, ...]:
-    return [(m["role"], m["content"]) for m in history], s.params, s.system_prompt, s.model
+    return [history_message(m) for m in history], s.params, s.system_prompt, s.model
 
 
 def _add_turn(s: Session, treq: TurnRequest, turn: LiveTurn, user_id: str | None,
@@ -458,6 +498,7 @@ def usage_record(usage: dict[str, Any] | None, t0: float, first: float | None, n
         for k in ("ttft_s", "tokens_per_s", "queue_s"):
             if extra.get(k) is not None:
                 u[k] = extra[k]
+        u["reasoning_tokens"] = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
     if u.get("completion_tokens") is None:
         u["completion_tokens"] = n_content          # stopped early: no usage chunk came
     if "ttft_s" not in u and first is not None:

@@ -1,0 +1,84 @@
+"""`chatserve bench blockmm`: ms per call and GFLOP/s of the GGUF block-format matmul (cpu_blockmm) per
+format and ISA level, beside today's CPU paths on the same shapes: oneDNN's packed bf16 linear (prefill) and
+cpu_qmatmul's int4/int8 repack (decode). Random blocks (speed does not depend on the values); best of
+--repeats calls with the weights hot in cache, so memory-bound rows read as upper bounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+SHAPES = "576x576,192x576,1536x576,576x1536,49152x576,2048x2048,512x2048,8192x2048,2048x8192"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chatserve bench blockmm", description=__doc__)
+    p.add_argument("--formats", default="Q4_1,Q4_0,Q8_0,Q4_K,Q6_K", help="comma list of block formats")
+    p.add_argument("--isas", default="avx512,avx2", help="levels to run (those this CPU lacks are left out)")
+    p.add_argument("--shapes", default=SHAPES, help="comma list of NxK (output features x input features)")
+    p.add_argument("--rows", default="1,16,256", help="comma list of M (rows of x per call)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _baselines(wb, x, m: int, repeats: int) -> dict[str, float]:
+    import torch
+
+    from chatserve_kernels import cpu_qmatmul
+    out = {}
+    packed = torch.ops.mkldnn._reorder_linear_weight(wb, None)
+    out["onednn-bf16"] = _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                                  repeats)
+    if m <= 16 and cpu_qmatmul.available():
+        for bits in (4, 8):
+            qw = cpu_qmatmul.pack(*cpu_qmatmul.quantize(wb, bits), bits)
+            out[f"qmatmul-int{bits}"] = _best_ms(lambda: cpu_qmatmul.matmul(x, qw), repeats)
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    from chatserve_kernels import block_formats, cpu_blockmm
+    torch.set_num_threads(args.threads)
+    isas = [i for i in args.isas.split(",") if cpu_blockmm.available(i)]
+    rows = []
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        wb = (torch.randn(n, k) * 0.02).bfloat16()
+        weights = {f: block_formats.random_weight(f, n, k) for f in args.formats.split(",")
+                   if k % block_formats.FORMATS[f].block == 0}          # K-quants need K % 256 == 0
+        for m in (int(v) for v in args.rows.split(",")):
+            x = torch.randn(m, k).bfloat16()
+            ms = _baselines(wb, x, m, args.repeats)
+            for f, w in weights.items():
+                for isa in isas:
+                    ms[f"{f}/{isa}"] = _best_ms(lambda: cpu_blockmm.matmul(x, w, isa, threads=args.threads),
+                                                args.repeats)
+            rows.append({"n": n, "k": k, "m": m, "ms": ms,
+                         "gflops": {key: 2 * m * n * k / (v * 1e6) for key, v in ms.items()}})
+            if not args.json:
+                print(f"{n}x{k} M={m}: " + ", ".join(f"{key} {v:.3f} ms ({2 * m * n * k / (v * 1e6):.0f} GF/s)"
+                                                     for key, v in ms.items()), flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    rows = run(args)
+    if args.json:
+        print(json.dumps({"threads": args.threads, "rows": rows}))
+    return 0

@@ -1,0 +1,116 @@
+"""x · Wᵀ on GGUF block-format weights in place (cpu_blockmm.c via ctypes), at two ISA levels built from one
+source: "avx2" (AVX2 + FMA + F16C) and "avx512" (AVX-512 F/BW/VL). `detect_isa()` reads the CPU's flags
+once; a caller may force the lower level on an AVX-512 CPU (tests, benchmarks). The torch twin is
+block_formats.matmul_torch. Not a format table (block_formats.py) and not a weight loader.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from chatserve_kernels import cpu_build
+from chatserve_kernels.block_formats import BlockWeight
+
+SOURCE = Path(__file__).with_name("cpu_blockmm.c")
+LEVELS = {"avx2": 2, "avx512": 3}
+_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")}
+# prepended to the shared source per level; the AVX2 build switches AVX-512 off even under -march=native
+_PRELUDE = {"avx2": '#pragma GCC target("no-avx512f")\n#define BMM_LEVEL 2\n', "avx512": "#define BMM_LEVEL 3\n"}
+_i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+# calls under this many multiply-adds run on one thread: a parallel region costs more than it saves there
+# (and on a loaded machine a 2-thread region waits for a descheduled thread). Results do not depend on it.
+ONE_THREAD_MACS = 1 << 22
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported(isa: str) -> bool:
+    """This CPU has the instructions of level `isa`."""
+    return all(f in cpu_flags() for f in _NEEDS[isa])
+
+
+def detect_isa() -> str | None:
+    """The best level this CPU runs ("avx512", "avx2"), or None (the torch twin then)."""
+    return next((isa for isa in ("avx512", "avx2") if supported(isa)), None)
+
+
+@functools.lru_cache(maxsize=None)
+def library(isa: str):
+    """The compiled kernel of one level (ctypes), or None where it cannot run or be built."""
+    if isa not in LEVELS or not supported(isa):
+        return None
+    lib = cpu_build.load(_level_source(isa))
+    if lib is None or lib.chatserve_bmm_level() != LEVELS[isa]:
+        return None
+    lib.chatserve_bmm.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i64, _i32, _vp, _i64, _i32, _i32]
+    lib.chatserve_bmm.restype = _i32
+    lib.chatserve_bmm_dequant.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp]
+    lib.chatserve_bmm_dequant.restype = _i32
+    return lib
+
+
+def _level_source(isa: str) -> Path:
+    """The shared source with its level's prelude, written once into the kernel cache (named by content)."""
+    src = (_PRELUDE[isa] + SOURCE.read_text()).encode()
+    path = cpu_build.cache_dir() / f"{SOURCE.stem}_{isa}_{hashlib.sha256(src).hexdigest()[:12]}.c"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".c")
+        with os.fdopen(fd, "wb") as f:
+            f.write(src)
+        os.replace(tmp, path)            # atomic: concurrent writers write the same bytes
+    return path
+
+
+def available(isa: str) -> bool:
+    return library(isa) is not None
+
+
+def dequantize(w: BlockWeight, isa: str) -> torch.Tensor:
+    """The kernel's own dequantization of W → [n, k] float32 (tests hold it bit-equal to the twin's)."""
+    out = torch.empty(w.n, w.k, dtype=torch.float32)
+    data = w.data.contiguous()
+    rc = library(isa).chatserve_bmm_dequant(w.fmt.type_id, data.data_ptr(), w.row_bytes, w.n, w.k,
+                                            out.data_ptr())
+    if rc:
+        raise ValueError(f"cpu_blockmm: format {w.fmt.name} not supported")
+    return out
+
+
+def _threads(asked: int | None, macs: int) -> int:
+    return 1 if macs < ONE_THREAD_MACS else asked or torch.get_num_threads()
+
+
+def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | None = None,
+           threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] in out_dtype (float32 or bfloat16; default x's).
+    out: a [M, N] view with unit column stride (e.g. a column slice of a wider output) to write into."""
+    # x: [M, K] → y: [M, N]
+    assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
+    x = x.contiguous()
+    assert w.data.is_contiguous()
+    y = out if out is not None else torch.empty(x.shape[0], w.n, dtype=out_dtype or x.dtype)
+    assert y.shape == (x.shape[0], w.n) and y.dtype in (torch.float32, torch.bfloat16) and y.stride(1) == 1
+    rc = library(isa).chatserve_bmm(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, w.n, w.k,
+                                    x.data_ptr(), x.shape[0], int(x.dtype == torch.bfloat16),
+                                    y.data_ptr(), y.stride(0), int(y.dtype == torch.bfloat16),
+                                    _threads(threads, x.shape[0] * w.n * w.k))
+    if rc:
+        raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockmm failed ({rc}) on {w.fmt.name}")
+    return y

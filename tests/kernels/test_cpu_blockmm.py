@@ -1,0 +1,118 @@
+"""cpu_blockmm (GGUF block formats in place, AVX2 and AVX-512 levels) and block_formats' torch twin:
+the twin's dequantization is bit-equal to gguf-py's on the same bytes, the kernel's is bit-equal to the
+twin's, the matmul matches the twin tightly and the dense dequantized matmul loosely for every format and
+level (ragged N, K at block boundaries), and every output row is batch invariant: the same bits for
+every M, whatever rows share the call, with 1 or 2 threads (issue 28)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from chatserve_kernels import block_formats as bf
+from chatserve_kernels import cpu_blockmm
+
+# the levels this CPU runs (an AVX-512 CPU runs both): not a skip, a parametrization over what exists
+LEVELS = [isa for isa in cpu_blockmm.LEVELS if cpu_blockmm.supported(isa)]
+FORMATS = list(bf.FORMATS)
+QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")   # gguf-py quantizes these
+BATCH_MS = (1, 2, 3, 5, 8, 15, 16, 17, 31, 64, 100, 257)
+
+
+def test_this_cpu_has_a_level():
+    assert LEVELS, "cpu_blockmm needs AVX2+FMA+F16C; the serving path falls back to the torch twin"
+    assert all(cpu_blockmm.available(isa) for isa in LEVELS)
+
+
+def make_weight(name: str, n: int, k: int, seed: int = 0, random_bytes: bool = False) -> bf.BlockWeight:
+    """W [n, k] of format `name`: gguf-py's quantization of Gaussian values where gguf-py quantizes the
+    format, else random blocks with finite fp16 scales (every code pattern, sane magnitudes)."""
+    if name in QUANTIZABLE and not random_bytes:
+        a = (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
+        raw = np.ascontiguousarray(gguf_quantize(a, GGMLQuantizationType[name])).view(np.uint8)
+        return bf.BlockWeight(torch.from_numpy(raw.reshape(n, -1)), bf.FORMATS[name], n, k)
+    return bf.random_weight(name, n, k, seed)
+
+
+def gguf_reference(w: bf.BlockWeight) -> torch.Tensor:
+    raw = w.data.numpy()
+    return torch.from_numpy(np.ascontiguousarray(
+        gguf_dequantize(raw, GGMLQuantizationType[w.fmt.name]).reshape(w.n, w.k).astype(np.float32)))
+
+
+def shapes(name: str) -> list[tuple[int, int]]:
+    b = bf.FORMATS[name].block
+    return [(1, b), (5, 2 * b), (37, 3 * b)] if b > 1 else [(1, 1), (7, 15), (37, 17), (16, 33)]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("random_bytes", [False, True])
+def test_twin_dequantizes_bit_equal_to_gguf_py(name, random_bytes):
+    for n, k in shapes(name):
+        w = make_weight(name, n, k, seed=n + k, random_bytes=random_bytes)
+        got = bf.dequantize(w)
+        want = gguf_reference(w)
+        assert got.abs().sum() > 0
+        assert torch.equal(got, want), (name, n, k)
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("name", FORMATS)
+def test_kernel_dequantizes_bit_equal_to_the_twin(isa, name):
+    for n, k in shapes(name):
+        w = make_weight(name, n, k, seed=3 * n + k, random_bytes=True)
+        assert torch.equal(cpu_blockmm.dequantize(w, isa), bf.dequantize(w)), (name, n, k)
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_matches_the_twin_and_the_dense_matmul(isa, name, dtype):
+    g = torch.Generator().manual_seed(7)
+    for n, k in shapes(name):
+        w = make_weight(name, n, k, seed=n * k)
+        dense = gguf_reference(w)
+        for m in (1, 4, 6):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            y = cpu_blockmm.matmul(x, w, isa, out_dtype=torch.float32)
+            twin = bf.matmul_torch(x, w, torch.float32)
+            assert y.shape == (m, n) and y.abs().sum() > 0
+            # the twin: float32 dots in another order; the bound is a few ulps of Σ|x||w|
+            scale = x.float().abs() @ dense.abs().t()
+            assert bool(((y - twin).abs() <= scale * 1e-5 + 1e-30).all()), (name, n, k, m)
+            # the dense oracle, as transformers would run it (sanity: the right layout and scales)
+            exact = (x.double() @ dense.double().t()).float()
+            assert bool(((y - exact).abs() <= scale * 1e-4 + 1e-6).all()), (name, n, k, m)
+            if dtype == torch.bfloat16:     # bf16 out is the float32 result rounded once
+                assert torch.equal(cpu_blockmm.matmul(x, w, isa), y.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("name", ["F16", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_rows_are_batch_invariant(isa, name, monkeypatch):
+    """Row i's bits do not depend on M, on the rows beside it, or on 1 or 2 threads."""
+    monkeypatch.setattr(cpu_blockmm, "ONE_THREAD_MACS", 0)     # small calls too take the threads asked for
+    n, k = 37, 2 * bf.FORMATS[name].block if bf.FORMATS[name].block > 1 else 67
+    w = make_weight(name, n, k, seed=11)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(max(BATCH_MS), k, generator=g).bfloat16()
+    full = cpu_blockmm.matmul(x, w, isa, threads=1)
+    assert full.float().abs().sum() > 0
+    for threads in (1, 2):
+        for m in BATCH_MS:
+            got = cpu_blockmm.matmul(x[:m], w, isa, threads=threads)
+            assert torch.equal(got, full[:m]), (name, threads, m)
+            # the same rows after other rows in the call
+            mixed = torch.cat([torch.randn(3, k, generator=g).bfloat16(), x[:m]])
+            assert torch.equal(cpu_blockmm.matmul(mixed, w, isa, threads=threads)[3:], full[:m])
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K"])
+def test_a_row_length_off_the_block_is_refused(name):
+    with pytest.raises(ValueError, match="multiple of"):
+        bf.BlockWeight(torch.zeros(2, 18, dtype=torch.uint8), bf.FORMATS[name], 2, 31)
+    with pytest.raises(ValueError, match="needs uint8"):
+        bf.BlockWeight(torch.zeros(2, 17, dtype=torch.uint8), bf.FORMATS[name], 2, 256)
