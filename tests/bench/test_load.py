@@ -46,6 +46,15 @@ def test_leaked_blocks_detected(capsys, fake):
     assert r["cancelled"] == 6 and r["leaked_blocks"] > 0 and r["ok"] is False
 
 
+def test_unknown_leaks_are_unverified_not_a_pass(capsys, fake):
+    fake.state.metrics = False                       # no /metrics: KV blocks in use cannot be read
+    r = _run(capsys, fake, "--concurrency", "2", "--cancel-fraction", "0", "--max-requests", "4",
+             "--max-tokens", "4", expect_rc=4)
+    assert r["completed"] == 4 and r["leaked_blocks"] is None
+    assert r["verdict"] == "unverified" and r["ok"] is False
+    assert "verdict: UNVERIFIED" in load.format_report(r)
+
+
 def test_overload_503_counted_as_rejected_with_latency(capsys, fake):
     fake.state.max_running = 1
     fake.state.token_delay = 0.005
