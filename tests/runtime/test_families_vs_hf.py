@@ -149,11 +149,11 @@ def test_first_step_logits_match_transformers(checkpoints, name, form):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("form", ["safetensors", "gguf"])
-@pytest.mark.parametrize("name", list(H.SPECS))
+GREEDY_FORMS = [(n, f) for n in H.SPECS for f in ("safetensors", "gguf") if f != "gguf" or n in GGUF_NAMES]
+
+
+@pytest.mark.parametrize("name,form", GREEDY_FORMS, ids=[f"{n}-{f}" for n, f in GREEDY_FORMS])
 def test_greedy_tokens_match_transformers_alone_batched_chunked_and_on_prefix_hits(checkpoints, name, form):
-    if form == "gguf" and name not in GGUF_NAMES:
-        pytest.skip("no GGUF form")
     runner = runner_for(checkpoints(name, form), name)
     prompts = [prompt_ids(name, n) for n in PROMPTS[name]]
     expected = [hf_greedy(name, p) for p in prompts]
