@@ -3,6 +3,7 @@ the fake-engine server, a tiny random-weight model directory, and the real defau
 per session."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -60,3 +61,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:                       # `-m "not redis"` deselects everything needing redis-server
         if "redis_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.redis)
+    if os.environ.get("CHATSERVE_DEPLOY_STACK") != "1":   # the compose stack runs under `make test-deploy`
+        stack = [i for i in items if i.get_closest_marker("deploy")]
+        if stack:
+            config.hook.pytest_deselected(items=stack)
+            items[:] = [i for i in items if not i.get_closest_marker("deploy")]
