@@ -26,7 +26,7 @@ serve: install
 	$(BIN)/chatserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: install
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow and not browser" $(PYTEST_ARGS)
