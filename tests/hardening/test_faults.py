@@ -148,13 +148,15 @@ def test_slow_reader_is_ended_after_stream_timeout_while_others_are_served(tiny_
 def test_sigterm_under_load_drains_then_exits(tiny_model, tmp_path):
     """Extends tests/server/test_live_openai.py::test_preemption_under_a_tiny_cache_then_sigterm_drain
     (one stream, default model) to 12 streams: short ones finish during the drain, long ones end
-    with exactly one error event; the process exits within the drain timeout."""
-    drain = 3.0
-    srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "256",
-                            "--max-model-len", "4096", "--drain-timeout", str(drain), startup_timeout=120)
+    with exactly one error event; the process exits within the drain timeout. The drain (10 s) leaves a
+    short stream's 7 remaining tokens time on a loaded box (3 s did not: CI saw none finish) and is far
+    from a long stream's 16,000."""
+    drain = 10.0
+    srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "2048",
+                            "--max-model-len", "16384", "--drain-timeout", str(drain), startup_timeout=120)
     try:
         async def one(c: httpx.AsyncClient, i: int, started: asyncio.Event, counter: list) -> list[str]:
-            body = {"prompt": f"load {i}", "max_tokens": 8 if i % 2 else 4000, "ignore_eos": True,
+            body = {"prompt": f"load {i}", "max_tokens": 8 if i % 2 else 16000, "ignore_eos": True,
                     "stream": True, "temperature": 0}
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
@@ -179,24 +181,24 @@ def test_sigterm_under_load_drains_then_exits(tiny_model, tmp_path):
                 return outs, t0
         outs, t0 = asyncio.run(run())
         finished = errored = 0
-        for data in outs:
+        for i, data in enumerate(outs):
             assert data[-1] == "[DONE]"
             objs = [json.loads(d) for d in data[:-1]]
             errors = [o for o in objs if "error" in o]
             reasons = [ch["finish_reason"] for o in objs for ch in o.get("choices", []) if ch["finish_reason"]]
             if errors:
                 assert len(errors) == 1 and objs[-1] is errors[0] and not reasons
-                assert errors[0]["error"]["code"] == "shutting_down"
+                assert errors[0]["error"]["code"] == "shutting_down" and i % 2 == 0, i   # a long one
                 errored += 1
             else:
                 assert reasons == ["length"]
                 finished += 1
         srv.proc.wait(drain + 10)
         took = time.time() - t0
-        # streams get drain - reserve; the process is gone within the drain timeout (+ slack for a
+        # streams get drain - reserve; the process is gone within the drain timeout (+ half of it for a
         # loaded test machine and this client reading the last events)
-        assert srv.proc.returncode == 0 and took < drain + 1.5, took
-        assert finished >= 6 and finished + errored == 12
+        assert srv.proc.returncode == 0 and took < 1.5 * drain, took
+        assert finished == errored == 6                  # every short stream finished, every long one ended
         print(f"SIGTERM: {finished} streams finished, {errored} ended with one error event; exit after {took:.1f} s")
     finally:
         srv.stop(signal.SIGKILL)
