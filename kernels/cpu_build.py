@@ -93,7 +93,10 @@ def cpu_flags() -> set[str]:
 
 
 def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    """$CC when it names a program that exists, else cc or gcc on PATH; None when there is none."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return shutil.which("cc") or shutil.which("gcc")
 
 
 def missing_flags(name: str) -> list[str]:
@@ -133,7 +136,8 @@ def _prerequisite_gap(name: str) -> KernelStatus | None:
     if platform.system() != "Linux":
         return KernelStatus(name, CPU_LACKS, f"not Linux ({platform.system()})")
     if compiler() is None:
-        return KernelStatus(name, NO_COMPILER, "no cc/gcc on PATH and CC unset")
+        return KernelStatus(name, NO_COMPILER, f"CC={os.environ['CC']!r} not found" if os.environ.get("CC")
+                            else "no cc/gcc on PATH")
     if gap := missing_flags(name):
         return KernelStatus(name, CPU_LACKS, "needs " + " ".join(gap))
     return None
@@ -146,17 +150,19 @@ def load(source: Path) -> ctypes.CDLL | None:
     gap = _prerequisite_gap(name)
     if gap is not None:
         _status[name] = gap
-        log.info("CPU kernel %s not built: %s; using the torch path", source.name, gap.detail)
+        log.log(logging.INFO if gap.state == DISABLED else logging.WARNING,
+                "CPU kernel %s unavailable (%s); using the torch path", source.name, gap.detail)
         return None
     try:
         lib = ctypes.CDLL(str(build(source)))
     except BuildError as e:
         _status[name] = KernelStatus(name, BUILD_FAILED, e.stderr)
-        log.error("CPU kernel %s does not compile; using the torch path:\n%s", source.name, e.stderr)
+        log.error("CPU kernel %s unavailable: it does not compile; using the torch path:\n%s",
+                  source.name, e.stderr)
         return None
     except (OSError, subprocess.SubprocessError) as e:   # read-only cache, a broken .so, a hung compiler
         _status[name] = KernelStatus(name, LOAD_FAILED, str(e))
-        log.error("CPU kernel %s could not be loaded (%s); using the torch path", source.name, e)
+        log.error("CPU kernel %s unavailable: it could not be loaded (%s); using the torch path", source.name, e)
         return None
     _status[name] = KernelStatus(name, LOADED)
     return lib
