@@ -8,7 +8,7 @@ PORT    ?= 8000
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-deploy bench-memory clean
+.PHONY: install serve lint test test-fast test-deploy bench-memory clean
 
 install: $(STAMP)
 
@@ -25,7 +25,12 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(BIN)/chatserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install
+# The import layers (.importlinter; docs/architecture.md explains them) and ruff (pyproject.toml).
+lint: install
+	$(BIN)/lint-imports
+	$(BIN)/ruff check chatserve kernels tests
+
+test: install lint
 	$(BIN)/pytest -q --durations=15 $(PYTEST_ARGS)
 
 test-fast: install

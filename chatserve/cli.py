@@ -7,10 +7,13 @@ from __future__ import annotations
 import importlib
 import sys
 
+from chatserve import version
+
 COMMANDS: dict[str, str] = {
     "serve": "chatserve.server.serve:main",        # the API + UI server
     "chat": "chatserve.chat_client:main",          # terminal chat client
     "generate": "chatserve.generate:main",         # one completion on stdout
+    "models": "chatserve.model_source.command:main",   # local models by name; pull one
 }
 BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → what it measures
     "memory": "KV cache manager: waste, sharing, speed",
@@ -25,22 +28,13 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
 BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_HELP}
 BENCH["build-model"] = "chatserve.bench.checkpoint:main"
 
-USAGE = """usage: chatserve {serve,chat,generate} [options]
+USAGE = """usage: chatserve {serve,chat,generate,models} [options]
        chatserve bench {memory,scheduler,model,kernels,serve,load,sessions,build-model} [options]
        chatserve --version
 Run `chatserve COMMAND --help` for a command's options."""
 BENCH_USAGE = ("usage: chatserve bench {" + ",".join(BENCH) + "} [options]\n"
                + "\n".join(f"  {name:<10} {desc}" for name, desc in BENCH_HELP.items())
                + "\nRun `chatserve bench NAME --help` for a benchmark's options.")
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-    try:
-        return package_version("chatserve")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _run(target: str, argv: list[str]) -> int:

@@ -23,6 +23,21 @@ DEFAULT_MODEL_ALIASES = ("smollm2", "SmolLM2-135M-Instruct")   # `model` names t
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_per_tensor")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# Process-wide switches read at first use, not per-engine settings (no flag). The kernels read the first
+# two themselves (chatserve_kernels/env.py: kernels/ imports nothing of chatserve); tests/test_config.py
+# checks that the names here and there agree.
+PROCESS_ENV = {
+    "CHATSERVE_CPU_KERNELS": "0: never build or load the C kernels; the torch path runs",
+    "CHATSERVE_FORCE_TRITON": "1: the Triton kernels on CPU tensors too, through TRITON_INTERPRET=1 (tests)",
+    "CHATSERVE_CACHE_DIR": "the per-user disk cache root (converted tokenizers, compiled kernels); "
+                           "default $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve",
+}
+
+
+def cache_root() -> Path:
+    """$CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve."""
+    return Path(os.environ.get("CHATSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chatserve"))
 
 
 class ConfigError(ValueError):
@@ -179,7 +194,8 @@ def _weight_quant(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = option(None, "GGUF file or HF/safetensors directory", positional=True,
+    model: str | None = option(None, "a GGUF file or HF/safetensors directory, or a name: org/repo[:QUANT] "
+                               "(Hugging Face) or model:tag (Ollama) (docs/models.md)", positional=True,
                                metavar="MODEL", shown_default="SmolLM2-135M-Instruct")
     dtype: str = option("auto", "auto: bfloat16 on CUDA and on CPUs with bf16 instructions "
                         "(AVX512-BF16/AMX), else float32", choices=MODEL_DTYPES)

@@ -1,7 +1,7 @@
 """The one per-user disk cache of chatserve: converted tokenizers and compiled CPU kernels.
 
-$CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve; one folder per kind of
-entry. Writes are atomic, so concurrent processes see the old file or the new one. Pure Python.
+Under config.cache_root() ($CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve),
+one folder per kind of entry. Writes are atomic, so concurrent processes see the old file or the new one. Pure Python.
 """
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from chatserve.config import cache_root
+
 
 def cache_dir(kind: str) -> Path:
     """The folder for one kind of cached file ("tokenizers", "kernels"); not created here."""
-    root = os.environ.get("CHATSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chatserve")
-    return Path(root) / kind
+    return cache_root() / kind
 
 
 def temp_path(target: Path, suffix: str = "") -> str:

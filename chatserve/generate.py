@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from chatserve.config import ConfigError, EngineConfig, add_arguments, config_from_args
+from chatserve.model_source import prepare_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,11 +32,12 @@ def main(argv: list[str]) -> int:
         print("chatserve generate: --max-tokens must be >= 1", file=sys.stderr)
         return 2
     from chatserve.core.request import SamplingParams
-    from chatserve.llm import LLM
+    from chatserve.engine.llm import LLM
     from chatserve.text import Tokenizer, load_chat_template
 
     try:
-        model = config_from_args(args, EngineConfig.from_env(), sections=("model",)).model
+        cfg = config_from_args(args, EngineConfig.from_env(), sections=("model",))
+        model = prepare_model(cfg, count_kv_cache=False).model      # a name → a local path, files checked
         path = model.resolved_model()
         tok = Tokenizer.from_model(path)
         if model.chat_template:

@@ -1,8 +1,10 @@
 """Paged attention over a flattened varlen batch: decode tokens and prefill chunks with a cached prefix.
 
-Dispatches: on CUDA, 1-token sequences go to the split-K decode kernel, longer chunks to the extend
-kernel (both in one batch when it is mixed); on CPU, decode rows go to a C kernel that reads the blocks
-in place (cpu_attention), long chunks to torch's tiled flash kernel (cpu_extend), short ones to the twin. Each new token attends to every cached token of
+Dispatches per call (tests, benchmarks; a model picks its attention_backend once instead): on CUDA,
+1-token sequences go to the split-K decode kernel, longer chunks to the extend kernel (both in one
+batch when it is mixed); on CPU every row goes to the C kernel that reads the blocks in place
+(cpu_attention) where it takes the tensors, else to the torch twin (decode rows batched, long chunks
+through torch's tiled flash kernel with cpu_extend). Each new token attends to every cached token of
 its sequence and causally to the new tokens before it. The K/V of this step must already be stored.
 """
 from __future__ import annotations
@@ -25,19 +27,20 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           sliding_window: int | None = None, cpu_decode: bool = False,
                           logit_softcap: float | None = None, cpu_extend: bool = False) -> torch.Tensor:
     # q: [T, q_heads, head_dim] → out: [T, q_heads, head_dim]
-    # cpu_decode: decode rows through the C kernel when it takes them (cpu_attention); cpu_extend:
-    # chunks attended one by one through torch's CPU flash kernel when it takes them (cpu_extend).
+    # cpu_decode: every row through the C kernel when it takes them (cpu_attention); cpu_extend:
+    # otherwise chunks attended one by one through torch's CPU flash kernel when it takes them.
     # Both False, the default, is the pure-torch twin (the test oracle).
     # Decode rows run batched in one SDPA call; chunks of <= BATCH_MAX_QUERY tokens run as one padded
     # batch, longer ones one by one (GEMMs, no per-token loop).
     # Index tables and masks are built once per step (step_plan) and shared by every layer.
     bs = k_cache.shape[1]
     plain = k_scale is None                            # short chunks are batched for plain caches only
-    plan = step_plan(meta, bs, sliding_window, plain)
     out = torch.empty_like(q)
-    if plan.decode is not None and not (cpu_decode and plain and not logit_softcap and
-                                        cpu_attention.decode_attention_cpu(q, k_cache, v_cache, meta, scale,
-                                                                           out, sliding_window)):
+    if cpu_decode and plain and cpu_attention.paged_attention_cpu(q, k_cache, v_cache, meta, scale, out,
+                                                                  sliding_window, logit_softcap):
+        return out
+    plan = step_plan(meta, bs, sliding_window, plain)
+    if plan.decode is not None:
         dt = decode_twin(meta, plan, bs, sliding_window)
         prep = (dt.table, dt.mask)
         if dt.rows is None:                            # a decode-only step

@@ -1,16 +1,21 @@
-/* Paged decode attention for the CPU: one new token per sequence against its K/V, read from the
- * paged cache in place (the torch twin gathers a padded copy of every sequence's K/V per layer).
+/* Paged attention for the CPU: every new token (decode rows and prefill chunks alike) against its
+ * sequence's K/V, read from the paged cache in place (the torch twin gathers a padded copy).
  *
  * Built at first use by cpu_attention.py (cc -O3 -march=native -fopenmp) and called through ctypes,
  * which releases the GIL. OpenMP resolves to the libgomp torch has already loaded, so this kernel and
- * torch's ops share one thread pool. A work item is one sequence, all heads: each cache block
- * [block_size, kv_heads, head_dim] is read once, front to back. Online softmax over blocks, fp32
- * arithmetic whatever the storage (fp32 or bf16). Rows of the batch with more than one new token
- * (prefill chunks) are left alone: the caller computes them. The twin is the test oracle.
+ * torch's ops share one thread pool. fp32 arithmetic whatever the storage (fp32 or bf16).
+ *
+ * Batch invariance: a query row's result depends on its own query and keys only. Its visible keys
+ * [lo, p] are cut into segments at absolute multiples of SEG keys; each segment is one online softmax
+ * over its cache blocks, front to back, and the segments are merged in order (merge_rows). How rows
+ * are spread over threads (a whole row per item, or one segment per item when there are few rows)
+ * changes who computes a segment, never its arithmetic, so neither the batch, the chunking of a
+ * prompt, a prefix hit nor the thread count changes a row's bits. The twin is the test oracle.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #define MAX_HQ 128
 #define MAX_D 256
@@ -26,17 +31,19 @@ typedef struct {
     const int32_t *tables, *qsl, *lens;
     int64_t bt_stride;
     int hq, hkv, D, bs, window;
-    float scale;
+    float scale, softcap;               /* softcap 0: none, else scores s become softcap·tanh(s / softcap) */
+    const float *sinks;                 /* NULL, or [hq] logits in every row's denominator (gpt-oss) */
 } job_t;
 
-typedef struct {                        /* one work item: keys [k0, k1) of decode sequence b */
-    int b, k0, k1;
-    int part;                           /* -1: the whole sequence (write out), else its partial slot */
+typedef struct {                        /* one work item: query row `row` (position p) of sequence b */
+    int b, row, p;
+    int k0, k1;                         /* a segment's keys; k0 < 0: the whole row, segment by segment */
+    int part;                           /* the segment's partial slot (k0 >= 0) */
 } item_t;
 
-typedef struct {                        /* a split's unnormalized result, merged by merge_parts */
-    float *acc;                         /* [nparts, hq, D] */
-    float *mx, *den;                    /* [nparts, hq] */
+typedef struct {                        /* segments' unnormalized results, merged by merge_rows */
+    float *acc;                         /* [n, hq, D] */
+    float *mx, *den;                    /* [n, hq] */
 } parts_t;
 
 typedef struct {                        /* per-thread workspace */
@@ -44,6 +51,8 @@ typedef struct {                        /* per-thread workspace */
     float s[MAX_HQ * MAX_BS];
     float row[MAX_ROW];
     float mx[MAX_HQ], den[MAX_HQ];
+    parts_t own;                        /* a whole row's segment partials */
+    int64_t own_cap;                    /* floats each of own.acc, own.mx, own.den holds */
 } work_t;
 
 static __thread work_t *tls_work;       /* this thread's workspace, kept across calls */
@@ -96,15 +105,19 @@ static inline void write_out(const job_t *j, int64_t off, const float *acc, floa
     }
 }
 
-/* First key sequence b's decode row sees (its sliding window). */
-static inline int first_key(const job_t *j, int b) {
-    const int lo = j->window > 0 ? j->lens[b] - j->window : 0;
+/* First key the query at position p sees (its sliding window). */
+static inline int first_key(const job_t *j, int p) {
+    const int lo = j->window > 0 ? p + 1 - j->window : 0;
     return lo < 0 ? 0 : lo;
 }
 
-/* Start a work item: scaled queries, empty accumulators. Returns its first key. */
-static int seq_begin(const job_t *j, work_t *w, const item_t *it, int hq, int D) {
-    const int t_q = j->qsl[it->b];
+static inline float capped(const job_t *j, float s) {
+    return j->softcap > 0.0f ? j->softcap * tanhf(s / j->softcap) : s;
+}
+
+/* Start a segment [k0, k1) of a query row: scaled queries, empty accumulators. Returns k0. */
+static int seg_begin(const job_t *j, work_t *w, const item_t *it, int k0, int hq, int D) {
+    const int t_q = it->row;
     for (int h = 0; h < hq; h++) {
         const float *qh = as_f32(j->dtype, j->q, (int64_t)t_q * j->q_st + (int64_t)h * j->q_sh, w->row, D);
         for (int d = 0; d < D; d++) w->q[h * D + d] = qh[d] * j->scale;
@@ -112,26 +125,19 @@ static int seq_begin(const job_t *j, work_t *w, const item_t *it, int hq, int D)
         w->mx[h] = -1e30f;
         w->den[h] = 0.0f;
     }
-    return it->k0;
+    return k0;
 }
 
-/* Finish a work item: the output row of a whole sequence, else its partial (acc, max, sum) */
-static void seq_end(const job_t *j, const work_t *w, const item_t *it, const parts_t *pt, int hq, int D) {
-    if (it->part < 0) {
-        const int t_q = j->qsl[it->b];
-        for (int h = 0; h < hq; h++)
-            write_out(j, (int64_t)t_q * j->o_st + (int64_t)h * j->o_sh, w->acc + h * D, w->den[h]);
-        return;
-    }
-    memcpy(pt->acc + (int64_t)it->part * hq * D, w->acc, (size_t)hq * D * sizeof(float));
-    memcpy(pt->mx + (int64_t)it->part * hq, w->mx, (size_t)hq * sizeof(float));
-    memcpy(pt->den + (int64_t)it->part * hq, w->den, (size_t)hq * sizeof(float));
+/* Finish a segment: its partial (acc, max, sum) into slot `slot` of pt */
+static void seg_end(const work_t *w, const parts_t *pt, int slot, int hq, int D) {
+    memcpy(pt->acc + (int64_t)slot * hq * D, w->acc, (size_t)hq * D * sizeof(float));
+    memcpy(pt->mx + (int64_t)slot * hq, w->mx, (size_t)hq * sizeof(float));
+    memcpy(pt->den + (int64_t)slot * hq, w->den, (size_t)hq * sizeof(float));
 }
 
-/* The block of a work item's keys [lo, it->k1) that starts at key blk0: its keys [*a, *z), and where
- * it starts in the cache (element offset). */
-static inline int64_t block_span(const job_t *j, const item_t *it, int blk0, int lo, int *a, int *z) {
-    const int sl = it->k1;
+/* The block of a segment's keys [lo, sl) that starts at key blk0: its keys [*a, *z), and where it
+ * starts in the cache (element offset). */
+static inline int64_t block_span(const job_t *j, const item_t *it, int blk0, int lo, int sl, int *a, int *z) {
     *a = lo > blk0 ? lo - blk0 : 0;
     *z = (sl - blk0) < j->bs ? (sl - blk0) : j->bs;
     return (int64_t)j->tables[(int64_t)it->b * j->bt_stride + blk0 / j->bs] * j->c_sb;
@@ -153,14 +159,14 @@ static inline float softmax_block(float *s, int a, int z, float *mx, float *den)
     return alpha;
 }
 
-/* The generic body: any head_dim and group size, one dot product per (head, key). */
-static void run_seq(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
+/* The generic body: any head_dim and group size, one dot product per (head, key). One segment
+ * [k0, sl) of a query row; the result stays in w (acc, mx, den). */
+static void run_seg(const job_t *j, work_t *w, const item_t *it, int k0, int sl) {
     const int D = j->D, bs = j->bs, hq = j->hq, G = hq / j->hkv, row = j->hkv * D;
-    const int sl = it->k1;
-    const int lo = seq_begin(j, w, it, hq, D);                /* this item's keys [lo, sl) */
+    const int lo = seg_begin(j, w, it, k0, j->hq, D);         /* this segment's keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         int a, z;                                             /* keys [a, z) of this block */
-        const int64_t base = block_span(j, it, blk0, lo, &a, &z);
+        const int64_t base = block_span(j, it, blk0, lo, sl, &a, &z);
         for (int t = a; t < z; t++) {
             const float *kr = as_f32(j->dtype, j->k, base + (int64_t)t * row, w->row, row);
             for (int h = 0; h < hq; h++) {
@@ -168,7 +174,7 @@ static void run_seq(const job_t *j, work_t *w, const item_t *it, const parts_t *
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int d = 0; d < D; d++) dot += qh[d] * kh[d];
-                w->s[h * MAX_BS + t] = dot;
+                w->s[h * MAX_BS + t] = capped(j, dot);
             }
         }
         for (int h = 0; h < hq; h++) {
@@ -186,7 +192,6 @@ static void run_seq(const job_t *j, work_t *w, const item_t *it, const parts_t *
             }
         }
     }
-    seq_end(j, w, it, pt, hq, D);
 }
 
 #if defined(__AVX512F__)
@@ -198,19 +203,18 @@ static inline __m512 load16(int dtype, const void *base, int64_t off) {    /* 16
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* run_seq for head_dim = 16 * NV and G query heads per kv head, both compile-time constants after
+/* run_seg for head_dim = 16 * NV and G query heads per kv head, both compile-time constants after
  * inlining: per block and kv head, the G query vectors and the G x NV output accumulators stay in
  * registers while the block's tokens stream through (no converted copies, no per-token stores). */
-static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j, work_t *w,
-                                                                 const item_t *it, const parts_t *pt,
+static inline __attribute__((always_inline)) void run_seg_avx512(const job_t *j, work_t *w,
+                                                                 const item_t *it, int k0, int sl,
                                                                  const int G, const int NV) {
     const int D = 16 * NV, bs = j->bs, hkv = j->hkv, hq = G * hkv, row = hkv * D;
-    const int sl = it->k1;
     const int32_t *table = j->tables + (int64_t)it->b * j->bt_stride;
-    const int lo = seq_begin(j, w, it, hq, D);                /* this item's keys [lo, sl) */
+    const int lo = seg_begin(j, w, it, k0, hq, D);            /* this segment's keys [lo, sl) */
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         int a, z;                                             /* keys [a, z) of this block */
-        const int64_t base = block_span(j, it, blk0, lo, &a, &z);
+        const int64_t base = block_span(j, it, blk0, lo, sl, &a, &z);
         const int64_t nbase = blk0 + bs < sl ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1;
         const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
         for (int hk = 0; hk < hkv; hk++) {
@@ -233,7 +237,7 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
                 for (int g = 0; g < G; g++) {
                     __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
                     for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[g][v], kv[v], acc);
-                    w->s[(hk * G + g) * MAX_BS + t] = _mm512_reduce_add_ps(acc);
+                    w->s[(hk * G + g) * MAX_BS + t] = capped(j, _mm512_reduce_add_ps(acc));
                 }
             }
             for (int g = 0; g < G; g++) {                      /* online softmax */
@@ -257,14 +261,14 @@ static inline __attribute__((always_inline)) void run_seq_avx512(const job_t *j,
                 for (int v = 0; v < NV; v++) _mm512_storeu_ps(w->acc + (hk * G + g) * D + v * 16, av[g][v]);
         }
     }
-    seq_end(j, w, it, pt, hq, D);
 }
 
-#define SPECIAL(g, nv) if (G == g && NV == nv) { run_seq_avx512(j, w, it, pt, g, nv); return; }
+#define SPECIAL(g, nv) if (G == g && NV == nv) { run_seg_avx512(j, w, it, k0, sl, g, nv); return; }
 #endif
 
-/* One work item: the register-blocked AVX-512 body for the common head shapes, else the generic one. */
-static void decode_item(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
+/* One segment [k0, sl) of a query row: the register-blocked AVX-512 body for the common head shapes,
+ * else the generic one. The body chosen depends on the model's shapes only, never on the batch. */
+static void segment(const job_t *j, work_t *w, const item_t *it, int k0, int sl) {
 #if defined(__AVX512F__)
     const int G = j->hq / j->hkv, NV = j->D / 16;
     if (j->D % 16 == 0) {
@@ -272,15 +276,16 @@ static void decode_item(const job_t *j, work_t *w, const item_t *it, const parts
         SPECIAL(1, 8) SPECIAL(2, 8) SPECIAL(4, 8)
     }
 #endif
-    run_seq(j, w, it, pt);
+    run_seg(j, w, it, k0, sl);
 }
 
-/* out row = Σ_s e^(mx_s - M) acc_s / Σ_s e^(mx_s - M) den_s over a sequence's n splits (M = max mx_s) */
-static void merge_parts(const job_t *j, const parts_t *pt, int b, int first, int n) {
+/* out row = Σ_s e^(mx_s - M) acc_s / Σ_s e^(mx_s - M) den_s over a row's n segments (M = max mx_s),
+ * segments in key order: the one merge every row goes through, whoever computed its segments. */
+static void merge_row(const job_t *j, const parts_t *pt, int row, int first, int n) {
     const int hq = j->hq, D = j->D;
     float acc[MAX_D];
     for (int h = 0; h < hq; h++) {
-        float M = -1e30f, den = 0.0f;
+        float M = j->sinks ? j->sinks[h] : -1e30f, den = 0.0f;
         for (int s = first; s < first + n; s++) M = pt->mx[s * hq + h] > M ? pt->mx[s * hq + h] : M;
         memset(acc, 0, (size_t)D * sizeof(float));
         for (int s = first; s < first + n; s++) {
@@ -289,98 +294,146 @@ static void merge_parts(const job_t *j, const parts_t *pt, int b, int first, int
             den += c * pt->den[s * hq + h];
             for (int d = 0; d < D; d++) acc[d] += c * a[d];
         }
-        write_out(j, (int64_t)j->qsl[b] * j->o_st + (int64_t)h * j->o_sh, acc, den);
+        if (j->sinks) den += exp_neg(j->sinks[h] - M);     /* a sink: weight in the denominator only */
+        write_out(j, (int64_t)row * j->o_st + (int64_t)h * j->o_sh, acc, den);
     }
 }
 
-/* Work items: each decode sequence's visible keys cut into splits of whole blocks, at least
- * MIN_SPLIT keys each, so that there are about SPLITS_PER_THREAD items per thread (one long
- * sequence, or a few of unequal lengths, still keep every thread busy). Returns the item count;
- * *nparts: partial slots used (items that are one split of several). */
-#define MIN_SPLIT 256
-#define SPLITS_PER_THREAD 4
-static int plan_items(const job_t *j, const int *seqs, int n, int threads, item_t *items, int *nparts) {
-    int64_t total = 0;
-    for (int i = 0; i < n; i++) total += j->lens[seqs[i]] - first_key(j, seqs[i]);
-    int64_t chunk = threads > 1 ? (total + (int64_t)threads * SPLITS_PER_THREAD - 1) /
-                                      ((int64_t)threads * SPLITS_PER_THREAD)
-                                : INT32_MAX;
-    if (chunk < MIN_SPLIT) chunk = MIN_SPLIT;
-    chunk = (chunk + j->bs - 1) / j->bs * j->bs;
-    int m = 0, p = 0;
+/* Segment boundaries: absolute multiples of SEG keys (a multiple of the block size), so a row's
+ * segments depend on its position only. */
+#define SEG 256
+
+static inline int seg_count(int lo, int hi) { return (hi - 1) / SEG - lo / SEG + 1; }   /* lo < hi */
+
+/* Segment i of keys [lo, hi): [*k0, *k1) */
+static inline void seg_bounds(int lo, int hi, int i, int *k0, int *k1) {
+    const int s = lo / SEG + i;
+    *k0 = s * SEG > lo ? s * SEG : lo;
+    *k1 = (s + 1) * SEG < hi ? (s + 1) * SEG : hi;
+}
+
+/* The thread's own partial slots hold at least n segments of hq heads (grown, never shrunk). */
+static int own_slots(work_t *w, int n, int hq, int D) {
+    const int64_t need = (int64_t)n * hq * D;            /* D >= 1, so need >= n * hq for mx and den */
+    if (w->own_cap >= need) return 1;
+    free(w->own.acc), free(w->own.mx), free(w->own.den);
+    w->own.acc = (float *)malloc((size_t)need * sizeof(float));
+    w->own.mx = (float *)malloc((size_t)need * sizeof(float));
+    w->own.den = (float *)malloc((size_t)need * sizeof(float));
+    w->own_cap = (w->own.acc && w->own.mx && w->own.den) ? need : 0;
+    return w->own_cap > 0;
+}
+
+/* One work item: one segment of a row into the shared slots, or a whole row: its segments one after
+ * another into the thread's own slots, then merged into out. Returns 0 when memory ran out. */
+static int run_item(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
+    if (it->k0 >= 0) {
+        segment(j, w, it, it->k0, it->k1);
+        seg_end(w, pt, it->part, j->hq, j->D);
+        return 1;
+    }
+    const int lo = first_key(j, it->p), hi = it->p + 1, n = seg_count(lo, hi);
+    if (!own_slots(w, n, j->hq, j->D)) return 0;
     for (int i = 0; i < n; i++) {
-        const int b = seqs[i], lo = first_key(j, b), sl = j->lens[b];
-        const int k = (int)((sl - lo + chunk - 1) / chunk);
-        for (int s = 0; s < k; s++) {
-            /* split boundaries on block boundaries: no block is read by two items */
-            int k0 = s == 0 ? lo : (int)((lo / j->bs) * j->bs + s * chunk);
-            int k1 = s == k - 1 ? sl : (int)((lo / j->bs) * j->bs + (s + 1) * chunk);
-            items[m++] = (item_t){b, k0, k1, k > 1 ? p++ : -1};
+        int k0, k1;
+        seg_bounds(lo, hi, i, &k0, &k1);
+        segment(j, w, it, k0, k1);
+        seg_end(w, &w->own, i, j->hq, j->D);
+    }
+    merge_row(j, &w->own, it->row, 0, n);
+    return 1;
+}
+
+/* Work items for the R query rows: a whole row each, or, when rows are fewer than two per thread
+ * (a few decodes), one segment each so a long context still keeps every thread busy. Returns the
+ * item count (items of a row are consecutive); *nparts: shared partial slots used. */
+static int64_t plan_items(const job_t *j, int B, int64_t R, int threads, item_t *items, int64_t *nparts) {
+    const int split = R < 2 * (int64_t)threads;
+    int64_t m = 0;
+    for (int b = 0; b < B; b++) {
+        const int ql = j->qsl[b + 1] - j->qsl[b];
+        for (int r = 0; r < ql; r++) {
+            const int row = j->qsl[b] + r, p = j->lens[b] - ql + r;
+            if (!split) {
+                items[m++] = (item_t){b, row, p, -1, -1, -1};
+                continue;
+            }
+            const int lo = first_key(j, p), n = seg_count(lo, p + 1);
+            for (int i = 0; i < n; i++) {
+                int k0, k1;
+                seg_bounds(lo, p + 1, i, &k0, &k1);
+                items[m] = (item_t){b, row, p, k0, k1, (int)m};
+                m++;
+            }
         }
     }
-    *nparts = p;
+    *nparts = split ? m : 0;
     return m;
 }
 
-/* Decode rows (sequences with exactly one new token) of a varlen batch. Returns 0 on success, a
- * positive code for shapes this kernel does not take (the caller falls back to the twin). */
-int chatserve_decode_attention(int dtype, const void *q, int64_t q_st, int64_t q_sh,
-                               const void *k_cache, const void *v_cache, int64_t c_sb,
-                               const int32_t *block_tables, int64_t bt_stride,
-                               const int32_t *query_start_loc, const int32_t *seq_lens,
-                               int B, int hq, int hkv, int D, int block_size, float scale, int window,
-                               void *out, int64_t o_st, int64_t o_sh, int nthreads) {
+/* Every query row of a varlen batch: sequence b's ql = qsl[b+1] - qsl[b] new tokens sit at rows
+ * qsl[b].. of q and out, positions seq_lens[b] - ql .. seq_lens[b] - 1, and see the keys before them
+ * and themselves (their K/V already stored); sinks (NULL or [hq] float32) add e^sink to every
+ * row's denominator. Returns 0 on success, 1 for shapes this kernel does
+ * not take (the caller uses the twin), 2 for inconsistent lengths, 3 when memory ran out. */
+int chatserve_paged_attention(int dtype, const void *q, int64_t q_st, int64_t q_sh,
+                              const void *k_cache, const void *v_cache, int64_t c_sb,
+                              const int32_t *block_tables, int64_t bt_stride,
+                              const int32_t *query_start_loc, const int32_t *seq_lens,
+                              int B, int hq, int hkv, int D, int block_size, float scale, int window,
+                              float softcap, const float *sinks, void *out, int64_t o_st, int64_t o_sh,
+                              int nthreads) {
     if (dtype < 0 || dtype > 1 || hkv <= 0 || hq % hkv || hq > MAX_HQ || D > MAX_D ||
-        hkv * D > MAX_ROW || block_size > MAX_BS)
+        hkv * D > MAX_ROW || block_size > MAX_BS || block_size <= 0 || SEG % block_size)
         return 1;
-    int *seqs = (int *)malloc((size_t)(B > 0 ? B : 1) * sizeof(int));
-    if (!seqs) return 3;
-    int n = 0;
-    int64_t max_items = 0;
-    for (int b = 0; b < B; b++)
-        if (query_start_loc[b + 1] - query_start_loc[b] == 1 && seq_lens[b] >= 1) {
-            seqs[n++] = b;
-            max_items += seq_lens[b] / MIN_SPLIT + 1;
-        }
+    int64_t R = 0, cap = 0;
+    for (int b = 0; b < B; b++) {
+        const int ql = query_start_loc[b + 1] - query_start_loc[b];
+        if (ql < 0 || ql > seq_lens[b]) return 2;
+        R += ql;
+        cap += (int64_t)ql * (seq_lens[b] / SEG + 2);
+    }
+    if (R == 0) return 0;
     const job_t j = {dtype, q, k_cache, v_cache, out, q_st, q_sh, o_st, o_sh, c_sb, block_tables,
-                     query_start_loc, seq_lens, bt_stride, hq, hkv, D, block_size, window, scale};
+                     query_start_loc, seq_lens, bt_stride, hq, hkv, D, block_size, window, scale, softcap,
+                     sinks};
     int threads = nthreads < 1 ? 1 : nthreads;
-    item_t *items = (item_t *)malloc((size_t)(max_items > 0 ? max_items : 1) * sizeof(item_t));
-    int nparts = 0;
-    const int m = items ? plan_items(&j, seqs, n, threads, items, &nparts) : 0;
+    item_t *items = (item_t *)malloc((size_t)cap * sizeof(item_t));
+    if (!items) return 3;
+    int64_t nparts = 0;
+    const int64_t m = plan_items(&j, B, R, threads, items, &nparts);
     parts_t pt = {NULL, NULL, NULL};
     if (nparts) {
         pt.acc = (float *)malloc((size_t)nparts * hq * D * sizeof(float));
         pt.mx = (float *)malloc((size_t)nparts * hq * sizeof(float));
         pt.den = (float *)malloc((size_t)nparts * hq * sizeof(float));
+        if (!pt.acc || !pt.mx || !pt.den) {
+            free(items), free(pt.acc), free(pt.mx), free(pt.den);
+            return 3;
+        }
     }
-    if (!items || (nparts && (!pt.acc || !pt.mx || !pt.den))) {
-        free(seqs), free(items), free(pt.acc), free(pt.mx), free(pt.den);
-        return 3;
-    }
-    if (threads > m) threads = m > 0 ? m : 1;
+    if (threads > m) threads = (int)m;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        if (!tls_work) tls_work = (work_t *)malloc(sizeof(work_t));   /* once per pool thread */
+        if (!tls_work) tls_work = (work_t *)calloc(1, sizeof(work_t));   /* once per pool thread */
         work_t *w = tls_work;
-        if (!w) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < m; i++)
+            if (!w || !run_item(&j, w, &items[i], &pt)) {
 #pragma omp atomic write
-            failed = 1;
-        }
+                failed = 1;
+            }
+        if (nparts) {            /* the implicit barrier above: every segment is done; merge per row */
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < m; i++)
-            if (w) decode_item(&j, w, &items[i], &pt);
-        if (nparts) {            /* the implicit barrier above: every split is done; merge per sequence */
-#pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < m; i++)
-                if (items[i].part >= 0 && (i == 0 || items[i - 1].b != items[i].b)) {
+            for (int64_t i = 0; i < m; i++)
+                if (i == 0 || items[i - 1].row != items[i].row) {
                     int k = 1;
-                    while (i + k < m && items[i + k].b == items[i].b) k++;
-                    merge_parts(&j, &pt, items[i].b, items[i].part, k);
+                    while (i + k < m && items[i + k].row == items[i].row) k++;
+                    merge_row(&j, &pt, items[i].row, items[i].part, k);
                 }
         }
     }
-    free(seqs), free(items), free(pt.acc), free(pt.mx), free(pt.den);
+    free(items), free(pt.acc), free(pt.mx), free(pt.den);
     return failed ? 3 : 0;
 }

@@ -16,14 +16,15 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatserve import disk_cache
+from chatserve_kernels import env
 
 log = logging.getLogger(__name__)
 
-ENV = "CHATSERVE_CPU_KERNELS"
+ENV = env.CPU_KERNELS
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
 # Kernel (source stem) → the /proc/cpuinfo flags its fast path needs. A source not listed needs none:
@@ -71,7 +72,7 @@ _status: dict[str, KernelStatus] = {}
 
 
 def cache_dir() -> Path:
-    return disk_cache.cache_dir("kernels")
+    return env.cache_root() / "kernels"
 
 
 def _cpu_id() -> str:
@@ -116,7 +117,9 @@ def build(source: Path, compiler_path: str | None = None) -> Path:
     out = cache_dir() / f"{source.stem}-{platform.machine()}-{key}.so"
     if out.exists():
         return out
-    tmp = disk_cache.temp_path(out, suffix=".so")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".so")   # same filesystem as `out`
+    os.close(fd)
     try:
         res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
                              timeout=120)
@@ -131,7 +134,7 @@ def build(source: Path, compiler_path: str | None = None) -> Path:
 
 def _prerequisite_gap(name: str) -> KernelStatus | None:
     """Why this machine cannot have kernel `name` at all, or None when it can."""
-    if os.environ.get(ENV, "1") == "0":
+    if not env.cpu_kernels_enabled():
         return KernelStatus(name, DISABLED, f"{ENV}=0")
     if platform.system() != "Linux":
         return KernelStatus(name, CPU_LACKS, f"not Linux ({platform.system()})")

@@ -47,17 +47,13 @@ class DecodeChain:
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._ops = cpu_ops.library()
         self._qmm = cpu_qmatmul.library().chatserve_qmm
-        self._attn = cpu_attention.c_decode_attention()
-        self._q_probe = torch.empty(0, heads, head_dim, dtype=dtype)    # what takes() asks cpu_attention about
+        self._attn = cpu_attention.c_paged_attention()
 
-    def takes(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[tuple[torch.Tensor, ...]]) -> bool:
-        """This step is one the chain runs: 1..max_rows rows, each a 1-token sequence, every slot valid,
-        unquantized caches the C decode attention takes for queries of the activation dtype."""
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """This step is one the chain runs: 1..max_rows rows, each a 1-token sequence, every slot valid.
+        The caller checked once that the caches are ones cpu_attention takes (its cpu-c attention backend)."""
         M = x.shape[0]
-        if not (0 < M <= self.max_rows and meta.is_decode_only and x.dtype == self.dtype):
-            return False
-        return (len(caches[0]) == 2 and cpu_attention.supports(self._q_probe, caches[0][0], caches[0][1])
-                and meta.all_slots_valid)
+        return 0 < M <= self.max_rows and meta.is_decode_only and x.dtype == self.dtype and meta.all_slots_valid
 
     def _buffers(self, M: int) -> tuple[torch.Tensor, ...]:
         if M not in self._bufs:
@@ -100,9 +96,9 @@ class DecodeChain:
             store(pqkv + hq * d * esz, pqkv + (hq + hkv) * d * esz, qkv_n * esz, kc.data_ptr(), vc.data_ptr(),
                   pslots, M, row_bytes)
             rc = attend(dt, pqkv, qkv_n, d, kc.data_ptr(), vc.data_ptr(), kc.stride(0), ptab, tables.stride(0),
-                        pqsl, plens, M, hq, hkv, d, bs, self.scale, 0, patt, hq * d, d, nt)
+                        pqsl, plens, M, hq, hkv, d, bs, self.scale, 0, 0.0, None, patt, hq * d, d, nt)
             if rc:
-                raise RuntimeError(f"cpu decode attention failed ({rc})")
+                raise RuntimeError(f"cpu paged attention failed ({rc})")
             _mm(qmm, ly.o, patt, M, po, bf16, nt)
             norm(dt, px, po, ly.ffn_norm.data_ptr(), pxn, M, H, eps, nt)
             _mm(qmm, ly.gate_up, pxn, M, pgu, bf16, nt)

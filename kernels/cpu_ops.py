@@ -50,6 +50,16 @@ def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, w: torch.Tensor, eps
     return out
 
 
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] = [gate | up] (contiguous) → silu(gate) · up [T, I], rounded as F.silu then a multiply."""
+    assert gu.is_contiguous() and gu.dim() == 2 and gu.shape[1] % 2 == 0
+    T, I2 = gu.shape
+    out = torch.empty(T, I2 // 2, dtype=gu.dtype)
+    library().chatserve_silu_mul(_DTYPES[gu.dtype], gu.data_ptr(), out.data_ptr(), T, I2 // 2,
+                                 torch.get_num_threads())
+    return out
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
     """In place: x [T, heads, D] (heads contiguous, any row stride) = x·cos + roll(x, D/2)·sin at the
     rows of cos/sin [L, D] (sign folded into sin) picked by positions [T] int64."""

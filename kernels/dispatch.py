@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from chatserve_kernels import env
+
 # Triton decides at import time whether it interprets. Without CUDA, compiled Triton cannot run at all,
 # so interpreting is the only useful mode: choose it here, before anything imports triton, whatever the
 # order in which modules (or test files) import us. An explicit TRITON_INTERPRET wins.
@@ -26,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
 
-FORCE_ENV = "CHATSERVE_FORCE_TRITON"
+FORCE_ENV = env.FORCE_TRITON
 
 
 def jit(fn):
@@ -50,7 +52,7 @@ def use_triton(t: torch.Tensor) -> bool:
         return False
     if t.is_cuda:
         return True
-    if os.environ.get(FORCE_ENV, "0") == "1":
+    if env.force_triton():
         if not interpreting():
             raise RuntimeError(f"{FORCE_ENV}=1 on CPU tensors needs triton's interpreter: set "
                                "TRITON_INTERPRET=1 before triton is first imported")

@@ -6,7 +6,6 @@ its sequence's blocks with an online softmax (FlashAttention style) under a caus
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from chatserve_kernels.decode_attention import (attend_blocks, check_paged_args, gather_dequant, merge_splits,
                                                 paged_kernel_args, softcap, take_blocks)
@@ -256,7 +255,7 @@ def extend_batch_prep(block_tables: torch.Tensor, starts: list[int], query_lens:
     block 0), bias [B, 1, 1, m, S] float32 (0 visible, -inf not), rows [n]: their rows in q, picks [n]:
     the same rows in the flattened [B*m] batch)."""
     dev = block_tables.device
-    B, m = len(starts), max(query_lens)
+    m = max(query_lens)
     nblk = (max(seq_lens) + block_size - 1) // block_size
     S = nblk * block_size
     i = torch.arange(m, device=dev)

@@ -103,3 +103,17 @@ def test_generation_config_defaults_and_the_effective_max_tokens(tmp_path):
     assert state(None, shipped).default_max_tokens == 512
     assert state(64, shipped).default_max_tokens == 64
     assert state(64, shipped).default_max_tokens_source == "--max-tokens-default"
+
+
+def test_process_env_declared_in_config_is_what_the_kernels_read(monkeypatch, tmp_path):
+    """kernels/ reads its switches itself (it imports nothing of chatserve): same names, same cache root."""
+    from chatserve.config import PROCESS_ENV, cache_root
+    from chatserve_kernels import env
+    assert set(env.NAMES) <= set(PROCESS_ENV)
+    for environ in ({"CHATSERVE_CACHE_DIR": str(tmp_path / "a")}, {"XDG_CACHE_HOME": str(tmp_path / "x")}, {}):
+        monkeypatch.delenv("CHATSERVE_CACHE_DIR", raising=False)
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        for k, v in environ.items():
+            monkeypatch.setenv(k, v)
+        assert cache_root() == env.cache_root()
+        assert str(cache_root()).endswith("a" if "CHATSERVE_CACHE_DIR" in environ else "chatserve")

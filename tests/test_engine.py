@@ -345,7 +345,7 @@ def test_builder_wires_every_cache_setting_and_warms_up(tiny_model):
         return out
 
     generated = asyncio.run(run())
-    from chatserve.llm import LLM
+    from chatserve.engine.llm import LLM
     llm = LLM(tiny_model, block_size=8, num_blocks=40, watermark=0.1)
     assert llm.kv.watermark == 0.1
     assert llm.generate([eng.tokenizer.encode("hello there")],

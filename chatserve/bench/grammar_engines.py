@@ -117,7 +117,7 @@ class _LLGuidance(_Engine):
         return m.is_accepting()
 
     def fill(self, ms: list[Any], bitmask: torch.Tensor) -> None:
-        for i, m in enumerate(ms):   # one after the other, as chatserve.structured.matchers does
+        for i, m in enumerate(ms):   # one after the other, as chatserve.runtime.grammar_masks does
             m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), bitmask.shape[1] * 4)
 
 

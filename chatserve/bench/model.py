@@ -66,7 +66,7 @@ def agreement(path: str, variants: list[str], max_tokens: int) -> dict:
     """Greedy continuations of each variant ("dtype[+quant]") vs float32 with dense weights."""
     from chatserve.bench.kernels import PROMPTS
     from chatserve.core.request import SamplingParams
-    from chatserve.llm import LLM
+    from chatserve.engine.llm import LLM
     from chatserve.text import Tokenizer
 
     tok = Tokenizer.from_model(path)

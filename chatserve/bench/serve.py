@@ -1,9 +1,9 @@
 """`chatserve bench serve`: an asyncio load generator for any OpenAI-compatible server (chatserve, vLLM).
 
 Streams every request and records its timings and the output tokens that arrived (content chunks, and
-the text re-encoded with --tokenizer) beside the server's usage; serve_report.py turns the records into TTFT/TPOT/ITL/E2E
-percentiles, throughput and goodput, beside the prefix-cache hit rate (from /metrics). It does not start a
-server: point --url at a running one.
+the text re-encoded with --tokenizer) beside the server's usage; serve_report.py turns the records into
+TTFT/TPOT/ITL/E2E percentiles, throughput and goodput, beside the prefix-cache hit rate (from /metrics).
+It does not start a server: point --url at a running one.
 """
 from __future__ import annotations
 

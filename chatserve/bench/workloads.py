@@ -165,7 +165,8 @@ STRUCTURED_SCHEMA: dict[str, Any] = _strict({
                        "location": _strict({"city": _text(40), "country": _text(40)})}),
     "sections": {"type": "array", "minItems": 1, "maxItems": 6, "items": _strict({
         "heading": _text(40), "kind": {"type": "string", "enum": ["pro", "con", "note"]}, "text": _text(160)})},
-    "tags": {"type": "array", "maxItems": 5, "items": {"type": "string", "enum": ["short", "long", "odd", "plain", "new"]}},
+    "tags": {"type": "array", "maxItems": 5,
+             "items": {"type": "string", "enum": ["short", "long", "odd", "plain", "new"]}},
 })
 STRUCTURED_ASK = "Review the following as JSON (title, rating, genre, author, sections, tags):"
 

@@ -20,6 +20,7 @@ from chatserve.core.request import SamplingParams
 from chatserve.runtime.device import resolve_device, resolve_dtype, set_num_threads
 from chatserve.runtime.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from chatserve.runtime.models import build_model
+from chatserve.runtime.models.layers import RowSplit
 from chatserve.runtime.sampler import Sampler
 from chatserve.runtime.arch_config import ArchConfig
 from chatserve.runtime.weights import LoadedWeights, load_weights, torch_dtype
@@ -246,16 +247,20 @@ class ModelRunner:
         """Run one flattened batch; return the last-token hidden state of every sampling sequence."""
         ids: list[int] = []
         pos: list[int] = []
+        generated: list[bool] = []          # a row past its prompt: a generated token (RowSplit)
         for s in seqs:
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.seq_len))
+            plen = len(s.prompt_token_ids)
+            generated.extend(p >= plen for p in range(s.start_pos, s.seq_len))
         dev = self.device
         meta = chatserve_kernels.AttentionMetadata.build(
             [s.num_tokens for s in seqs], [s.seq_len for s in seqs], [s.block_table for s in seqs],
             self.block_size, dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)      # [T]
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)      # [T]
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)  # [T, H]
+        rows = RowSplit.build(generated, dev)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, rows)  # [T, H]
         out: dict[str, torch.Tensor] = {}
         end = 0
         for s in seqs:

@@ -7,7 +7,7 @@ Not here: stop strings (the detokenizer), EOS / max_tokens (the scheduler).
 
 Order and conventions:
   * grammar mask (structured outputs): rows whose params carry a compiled constraint get the tokens their
-    grammar forbids set to -inf first, from one batched bitmask (chatserve.structured.matchers); rows
+    grammar forbids set to -inf first, from one batched bitmask (chatserve.runtime.grammar_masks); rows
     without one pay nothing, and nothing is imported until a constrained row appears.
   * repetition_penalty (vLLM/HF): over prompt + output tokens, logit / p if logit > 0 else logit * p.
   * presence/frequency (OpenAI): over output tokens, logit -= presence * [count > 0] + frequency * count.
@@ -51,7 +51,7 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}    # seeded requests only
         self._prompt_ids: dict[str, tuple[int, torch.Tensor]] = {}  # request_id → (len, unique prompt ids)
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-        self._masks: Any = None  # chatserve.structured.matchers.GrammarMasks, made on first use
+        self._masks: Any = None  # chatserve.runtime.grammar_masks.GrammarMasks, made on first use
 
     def drop(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators, cached prompt ids, grammar matchers) of finished requests."""
@@ -63,7 +63,7 @@ class Sampler:
 
     def _grammar_masks(self) -> Any:
         if self._masks is None:
-            from chatserve.structured.matchers import GrammarMasks
+            from chatserve.runtime.grammar_masks import GrammarMasks
             self._masks = GrammarMasks()
         return self._masks
 

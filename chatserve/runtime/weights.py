@@ -27,6 +27,17 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """True for a file that starts with the GGUF magic, whatever its name (Ollama's blobs have no suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -50,7 +61,7 @@ def load_weights(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     """Load a GGUF file or a safetensors directory (or a .safetensors file next to config.json)."""
     p = Path(path)
     dt = torch_dtype(dtype)
-    if p.is_file() and p.suffix == ".gguf":
+    if p.is_file() and (p.suffix == ".gguf" or is_gguf_file(p)):     # Ollama's blobs have no suffix
         return load_gguf(p, dt, progress)
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))

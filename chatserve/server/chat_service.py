@@ -13,7 +13,7 @@ import time
 from typing import Any, AsyncIterator
 
 from chatserve.core.request import SamplingParams
-from chatserve.deltas import Delta
+from chatserve.engine.deltas import Delta
 from chatserve.engine import AdmissionError
 from chatserve.server.collect import collect_chat, collect_completion
 from chatserve.server.errors import APIError, admission_error, engine_error_body, error_response
@@ -155,7 +155,7 @@ async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_
                 return
             delta: dict[str, Any] = {"content": d.text} if d.text else {}
             reason = d.finish_reason
-            if calls is not None:          # tool calls read from the text (chatserve.tools.stream)
+            if calls is not None:          # tool calls read from the text (chatserve.toolcalls.stream)
                 delta = calls[d.index].push(d.text, final=reason is not None)
                 reason = calls[d.index].finish_reason(reason)
                 if not delta and not d.logprobs and reason is None and d.prompt_logprobs is None:

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Callable
 
 from chatserve.server.errors import APIError, status_for
 from chatserve.server.protocol import ChatRequest, CompletionRequest
-from chatserve.tools.stream import ToolCallFolder
+from chatserve.toolcalls.stream import ToolCallFolder
 
 
 def _raise_chunk_error(c: dict) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from chatserve.core.outputs import TokenLogprob
     from chatserve.core.protocols import TokenizerLike
-    from chatserve.deltas import Delta
+    from chatserve.engine.deltas import Delta
     from chatserve.server.state import ServerState
 
 LOGPROB_FLOOR = -9999.0    # what -inf (or a NaN) logprob is written as: JSON has no infinities

@@ -137,7 +137,7 @@ async def tokenize(request: Request) -> Response:
     check_text_size(st, body)
     r = validate(s.TokenizeRequest, body)
     if r.messages is not None:
-        msgs = normalize_messages([m.model_dump(exclude_none=True) for m in r.messages])
+        msgs = normalize_messages(r.messages)
         ids = await asyncio.to_thread(render_prompt, st, msgs, template_options(r))
     elif r.prompt is not None:
         extra = {"add_special_tokens": True} if r.add_special_tokens else {}

@@ -16,8 +16,8 @@ from chatserve.core.request import SamplingParams
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.schemas import openai as s
 from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_TOP_LOGPROBS  # noqa: F401
-from chatserve.structured.chat_request import chat_constraints, tool_message_fields
-from chatserve.tools.request import ToolPlan
+from chatserve.server.chat_constraints import chat_constraints, tool_message_fields
+from chatserve.toolcalls.request import ToolPlan
 
 GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
 
@@ -179,14 +179,13 @@ def _min_tokens_banned(r: s.SamplingFields, state: ServerState) -> list[int]:
     return sorted(set(r.stop_token_ids or []) | set(eos))
 
 
-def max_tokens_for(body: dict, prompt_len: int, max_model_len: int, kv_tokens: int = 0,
-                   default: int | None = None) -> int:
-    """max_tokens / max_completion_tokens checked against the context; default = `default`
-    (--max-tokens-default or the model's generation config) capped by the room left, else the rest of
-    the context (and of the whole KV cache, `kv_tokens`, when that is smaller), as OpenAI does."""
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    mt = body.get(key)
-    where = "messages" if "messages" in body else "prompt"
+def max_tokens_for(requested: tuple[str, int | None], where: str, prompt_len: int, max_model_len: int,
+                   kv_tokens: int = 0, default: int | None = None) -> int:
+    """The validated (field name, value) of max_tokens / max_completion_tokens checked against the context;
+    default = `default` (--max-tokens-default or the model's generation config) capped by the room left,
+    else the rest of the context (and of the whole KV cache, `kv_tokens`, when that is smaller), as OpenAI
+    does. `where` names the prompt's field for a prompt that leaves no room."""
+    key, mt = requested
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt is {prompt_len} tokens, but this model's context is "
@@ -213,45 +212,27 @@ def _stream_flags(r: s.SamplingFields) -> tuple[bool, bool]:
 
 
 # ---- chat -----------------------------------------------------------------------------------------
-def normalize_messages(v: Any) -> list[dict]:
-    """Messages as the chat template gets them: content folded to one string, developer → system;
-    `name`, `tool_calls` and `tool_call_id` passed on when present."""
-    if not isinstance(v, list):
-        raise invalid("'messages' must be a list of message objects", "messages", "invalid_type")
-    if not v:
-        raise invalid("'messages' must not be empty", "messages")
+def normalize_messages(messages: list[s.ChatMessage]) -> list[dict]:
+    """The validated messages as the chat template gets them: content folded to one string, developer →
+    system; `name`, `tool_calls` and `tool_call_id` passed on where they belong. The shapes were checked
+    by the schema (schemas/openai.ChatMessage); what is left are the rules between fields."""
     out = []
-    for i, m in enumerate(v):
+    for i, m in enumerate(messages):
         p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(f"{p} must be an object", p, "invalid_type")
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise invalid(f"{p}.role must be a string", f"{p}.role", "invalid_type")
-        content = m.get("content")
-        tool_calls = m.get("tool_calls")
-        if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)
-                                       or not all(isinstance(c, dict) for c in tool_calls)):
+        if m.tool_calls is not None and m.role != "assistant":
             raise invalid(f"{p}.tool_calls must be a list of objects on an assistant message",
                           f"{p}.tool_calls", "invalid_type")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise invalid(f"{p}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}",
-                                  f"{p}.content", "invalid_type")
-                parts.append(part["text"])
-            content = "".join(parts)
-        extra = tool_message_fields(m, p)
-        if content is None and extra.get("tool_calls"):
+        content = "".join(part.text for part in m.content) if isinstance(m.content, list) else m.content
+        extra = tool_message_fields(m)
+        if content is None:
+            if not extra.get("tool_calls"):
+                raise invalid(f"{p}.content must be a string or a list of text parts", f"{p}.content",
+                              "invalid_type")
             content = ""                   # an assistant turn that only calls tools
-        if not isinstance(content, str):
-            raise invalid(f"{p}.content must be a string or a list of text parts", f"{p}.content",
-                          "invalid_type")
-        msg = {"role": "system" if role == "developer" else role, "content": content}
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
-        msg.update(extra)                  # tool_calls / tool_call_id, checked
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        msg.update(extra)                  # tool_calls / tool_call_id
         out.append(msg)
     return out
 
@@ -294,12 +275,13 @@ def render_prompt(state: ServerState, messages: list[dict], options: dict[str, A
 
 
 def _parse_body(model: type[M], body: dict, state: ServerState,
-                parse: Callable[[M, dict, ServerState], R]) -> R:
-    """`body` validated as `model`, then `parse(r, body, state)`; an APIError passes through, anything
-    else it raises becomes a 400 (whatever unforeseen thing user input trips is still the input's fault)."""
+                parse: Callable[[M, ServerState], R]) -> R:
+    """`body` validated as `model` (once: `parse` reads only the model), then `parse(r, state)`; an APIError
+    passes through, anything else it raises becomes a 400 (whatever unforeseen thing user input trips is
+    still the input's fault)."""
     r = validate(model, body)
     try:
-        return parse(r, body, state)
+        return parse(r, state)
     except APIError:
         raise
     except Exception as e:
@@ -311,21 +293,23 @@ def parse_chat_body(body: dict, state: ServerState) -> ChatRequest:
     return _parse_body(s.ChatCompletionRequest, body, state, _parse_chat)
 
 
-def _parse_chat(r: s.ChatCompletionRequest, body: dict, state: ServerState) -> ChatRequest:
+def _parse_chat(r: s.ChatCompletionRequest, state: ServerState) -> ChatRequest:
     model = check_model(r.model, state)
-    messages = normalize_messages(body["messages"])
+    messages = normalize_messages(r.messages)
     stream, include_usage = _stream_flags(r)
     _check_prompt_logprobs(r.prompt_logprobs, stream)
     if r.top_logprobs is not None and not r.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     params = sampling_params(r, state, n=r.n, logprobs=(r.top_logprobs or 0) if r.logprobs else None)
-    constraints = chat_constraints(body, messages, state)      # response_format, tools: 400s first
+    constraints = chat_constraints(r, messages, state)      # response_format, tools: 400s first
     options = template_options(r)
     if constraints.template_tools:
         options["tools"] = constraints.template_tools
     prompt_ids = render_prompt(state, constraints.messages, options)
-    params.max_tokens = max_tokens_for(body, len(prompt_ids), state.max_model_len, state.kv_tokens,
-                                       state.default_max_tokens)
+    requested = (("max_completion_tokens", r.max_completion_tokens) if r.max_completion_tokens is not None
+                 else ("max_tokens", r.max_tokens))
+    params.max_tokens = max_tokens_for(requested, "messages", len(prompt_ids), state.max_model_len,
+                                       state.kv_tokens, state.default_max_tokens)
     _check_min_tokens(params)
     params.structured = constraints.spec
     params.prompt_logprobs = r.prompt_logprobs
@@ -370,7 +354,7 @@ def _prompts(r: s.CompletionRequest, state: ServerState) -> list[tuple[list[int]
     return out
 
 
-def _parse_completion(r: s.CompletionRequest, body: dict, state: ServerState) -> CompletionRequest:
+def _parse_completion(r: s.CompletionRequest, state: ServerState) -> CompletionRequest:
     model = check_model(r.model, state)
     prompts = _prompts(r, state)
     stream, include_usage = _stream_flags(r)
@@ -392,12 +376,12 @@ def _parse_completion(r: s.CompletionRequest, body: dict, state: ServerState) ->
     if r.max_tokens == 0:
         if not r.echo:
             raise invalid("'max_tokens' may be 0 only with echo", "max_tokens")
-    elif r.max_tokens is None and body.get("max_completion_tokens") is None:
+    mt = r.max_tokens
+    if mt is None:
         # OpenAI's default is 16; an operator's or the model's default (--max-tokens-default) wins
-        body = dict(body, max_tokens=min(state.default_max_tokens or 16, max(1, state.max_model_len - longest)))
-    params.max_tokens = max_tokens_for(body, longest, state.max_model_len, state.kv_tokens,
-                                       state.default_max_tokens) \
-        if r.max_tokens != 0 else 0
+        mt = min(state.default_max_tokens or 16, max(1, state.max_model_len - longest))
+    params.max_tokens = max_tokens_for(("max_tokens", mt), "prompt", longest, state.max_model_len,
+                                       state.kv_tokens, state.default_max_tokens) if mt != 0 else 0
     _check_min_tokens(params)
     # the prompt's logprobs, for vLLM's prompt_logprobs and for echo with logprobs (OpenAI's legacy way)
     wanted = [k for k in (r.prompt_logprobs, r.logprobs if r.echo else None) if k is not None]

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
-
-from chatserve.server.sessions import redact_url
 
 log = logging.getLogger("chatserve.server")
 CHECK_TIMEOUT_S = 2.0
 RETRY_S = 2.0          # while degraded
 WATCH_S = 10.0         # while healthy
+
+
+def redact_url(url: str) -> str:
+    """The URL with any user:password part replaced, for banners and logs."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def _why(e: BaseException) -> tuple[str, str]:

@@ -12,15 +12,16 @@ import os
 import signal
 import sys
 import time
-from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from chatserve.cli import version
-from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments, parse_bytes
+from chatserve import version
+from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments
+from chatserve.config import parse_bytes  # noqa: F401  (re-exported: tests/server/test_server_cli.py imports it here)
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
-from chatserve.server.sessions import redact_url
+from chatserve.model_source import prepare_model
+from chatserve.server.redis_check import redact_url
 
 if TYPE_CHECKING:
     from chatserve.runtime.model_runner import ModelRunner
@@ -88,6 +89,7 @@ def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
         f"  model      {cfg.model.resolved_model()}",
         f"  dtype      {dtype} on {runner.device}, weights {runner.weight_quant or 'dense'}, KV {kv_dtype}"
         f"   (loaded in {load_s:.1f} s)",
+        f"  backends   {runner.model.describe_backends()}",
         f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens ({mem / (1 << 20):.0f} MiB)"
         f", prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}",
         f"  context    {ctx:,} tokens; {tokens / max(1, ctx):.1f} sequences fit at full context; "
@@ -235,7 +237,7 @@ def listener(config, send_buffer: int):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)    # --help and --version exit here, before the environment is read
     try:
-        cfg = config_from_args(args, env_config())
+        cfg = prepare_model(config_from_args(args, env_config()))   # a name → a local path, files checked
         model_path = cfg.model.resolved_model()
         generation_defaults = load_generation_defaults(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from chatserve.server.prompt_guard import PromptGuard
     from chatserve.server.ratelimit import RateLimiter
     from chatserve.server.redis_check import RedisCheck
-    from chatserve.server.sessions import SessionStore
+    from chatserve.server.sessions.store import SessionStore
     from chatserve.server.shared_prompts import SharedPrompts
 
 # an extra WebSocket message type's handler: (state, message, owner, request_id) → frames to send

@@ -2,7 +2,7 @@
 
 Compiling is where a bad schema, an unsupported keyword or an unparsable grammar is found, so the HTTP
 layer compiles before it queues a request (a 400 naming the problem, no token generated). Not the
-per-request matching state (matchers.py); no torch here.
+per-request matching state (runtime/grammar_masks.py); no torch here.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a request constrains its output to: a plain, hashable description of a grammar.
 
 Pure Python (it rides on SamplingParams through chatserve/core). Not the compiled grammar
-(compiler.py) and not the per-request matcher state (matchers.py).
+(compiler.py) and not the per-request matcher state (runtime/grammar_masks.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from chatserve.bench.model import agreement
-from chatserve.llm import LLM
+from chatserve.engine.llm import LLM
 from chatserve.runtime.tiny import make_tiny_model
 
 

@@ -13,7 +13,6 @@ for d in ("server", "sessions"):
     if str(TESTS / d) not in sys.path:
         sys.path.insert(0, str(TESTS / d))
 
-import server_support as server_helpers  # noqa: E402
 import session_fakes  # noqa: E402,F401
 from server_support import (away_from_a_minute_boundary, free_port, metric, poll_metrics,  # noqa: E402,F401
                             start_fake_server, start_real_server)

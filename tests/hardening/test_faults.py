@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from hardening_support import kv_used, metric, sse_datas, start_real_server, wait_kv_zero
+from hardening_support import kv_used, metric, start_real_server, wait_kv_zero
 
 pytestmark = pytest.mark.timeout(180)
 SHORT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}

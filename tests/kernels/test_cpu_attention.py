@@ -1,8 +1,8 @@
-"""The C decode kernel (kernels/cpu_attention.c) against the torch twin and the dense oracle.
+"""The C paged-attention kernel (kernels/cpu_attention.c) against the torch twin and the dense oracle,
+and its batch invariance: a row's bits whatever shares its call, however its prompt was chunked.
 
 Grid: fp32/bf16, block sizes 8/16/32, GQA ratios 1-8, head dims 32-128, ragged lengths, sliding
-windows, long contexts split across threads, decode rows mixed with prefill chunks (which it must
-leave alone), 1 and 2 threads.
+windows, long contexts split across threads, decode rows mixed with prefill chunks, 1 and 2 threads.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ GRID = [
     ([1, 1], [60, 17], 9, 3, 64, 8, F32, 1),
     ([1] * 16, [5 + 17 * i for i in range(16)], 9, 3, 64, 16, BF16, None),
     ([1] * 16, [5 + 17 * i for i in range(16)], 9, 3, 64, 16, F32, None),
-    # mixed batches: the chunks' rows come from the twin, the decode rows from the kernel
+    # mixed batches: decode rows and prefill chunks in one call
     ([5, 1, 20], [37, 9, 20], 9, 3, 64, 16, F32, None),
     ([5, 1, 20], [37, 9, 20], 9, 3, 64, 16, BF16, None),
     ([1, 33, 1], [40, 33, 16], 8, 2, 128, 32, F32, None),
@@ -48,6 +48,9 @@ GRID = [
     ([1], [900], 9, 3, 64, 16, F32, 300),
     ([1, 1, 1], [700, 1, 2001], 6, 1, 32, 8, F32, None),
     ([1, 30, 1], [1037, 30, 530], 9, 3, 64, 16, BF16, 257),
+    # long prefill chunks over a cached prefix, with and without a window
+    ([300], [700], 9, 3, 64, 16, BF16, None),
+    ([40, 1], [600, 300], 6, 2, 64, 16, F32, 100),
 ]
 
 
@@ -80,23 +83,94 @@ def test_kernel_matches_twin_and_dense(c, threads):
 
 
 @needs_kernel
-def test_kernel_writes_only_decode_rows():
+def test_kernel_writes_every_row():
     case = make_case([4, 1, 6], [20, 9, 6], q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=F32)
     out = torch.full_like(case.q, 7.0)
-    assert cpu_attention.decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out)
-    assert bool((out[:4] == 7.0).all()) and bool((out[5:] == 7.0).all())
-    assert not bool((out[4] == 7.0).any())
+    assert cpu_attention.paged_attention_cpu(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out)
+    assert not bool((out == 7.0).any(-1).any())
+    assert_close(out, dense_reference(case), F32, TOL_DENSE)
 
 
 @needs_kernel
-def test_public_cpu_path_uses_the_kernel_for_decode(monkeypatch):
+def test_public_cpu_path_uses_the_kernel(monkeypatch):
     calls = []
-    real = cpu_attention.decode_attention_cpu
-    monkeypatch.setattr(cpu_attention, "decode_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    case = make_case([1, 1], [30, 12], q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=BF16)
+    real = cpu_attention.paged_attention_cpu
+    monkeypatch.setattr(cpu_attention, "paged_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    case = make_case([1, 5], [30, 12], q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=BF16)
     out = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert calls == [1]
     assert_close(out, dense_reference(case), BF16, TOL_DENSE)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dt", [F32, BF16])
+def test_soft_capped_scores_match_the_twin(dt):
+    case = make_case([3, 1], [40, 21], q_heads=8, kv_heads=4, head_dim=64, block_size=16, dtype=dt)
+    out = torch.empty_like(case.q)
+    assert cpu_attention.paged_attention_cpu(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out,
+                                             logit_softcap=3.0)
+    twin = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale, logit_softcap=3.0)
+    plain = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, twin, dt, {F32: (2e-5, 2e-5), BF16: (3e-2, 3e-2)})
+    assert not torch.allclose(out.float(), plain.float(), atol=1e-3)       # the cap changed something
+
+
+def _rows(case, query_lens, seq_lens, tables, rows_q, threads=2):
+    """Attend query rows rows_q (taken from case.q) as sequences (query_lens, seq_lens) over case's cache."""
+    from chatserve_kernels import AttentionMetadata
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, case.k_cache.shape[1], "cpu")
+    q = rows_q.contiguous()
+    out = torch.empty_like(q)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_attention.paged_attention_cpu(q, case.k_cache, case.v_cache, meta, case.scale, out)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("dt", [F32, BF16])
+def test_rows_are_batch_and_chunk_invariant(dt):
+    """One sequence's 700 prompt rows and its decode row: the same bits attended as one chunk, as
+    chunks of 1/16/300 rows, beside other sequences of any length, at 1 and 2 threads."""
+    L = 700
+    case = make_case([L, 1, 1], [L, 1200, 33], q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dt)
+    table, others = case.tables[0], case.tables[1:]
+    q = case.q[:L]
+    whole = _rows(case, [L], [L], [table], q)
+    for threads in (1, 2):
+        assert torch.equal(_rows(case, [L], [L], [table], q, threads), whole)
+    for chunk in (1, 16, 300):
+        got = torch.cat([_rows(case, [min(chunk, L - a)], [min(a + chunk, L)], [table], q[a:a + chunk])
+                         for a in range(0, L, chunk)])
+        assert torch.equal(got, whole), chunk
+    # the last row alone (a decode) and beside other decodes and a chunk
+    alone = _rows(case, [1], [L], [table], q[-1:])
+    assert torch.equal(alone, whole[-1:])
+    for threads in (1, 2):
+        mixed = _rows(case, [1, 1, 5], [L, 1200, 33], [table, *others], torch.cat([q[-1:], case.q[L:L + 1],
+                                                                                    q[:5]]), threads)
+        assert torch.equal(mixed[:1], whole[-1:])
+
+
+@needs_kernel
+def test_window_rows_are_chunk_invariant():
+    L = 520
+    case = make_case([L], [L], q_heads=6, kv_heads=2, head_dim=64, block_size=16, dtype=BF16)
+    table = case.tables[0]
+    from chatserve_kernels import AttentionMetadata
+
+    def attend(ql, sl, rows):
+        meta = AttentionMetadata.build([ql], [sl], [table], 16, "cpu")
+        out = torch.empty(rows.shape, dtype=rows.dtype)
+        assert cpu_attention.paged_attention_cpu(rows.contiguous(), case.k_cache, case.v_cache, meta,
+                                                 case.scale, out, sliding_window=300)
+        return out
+    whole = attend(L, L, case.q)
+    tail = attend(20, L, case.q[-20:])
+    assert torch.equal(tail, whole[-20:])
 
 
 def test_unsupported_tensors_fall_back_to_the_twin():
@@ -105,8 +179,8 @@ def test_unsupported_tensors_fall_back_to_the_twin():
         case = make_case([1, 1], [30, 12], q_heads=6, kv_heads=2, head_dim=64, block_size=16, dtype=dt,
                          kv_cache_dtype=kvd)
         out = torch.zeros_like(case.q)
-        assert not cpu_attention.decode_attention_cpu(case.q, case.k_cache, case.v_cache, case.meta,
-                                                      case.scale, out)
+        assert not cpu_attention.paged_attention_cpu(case.q, case.k_cache, case.v_cache, case.meta,
+                                                     case.scale, out)
         assert bool((out == 0).all())
         got = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, **case.kwargs())
         assert_close(got, dense_reference(case), dt, TOL_DENSE)

@@ -7,7 +7,6 @@ steps with decode rows; soft-capping and per-layer windows through the twin.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from chatserve_kernels import attention as pa
 from chatserve_kernels import extend_attention as ea
@@ -70,8 +69,9 @@ def test_flash_path_builds_no_chunk_by_context_tensor(monkeypatch):
 
 
 @pytest.mark.parametrize("dt", [F32, BF16])
-def test_softcap_and_per_layer_windows_run_on_the_twin(dt):
-    # Gemma-style layers: soft-capped scores, alternating windowed and global layers, one step's plans
+def test_softcap_and_per_layer_windows(dt):
+    # Gemma-style layers: soft-capped scores, alternating windowed and global layers (the C kernel
+    # takes both: no per-step plan is built; the twin, with its plans, gets the same answers)
     case = make_case([1, 40, 5, 1], [30, 57, 21, 70], q_heads=8, kv_heads=2, head_dim=64, block_size=16,
                      dtype=dt)
     assert not flash_supported(case.q, sliding_window=16) and not flash_supported(case.q, logit_softcap=50.0)
@@ -82,6 +82,11 @@ def test_softcap_and_per_layer_windows_run_on_the_twin(dt):
         assert_close(got, dense_reference(case, window, logit_softcap=5.0), dt, TOL_DENSE)
     plain = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert (plain - got).abs().max() > 0.1               # the cap and the window changed the result
+    assert not case.meta.plans
+    for window in (16, None, 16):
+        twin = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                     sliding_window=window, logit_softcap=5.0)
+        assert_close(twin, dense_reference(case, window, logit_softcap=5.0), dt, TOL_DENSE)
     assert set(case.meta.plans) == {PlanKey(16, 16, True), PlanKey(16, 0, True)}
 
 

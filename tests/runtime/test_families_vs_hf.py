@@ -181,7 +181,7 @@ def test_torch_ops_and_fused_cpu_ops_agree(checkpoints):
 def test_blocks_freed_past_the_window_keep_outputs_through_the_scheduler(checkpoints, name):
     """Every layer slides: the KV cache manager releases blocks that left the window while the real
     scheduler runs chunked prefills, batches and prefix hits, and the tokens still match transformers."""
-    from chatserve.llm import LLM
+    from chatserve.engine.llm import LLM
     llm = LLM(checkpoints(name, "safetensors"), block_size=BS, num_blocks=48, max_num_batched_tokens=24,
               num_threads=1, eos_token_ids=[])
     assert llm.kv.sliding_window == H.WINDOW

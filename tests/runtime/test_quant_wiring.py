@@ -58,7 +58,6 @@ def test_auto_picks_int4_for_the_4bit_default_model_on_cpu(default_weights):
 
 
 def test_auto_keeps_dense_weights_for_a_float_checkpoint(tmp_path):
-    import torch
     from chatserve.runtime.model_runner import ModelRunner
     from chatserve.runtime.tiny import make_tiny_model
     path = make_tiny_model(tmp_path / "tiny")

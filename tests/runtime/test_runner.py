@@ -190,7 +190,7 @@ def test_sampler_failure_isolated_to_its_row(runner, monkeypatch):
 # --------------------------------------------------------------------------- the offline driver
 @pytest.fixture(scope="module")
 def llm(tiny_dirs):
-    from chatserve.llm import LLM
+    from chatserve.engine.llm import LLM
     return LLM(tiny_dirs["qwen2"], block_size=4, num_blocks=64, max_num_batched_tokens=16,
                max_num_seqs=4, num_threads=1, eos_token_ids=[])
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from chatserve.core.request import SamplingParams
-from chatserve.llm import LLM
+from chatserve.engine.llm import LLM
 from chatserve.runtime.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

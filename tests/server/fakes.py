@@ -19,8 +19,8 @@ POISON = [13, 12, 11]      # a prompt starting with these fails in the runner (a
 #                            three tokens, so schema fuzzing does not stumble on it
 
 
-from chatserve.core.errors import ErrorCode
-from chatserve.engine import AdmissionError as FakeAdmissionError  # the real class: the server catches it
+from chatserve.core.errors import ErrorCode  # noqa: E402
+from chatserve.engine import AdmissionError as FakeAdmissionError  # noqa: E402  (the real class: the server catches it)
 
 
 @dataclass

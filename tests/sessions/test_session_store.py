@@ -85,7 +85,7 @@ async def test_outage_buffers_writes_and_recovers_after_data_loss(redis_server):
     assert s.messages[-1]["content"] == "during"
     assert store.status()["degraded"] and store.status()["pending_writes"] == 1
     assert (await store.get("o", keep.id)).messages[-1]["content"] == "during"
-    new = await store.create(Session(id=new_session_id(), owner="o", title="made while down"))
+    await store.create(Session(id=new_session_id(), owner="o", title="made while down"))
     assert {x.title for x in await store.list("o")} == {"before", "made while down"}
     with pytest.raises(StoreUnavailable):                         # never cached here: honest 503
         await store.get("o", new_session_id())

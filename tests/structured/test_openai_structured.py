@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from enum import Enum
 
 import httpx
 import jsonschema

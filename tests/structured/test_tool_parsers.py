@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from chatserve.tools.parsers import (ForcedArrayParser, ForcedNamedParser, HermesParser, Llama3JsonParser,
+from chatserve.toolcalls.parsers import (ForcedArrayParser, ForcedNamedParser, HermesParser, Llama3JsonParser,
                                      MistralParser, default_parser_name)
-from chatserve.tools.stream import ToolCallFolder, ToolCallStream
+from chatserve.toolcalls.stream import ToolCallFolder, ToolCallStream
 
 ARGS = {"city": "Paris, \"FR\"", "days": 3, "units": ["c", "f"], "extra": {"deep": [1, {"x": None}]}}
 

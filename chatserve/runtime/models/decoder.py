@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, StepInfo,
+from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, RowSplit, StepInfo,
                                              pick_ops)
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
 from chatserve_kernels import AttentionMetadata, cpu_decode
+from chatserve_kernels.attention_backend import AttentionBackend, pick_attention_backend
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
 HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -101,6 +102,9 @@ class DecoderModel:
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         self.ops = pick_ops(config.rms_norm_eps, dtype, self.device, fused)
         fused_ops = self.ops.name == "cpu_fused"
+        self.fused = fused
+        self.attention_backend: AttentionBackend | None = None     # picked for the caches at their first forward
+        self._backend_caches: KVCaches | None = None
         r = WeightReader(tensors, dtype, self.device)
 
         self.embed = r("model.embed_tokens.weight")                       # [V, H]
@@ -148,7 +152,7 @@ class DecoderModel:
             input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
             q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b),
             post_attn_norm=nw(norms[1]), pre_ffn_norm=nw(norms[2]),
-            mlp=GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), config.hidden_act),
+            mlp=GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), config.hidden_act, self.ops),
             post_ffn_norm=nw(norms[3]),
             rotary=rotary(window is not None and config.local_rope_theta is not None),
             attention=Attention(scale, window, config.attn_logit_softcap))
@@ -212,8 +216,10 @@ class DecoderModel:
 
     # ── forward ──────────────────────────────────────────────────────────────────────────────
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64 → final-normed hidden states [T, H]."""
+                meta: AttentionMetadata, rows: RowSplit | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64 → final-normed hidden states [T, H]. rows: which rows are
+        generated tokens and which prompt tokens (the runner's; batch invariance), None: the Linears
+        pick their path by step size."""
         c = self.config
         T = input_ids.shape[0]
         if T and int(positions.max()) >= self.max_model_len:          # C reads the tables unchecked
@@ -221,9 +227,15 @@ class DecoderModel:
         x = F.embedding(input_ids, self.embed)                            # [T, H]
         if self.normalizer is not None:
             x = x * self.normalizer
-        if self.chain is not None and self.chain.takes(x, meta, kv_caches):
+        if kv_caches is not self._backend_caches:          # new caches (a runner's are one list for life)
+            self.attention_backend = pick_attention_backend(self.dtype, c.num_heads, kv_caches[0],
+                                                            oracle=not self.fused)
+            self._backend_caches = kv_caches
+        if (self.chain is not None and (rows is None or rows.all_gen) and self.attention_backend.name == "cpu-c"
+                and self.chain.takes(x, meta)):
             return self.chain.run(x, positions, meta, kv_caches)
-        step = StepInfo(meta, positions, bool((meta.slot_mapping >= 0).all()) if T else True)
+        step = StepInfo(meta, positions, bool((meta.slot_mapping >= 0).all()) if T else True,
+                        self.attention_backend, rows)
         for rot in self._rotaries:
             rot.begin_step(positions)
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -231,7 +243,7 @@ class DecoderModel:
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = ops.add_rms_norm(x, residual, layer.input_norm)
-            qkv = layer.qkv(x).view(T, hq + 2 * hkv, d)                   # [T, hq+2hkv, d]
+            qkv = layer.qkv(x, rows).view(T, hq + 2 * hkv, d)             # [T, hq+2hkv, d]
             v = qkv[:, hq + hkv:]
             if layer.q_norm is not None:
                 q = layer.rotary(ops.rms_norm(qkv[:, :hq].reshape(T * hq, d), layer.q_norm).view(T, hq, d),
@@ -242,16 +254,26 @@ class DecoderModel:
                 qk = layer.rotary(qkv[:, :hq + hkv], positions)           # [T, hq+hkv, d]
                 q, k = qk[:, :hq], qk[:, hq:]
             attn = layer.attention(q, k, v, cache, step)                  # [T, hq, d]
-            x = layer.o(attn.reshape(T, hq * d))                          # [T, H]
+            x = layer.o(attn.reshape(T, hq * d), rows)                    # [T, H]
             if layer.post_attn_norm is not None:
                 x = ops.rms_norm(x, layer.post_attn_norm)
             x, residual = ops.add_rms_norm(x, residual, layer.pre_ffn_norm)
-            x = layer.mlp(x)
+            x = layer.mlp(x, rows)
             if layer.post_ffn_norm is not None:
                 x = ops.rms_norm(x, layer.post_ffn_norm)
         return ops.add_rms_norm(x, residual, self.norm)[0]
 
     __call__ = forward
+
+    def describe_backends(self) -> str:
+        """The kernels this model runs, chosen at load: attention, linears, norms, the decode chain."""
+        lin = self.layers[0].qkv
+        linears = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
+        dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
+        linears = f"{linears} for generated rows, {dense} for prompt rows" if linears else dense
+        attn = self.attention_backend.name if self.attention_backend is not None else "picked at the first step"
+        return (f"attention {attn}; linears {linears}; norms {self.ops.name}; "
+                f"decode chain {'on' if self.chain is not None else 'off'}")
 
     def decode_weight_bytes(self, rows: int = 1) -> int:
         """Weight bytes a forward + LM head over `rows` tokens reads (matrices, norms, embedding rows):

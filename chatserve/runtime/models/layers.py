@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import chatserve_kernels
 from chatserve_kernels import AttentionMetadata, cpu_ops, cpu_qmatmul
+from chatserve_kernels.attention_backend import AttentionBackend
 
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
 WEIGHT_QUANTS = (None, "int8", "int4")
@@ -20,6 +20,31 @@ INT4_GROUP = 32
 SMALL_M = 8          # torch's int4/int8 kernels beat dense GEMMs up to this many rows (see Linear)
 PACKED_SMALL_M = 4   # beside packed bf16 GEMMs torch's int4/int8 kernels win only up to 4 rows
 QMM_SMALL_M = 16     # cpu_qmatmul beats packed bf16 up to here in a whole model (its weights stream from memory)
+DENSE_MIN_M = 4      # fp32 GEMMs of 1-3 rows take other kernels than 4+ (other rounding): pad up to 4
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """A step's rows by kind, for batch invariance: a generated token's row always takes a Linear's
+    quantized copy, a prompt token's row always its dense weight, whatever the step's size, so no
+    token's arithmetic depends on the tokens that share its step. gen/prompt: row indices [G]/[P]
+    int64, both None when every row is of one kind (all_gen says which)."""
+    all_gen: bool
+    gen: torch.Tensor | None = None
+    prompt: torch.Tensor | None = None
+
+    @staticmethod
+    def build(generated: list[bool], device: torch.device) -> "RowSplit":
+        if all(generated):
+            return ALL_GENERATED
+        if not any(generated):
+            return ALL_PROMPT
+        g = torch.tensor(generated, device=device)
+        return RowSplit(False, g.nonzero()[:, 0], (~g).nonzero()[:, 0])
+
+
+ALL_GENERATED = RowSplit(True)
+ALL_PROMPT = RowSplit(False)
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,9 +71,13 @@ class Linear:
     Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise),
     since aten's bf16 matmul reorders W on every call. small_m None takes the measured crossover of the
     kernel in use: SMALL_M, PACKED_SMALL_M beside packed GEMMs, QMM_SMALL_M for cpu_qmatmul
-    (docs/benchmarks.md has the figures)."""
+    (docs/benchmarks.md has the figures).
 
-    __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed")
+    A model passes each step's RowSplit instead: generated-token rows take the quantized copy and
+    prompt rows the dense weight at every step size (batch invariance); rows=None keeps the crossover
+    by step size (benchmarks, kernels tests)."""
+
+    __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed", "n_out")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
                  small_m: int | None = None) -> None:
@@ -59,6 +88,7 @@ class Linear:
         self.act = torch.bfloat16      # torch's kernels take fp32 too, but through a slow generic path
         self.wq = self.scales = self.packed = self.qw = None
         N, K = w.shape
+        self.n_out = N
         cpu = w.device.type == "cpu"
         if weight_quant and cpu and K % INT4_GROUP == 0 and cpu_qmatmul.available() \
                 and float(w.abs().max()) < cpu_qmatmul.FP16_MAX:
@@ -106,38 +136,58 @@ class Linear:
             return self.packed.size(0) * self.packed.size(1) * 2 + bias
         return self.w.numel() * self.w.element_size() + bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         # x: [T, K] → [T, N]
-        if self._takes_qmm(x):
+        if rows is None or (self.qw is None and self.wq is None):
+            quant = self.qw is not None or self.wq is not None
+            return self._quantized(x) if quant and x.dim() == 2 and x.shape[0] <= self.small_m else self._dense(x)
+        if rows.all_gen:
+            return self._quantized(x)
+        if rows.gen is None:
+            return self._dense(x)
+        y = x.new_empty(x.shape[0], self.n_out)
+        y[rows.gen] = self._quantized(x[rows.gen])
+        y[rows.prompt] = self._dense(x[rows.prompt])
+        return y
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] through the quantized copy, at any T (cpu_qmatmul, else torch's int8/int4 kernels)."""
+        if self.qw is not None:
             y = cpu_qmatmul.matmul(x if x.dtype in (torch.float32, torch.bfloat16) else x.float(), self.qw)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if self.b is None else y + self.b
-        if self.wq is not None and x.shape[0] <= self.small_m:
-            xa = x if x.dtype == self.act else x.to(self.act)
-            if self.kind == "int8":
-                y = torch._weight_int8pack_mm(xa, self.wq, self.scales)
-            else:
-                y = torch._weight_int4pack_mm_for_cpu(xa, self.wq, INT4_GROUP, self.scales)
-            y = y if y.dtype == x.dtype else y.to(x.dtype)
-            return y if self.b is None else y + self.b
+        xa = x if x.dtype == self.act else x.to(self.act)
+        if self.kind == "int8":
+            y = torch._weight_int8pack_mm(xa, self.wq, self.scales)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(xa, self.wq, INT4_GROUP, self.scales)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y if self.b is None else y + self.b
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] through the dense weight (oneDNN's packed bf16, else mm; fp32 steps of 1-3 rows are
+        padded to 4, whose kernel every larger step shares)."""
         if self.packed is not None:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
             y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], "")
             return y if y.dtype == x.dtype else y.to(x.dtype)
         if x.dim() != 2:
             return F.linear(x, self.w, self.b)
-        return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
+        T = x.shape[0]
+        if 0 < T < DENSE_MIN_M and x.dtype == torch.float32 and x.device.type == "cpu":
+            x = torch.cat([x, x.new_zeros(DENSE_MIN_M - T, x.shape[1])])
+        y = torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
+        return y[:T] if y.shape[0] != T else y
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
-        """x Wᵀ + b in float32. cpu_qmatmul's output takes x's dtype, so it gets float32 rows and its
+        """x Wᵀ + b in float32 (the LM head), through the quantized copy at every row count when there is
+        one (batch invariance). cpu_qmatmul's output takes x's dtype, so it gets float32 rows and its
         result is never rounded to bf16 (bf16 logits tie, and a tie makes greedy decoding arbitrary);
         the other kernels compute in their own dtype and are cast up."""
         # x: [T, K] → [T, N] float32
-        return self(x.float()) if self._takes_qmm(x) else self(x).float()
-
-    def _takes_qmm(self, x: torch.Tensor) -> bool:
-        """x (a step of at most small_m rows, 2-D) goes through cpu_qmatmul's packed copy."""
-        return self.qw is not None and x.shape[0] <= self.small_m and x.dim() == 2
+        if self.qw is not None:
+            return self._quantized(x.float())
+        return (self._quantized(x) if self.wq is not None else self._dense(x)).float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +217,11 @@ class TorchOps:
         # x: [T, n, rot]; cos, sin: [T, 1, rot] (this step's rows) → rotated copy
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2I] = [gate | up] → silu(gate) · up [T, I]."""
+        g, u = gu.chunk(2, -1)
+        return F.silu(g) * u
+
 
 class FusedCpuOps(TorchOps):
     """cpu_ops' C kernels: the residual add rides on the norm in place, RoPE rotates in place."""
@@ -181,6 +236,9 @@ class FusedCpuOps(TorchOps):
         if residual is None:
             return cpu_ops.add_rms_norm(x, None, w, self.eps), x
         return cpu_ops.add_rms_norm(residual, x.contiguous(), w, self.eps), residual   # residual += x
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.silu_mul(gu.contiguous())     # the decode chain's op: the same bits on both paths
 
 
 def pick_ops(eps: float, dtype: torch.dtype, device: torch.device, fused: bool = True) -> TorchOps:
@@ -225,15 +283,17 @@ class Rotary:
 
 @dataclass
 class StepInfo:
-    """Per-step facts every layer's attention call shares (built once per forward by the model)."""
+    """Per-step facts every layer shares (built once per forward by the model)."""
     meta: AttentionMetadata
     positions: torch.Tensor        # [T] int64
     all_slots_valid: bool          # no -1 in slot_mapping: store_kv skips its mask
+    backend: AttentionBackend      # the model's, picked once
+    rows: RowSplit | None          # generated vs prompt rows (None: the Linears' step-size crossover)
 
 
 class Attention:
-    """Store this step's K/V in the layer's paged cache and attend over it with
-    chatserve_kernels.paged_attention (which runs soft-capped layers, Gemma 2, on its torch twin)."""
+    """Store this step's K/V in the layer's paged cache and attend over it through the model's
+    attention backend (chatserve_kernels.attention_backend)."""
 
     def __init__(self, scale: float, sliding_window: int | None, softcap: float | None) -> None:
         self.scale, self.window, self.softcap = scale, sliding_window, softcap
@@ -242,37 +302,33 @@ class Attention:
                  cache: tuple[torch.Tensor, ...], step: StepInfo) -> torch.Tensor:
         # q: [T, hq, d]; k, v: [T, hkv, d]; cache: (k, v[, k_scale, v_scale]) of
         # [num_blocks, block_size, hkv, d] → [T, hq, d]
-        kw = {}
-        if len(cache) == 4:
-            kw = {"k_scale": cache[2], "v_scale": cache[3]}
-        chatserve_kernels.store_kv(k, v, cache[0], cache[1], step.meta.slot_mapping,
-                                   all_valid=step.all_slots_valid, **kw)
-        if self.softcap:
-            if kw:
-                raise ValueError("attention logit soft-capping needs an unquantized KV cache")
-            kw["logit_softcap"] = self.softcap
-        if self.window:
-            kw["sliding_window"] = self.window
-        return chatserve_kernels.paged_attention(q, cache[0], cache[1], step.meta, self.scale, **kw)
+        if self.softcap and len(cache) == 4:
+            raise ValueError("attention logit soft-capping needs an unquantized KV cache")
+        step.backend.store(k, v, cache, step.meta.slot_mapping, step.all_slots_valid)
+        return step.backend.attend(q, cache, step.meta, self.scale, self.window, self.softcap)
 
 
 # ---------------------------------------------------------------------------------------------
 # MLP
 
 class GatedMLP:
-    """down(act(gate(x)) · up(x)) with gate and up fused in one matmul: SwiGLU (silu) or GeGLU
-    (gelu_pytorch_tanh, Gemma)."""
+    """down(act(gate(x)) · up(x)) with gate and up fused in one matmul: SwiGLU (silu, through the
+    model's ops: the C op on CPU) or GeGLU (gelu_pytorch_tanh, Gemma)."""
 
-    def __init__(self, gate_up: Linear, down: Linear, act: str) -> None:
+    def __init__(self, gate_up: Linear, down: Linear, act: str, ops: TorchOps) -> None:
         self.gate_up, self.down = gate_up, down
         if act == "silu":
-            self.act = F.silu
+            self.act_mul = ops.silu_mul
         elif act == "gelu_pytorch_tanh":
-            self.act = lambda x: F.gelu(x, approximate="tanh")
+            self.act_mul = _gelu_mul
         else:
             raise ValueError(f"activation {act!r}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         # x: [T, H] → [T, H]
-        g, u = self.gate_up(x).chunk(2, -1)                              # [T, I] each
-        return self.down(self.act(g) * u)
+        return self.down(self.act_mul(self.gate_up(x, rows)), rows)                # gate_up: [T, 2I]
+
+
+def _gelu_mul(gu: torch.Tensor) -> torch.Tensor:
+    g, u = gu.chunk(2, -1)                                                          # [T, I] each
+    return F.gelu(g, approximate="tanh") * u

@@ -7,8 +7,8 @@ from chatserve.server.sessions.memory_store import MemorySessionStore
 from chatserve.server.sessions.redis_store import RedisSessionStore
 from chatserve.server.sessions.routes import install, routes
 from chatserve.server.sessions.session import Session
-from chatserve.server.sessions.store import (SessionStore, StoreUnavailable, make_session_store,
-                                             new_session_id, redact_url, valid_session_id)
+from chatserve.server.sessions.store import SessionStore, StoreUnavailable, new_session_id, valid_session_id
+from chatserve.server.sessions.store_choice import make_session_store
 
 __all__ = ["MemorySessionStore", "RedisSessionStore", "Session", "SessionStore", "StoreUnavailable",
-           "install", "make_session_store", "new_session_id", "redact_url", "routes", "valid_session_id"]
+           "install", "make_session_store", "new_session_id", "routes", "valid_session_id"]

@@ -13,7 +13,7 @@ from chatserve.server.errors import APIError, invalid
 from chatserve.server.protocol import sampling_params, validate
 from chatserve.server.schemas.openai import SamplingFields
 from chatserve.server.schemas.sessions import TurnRequest as TurnBody
-from chatserve.server.sessions.session import MESSAGE_FIELDS, ROOT, Session
+from chatserve.server.sessions.session import ROOT, Session
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "stop")

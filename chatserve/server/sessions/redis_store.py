@@ -15,7 +15,8 @@ from collections import OrderedDict
 from typing import Any
 
 from chatserve.server.sessions.session import Session
-from chatserve.server.sessions.store import (Mutation, StoreUnavailable, redact_url,
+from chatserve.server.redis_check import redact_url
+from chatserve.server.sessions.store import (Mutation, StoreUnavailable,
                                              touch)
 
 log = logging.getLogger("chatserve.sessions")

@@ -24,8 +24,9 @@ from chatserve.server.identity import cache_owner_of, owner_of, rate_key_of
 from chatserve.server.sessions.edge import BrowserEdgeMiddleware, allowed_origins_of, check_origin
 from chatserve.server.sessions.inputs import apply_settings, clean_id, import_messages, parse_turn
 from chatserve.server.sessions.session import Session
-from chatserve.server.sessions.store import (SessionStore, StoreUnavailable, make_session_store,
+from chatserve.server.sessions.store import (SessionStore, StoreUnavailable,
                                              new_session_id, public_status, valid_session_id)
+from chatserve.server.sessions.store_choice import make_session_store
 from chatserve.server.sessions.turns import TurnService, busy, not_found
 from chatserve.server.ws import CLIENT_CANCEL
 

@@ -1,4 +1,4 @@
-"""The session store interface, session ids, and the choice between Redis and process memory.
+"""The session store interface and session ids.
 
 What the routes and the turn service need from a store; the stores themselves are in
 memory_store.py and redis_store.py. No HTTP here.
@@ -57,17 +57,3 @@ def public_status(store: SessionStore) -> dict[str, Any]:
 def touch(s: Session) -> None:
     s.updated = max(time.time(), s.updated)
     s.rev += 1
-
-
-def redact_url(url: str) -> str:
-    """The URL with any user:password part replaced, for banners and logs."""
-    return re.sub(r"//[^@/]*@", "//***@", url)
-
-
-def make_session_store(redis_url: str | None, **kw: Any) -> SessionStore:
-    """Redis when a URL is given, else the in-process store."""
-    if redis_url:
-        from chatserve.server.sessions.redis_store import RedisSessionStore
-        return RedisSessionStore(redis_url, **kw)
-    from chatserve.server.sessions.memory_store import MemorySessionStore
-    return MemorySessionStore()

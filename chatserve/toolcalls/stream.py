@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from chatserve.tools.parsers import ToolCallParser
+from chatserve.toolcalls.parsers import ToolCallParser
 
 
 def new_call_id() -> str:

@@ -17,7 +17,7 @@ from chatserve.core.scheduler import Scheduler
 if TYPE_CHECKING:
     from chatserve.runtime.model_runner import ModelRunner
 
-log = logging.getLogger("chatserve.builder")
+log = logging.getLogger("chatserve.engine.builder")
 
 
 @dataclass

@@ -18,8 +18,8 @@ from chatserve.core.outputs import RunnerOutput, SchedulerOutput
 from chatserve.core.protocols import KVCache, Runner, SchedulerLike, TokenizerLike
 from chatserve.core.request import FinishReason, Request, SamplingParams
 from chatserve.core.admission import AdmissionError  # re-exported: the server catches it from here
-from chatserve.deltas import Delta, DeltaChannel, EngineStats  # re-exported: the engine's outputs
-from chatserve.request_streams import Detokenizer, RequestStream, RequestStreams  # re-exported
+from chatserve.engine.deltas import Delta, DeltaChannel, EngineStats  # re-exported: the engine's outputs
+from chatserve.engine.request_streams import Detokenizer, RequestStream, RequestStreams  # re-exported
 
 log = logging.getLogger("chatserve.engine")
 
@@ -35,7 +35,7 @@ class AsyncEngine:
                  tokenizer: TokenizerLike | None = None, *, scheduler: SchedulerLike | None = None,
                  kv: KVCache | None = None, detokenizer_factory: Callable[..., Detokenizer] | None = None,
                  max_buffered_deltas: int = MAX_BUFFERED_DELTAS, warm_up: bool = True) -> None:
-        """Parts not given are built by chatserve.builder at load(); warm_up: compile the kernels and
+        """Parts not given are built by chatserve.engine.builder at load(); warm_up: compile the kernels and
         run one dummy prefill + decode there, before the engine reports ready."""
         self.config = config
         self.runner = runner
@@ -70,7 +70,7 @@ class AsyncEngine:
         return self.runner is not None and self.scheduler is not None and self.tokenizer is not None
 
     def load(self, progress: bool = False) -> None:
-        """Build whatever was not injected (chatserve.builder): runner (loads weights), tokenizer,
+        """Build whatever was not injected (chatserve.engine.builder): runner (loads weights), tokenizer,
         KV cache manager, scheduler; then warm up. Blocking; call it before the event loop starts.
 
         It runs on the step thread: the thread that first runs torch's OpenMP code keeps a team of
@@ -79,7 +79,7 @@ class AsyncEngine:
         self._step_pool.submit(self._load, progress).result()
 
     def _load(self, progress: bool = False) -> None:
-        from chatserve.builder import build_engine_parts
+        from chatserve.engine.builder import build_engine_parts
         parts = build_engine_parts(self.config, runner=self.runner, tokenizer=self.tokenizer, kv=self.kv,
                                    scheduler=self.scheduler, warm_up=self._warm_up, progress=progress)
         self.runner, self.tokenizer, self.kv, self.scheduler = (parts.runner, parts.tokenizer, parts.kv,
@@ -90,7 +90,7 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         if self.runner is None:
             return int(self.config.scheduler.max_model_len or 2048)
-        from chatserve.builder import effective_max_model_len
+        from chatserve.engine.builder import effective_max_model_len
         return effective_max_model_len(self.config, self.runner)
 
     @property

@@ -10,7 +10,7 @@ from chatserve.core.outputs import ScheduledSeq
 from chatserve.core.request import SamplingParams
 from chatserve.runtime.sampler import Sampler
 from chatserve.structured.compiler import GrammarCompiler, GrammarError, _TokenTable
-from chatserve.structured.matchers import GrammarMasks, add_bitmask, fill_bitmask
+from chatserve.runtime.grammar_masks import GrammarMasks, add_bitmask, fill_bitmask
 from chatserve.structured.response_format import response_format_spec
 from chatserve.structured.spec import StructuredSpec
 

@@ -1,4 +1,4 @@
-"""LLM: an offline, synchronous driver (the parts chatserve.builder makes, looped until every request is
+"""LLM: an offline, synchronous driver (the parts chatserve.engine.builder makes, looped until every request is
 done) for scripts, tests, `chatserve generate` and benchmarks.
 
 Works on token ids; it is not the server's AsyncEngine (no streaming, detokenizer or stop strings).
@@ -11,7 +11,7 @@ import time
 
 from typing import Any
 
-from chatserve.builder import build_engine_parts
+from chatserve.engine.builder import build_engine_parts
 from chatserve.config import EngineConfig, default_model_path
 from chatserve.config import settings as settings_of_all
 from chatserve.core.outputs import RequestEvent

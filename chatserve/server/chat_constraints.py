@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from chatserve.server.errors import APIError, invalid
+from chatserve.server.schemas.openai import ChatCompletionRequest, ChatMessage
 from chatserve.structured.compiler import GrammarError, compiler_for
 from chatserve.structured.response_format import RequestFieldError, response_format_spec
 from chatserve.structured.spec import StructuredSpec
-from chatserve.tools.parsers import default_parser_name
-from chatserve.tools.prompt import fallback_messages, template_knows_tools
-from chatserve.tools.request import ToolPlan, tool_plan
+from chatserve.toolcalls.parsers import default_parser_name
+from chatserve.toolcalls.prompt import fallback_messages, template_knows_tools
+from chatserve.toolcalls.request import ToolPlan, tool_plan
 
 if TYPE_CHECKING:
     from chatserve.server.state import ServerState
@@ -38,40 +39,30 @@ def model_vocab_size(state: ServerState) -> int:
     return v if v > 0 else int(state.vocab_size or state.tokenizer.vocab_size)
 
 
-def tool_message_fields(m: dict, where: str) -> dict:
-    """The tool fields of one history message, checked: `tool_calls` on assistant turns, `tool_call_id`
-    (and `name`) on tool results. Raises APIError 400."""
+def tool_message_fields(m: ChatMessage) -> dict:
+    """The tool fields of one validated history message, as the chat template takes them: `tool_calls` on
+    assistant turns, `tool_call_id` (and `name`) on tool results."""
     out: dict = {}
-    role = m.get("role")
-    if role == "assistant" and m.get("tool_calls") is not None:
-        calls = m["tool_calls"]
-        if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict)
-                and isinstance(c["function"].get("name"), str) for c in calls):
-            raise invalid(f"{where}.tool_calls must be a list of {{'id', 'type': 'function', 'function': "
-                          "{'name', 'arguments'}}", f"{where}.tool_calls", "invalid_type")
-        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
-                              "function": {"name": c["function"]["name"],
-                                           "arguments": c["function"].get("arguments") or "{}"}}
-                             for c in calls]
-    if role == "tool":
-        tid = m.get("tool_call_id")
-        if tid is not None and not isinstance(tid, str):
-            raise invalid(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id", "invalid_type")
-        if tid is not None:
-            out["tool_call_id"] = tid
-        if isinstance(m.get("name"), str):
-            out["name"] = m["name"]
+    if m.role == "assistant" and m.tool_calls is not None:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": c.function.arguments or "{}"}}
+                             for c in m.tool_calls]
+    if m.role == "tool":
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            out["name"] = m.name
     return out
 
 
-def chat_constraints(body: dict, messages: list[dict], state: ServerState) -> ChatConstraints:
-    """Validate and compile the request's constraint fields. Raises APIError (400) naming the problem."""
+def chat_constraints(r: ChatCompletionRequest, messages: list[dict], state: ServerState) -> ChatConstraints:
+    """Check and compile the validated request's constraint fields (the inner shapes of `tools` and
+    `response_format`, which the schema leaves open). Raises APIError (400) naming the problem."""
     try:
-        spec = response_format_spec(body.get("response_format"))
+        spec = response_format_spec(r.response_format)
         parser = state.config.server.tool_call_parser or default_parser_name(
             getattr(state.tokenizer, "chat_template", None))
-        plan = tool_plan(body, parser)
+        plan = tool_plan(r.tools, r.tool_choice, r.parallel_tool_calls, parser)
     except RequestFieldError as e:
         raise invalid(str(e), e.param) from None
     has_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from chatserve.structured.response_format import RequestFieldError, schema_spec
 from chatserve.structured.spec import StructuredSpec
-from chatserve.tools.parsers import PARSERS, ForcedArrayParser, ForcedNamedParser, ToolCallParser
-from chatserve.tools.stream import ToolCallStream
+from chatserve.toolcalls.parsers import PARSERS, ForcedArrayParser, ForcedNamedParser, ToolCallParser
+from chatserve.toolcalls.stream import ToolCallStream
 
 MAX_TOOLS = 128
 
@@ -73,14 +73,15 @@ def _error(e: ValidationError, param: str) -> RequestFieldError:
     return RequestFieldError(f"'{param}{'.' + loc if loc else ''}': {first['msg']}", param)
 
 
-def tool_plan(body: dict, parser_name: str) -> ToolPlan | None:
-    """The plan for a request's tool fields, or None when it has no tools. Raises RequestFieldError."""
-    raw_tools, raw_choice = body.get("tools"), body.get("tool_choice")
+def tool_plan(raw_tools: list[dict[str, Any]] | None, raw_choice: str | dict[str, Any] | None,
+              parallel: bool | None, parser_name: str) -> ToolPlan | None:
+    """The plan for a request's tool fields (their outer types already validated by the request schema),
+    or None when it has no tools. Raises RequestFieldError."""
     if not raw_tools:
         if raw_choice not in (None, "none", "auto"):
             raise RequestFieldError("'tool_choice' needs 'tools'", "tool_choice")
         return None
-    if not isinstance(raw_tools, list) or len(raw_tools) > MAX_TOOLS:
+    if len(raw_tools) > MAX_TOOLS:
         raise RequestFieldError(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
     tools: list[Tool] = []
     for i, t in enumerate(raw_tools):
@@ -96,12 +97,9 @@ def tool_plan(body: dict, parser_name: str) -> ToolPlan | None:
         params = t.function.parameters if t.function.parameters is not None else {"type": "object"}
         schema_spec(params, f"tools[{i}].function.parameters")        # a 400 for an invalid schema
         schemas[t.function.name] = params
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise RequestFieldError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     plan = ToolPlan(tools=[t.model_dump(exclude_none=True) for t in tools], choice="auto",
                     parallel=True if parallel is None else parallel, parser_name=parser_name, _schemas=schemas)
-    if raw_choice is None or raw_choice in ("auto", "none", "required"):
+    if raw_choice is None or isinstance(raw_choice, str):
         plan.choice = raw_choice or "auto"
     else:
         try:

@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 from chatserve.core.errors import ErrorCode
 from chatserve.core.outputs import RequestEvent, TokenLogprob
 from chatserve.core.request import FinishReason, Request
-from chatserve.deltas import Delta, DeltaChannel, EngineStats
+from chatserve.engine.deltas import Delta, DeltaChannel, EngineStats
 
 log = logging.getLogger("chatserve.engine")
 

@@ -1,0 +1,29 @@
+"""The environment variables the kernels read, read here and nowhere else in kernels/.
+
+kernels/ imports nothing of chatserve, so these cannot come from chatserve/config.py; config.py declares
+the same names and meanings (`PROCESS_ENV`, shown in the docs), and tests/test_config.py checks that the
+two agree. They are process-wide switches read at first use, not per-engine settings. No torch here.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPU_KERNELS = "CHATSERVE_CPU_KERNELS"    # "0": never build or load the C kernels (the torch path runs)
+FORCE_TRITON = "CHATSERVE_FORCE_TRITON"  # "1": Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1)
+CACHE_DIR = "CHATSERVE_CACHE_DIR"        # the per-user cache root (compiled kernels live in <root>/kernels)
+NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR)
+
+
+def cpu_kernels_enabled() -> bool:
+    return os.environ.get(CPU_KERNELS, "1") != "0"
+
+
+def force_triton() -> bool:
+    return os.environ.get(FORCE_TRITON, "0") == "1"
+
+
+def cache_root() -> Path:
+    """$CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve (as chatserve.config's)."""
+    return Path(os.environ.get(CACHE_DIR) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chatserve"))

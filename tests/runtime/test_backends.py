@@ -1,0 +1,37 @@
+"""Backends are chosen once: after load, no capability probe runs on the step path (issue 29), and the
+default model at its default settings picks the C attention and cpu_qmatmul where this CPU builds them."""
+from __future__ import annotations
+
+import pytest
+
+from chatserve.config import default_model_path
+from chatserve.core.request import SamplingParams
+from chatserve.engine.llm import LLM
+from chatserve.runtime.models import layers
+from chatserve_kernels import attention, attention_backend, block_copy, cpu_attention, cpu_decode, cpu_ops
+from chatserve_kernels import cpu_qmatmul, kv_store
+
+PROBES = [(cpu_attention, "available"), (cpu_attention, "supports"), (cpu_qmatmul, "available"),
+          (cpu_ops, "usable"), (cpu_decode, "usable"), (attention_backend, "use_triton"),
+          (attention, "use_triton"), (attention, "flash_supported"), (kv_store, "use_triton"),
+          (block_copy, "use_triton"), (layers, "_onednn_bf16"), (attention_backend, "pick_attention_backend")]
+
+
+@pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
+def test_no_capability_probe_runs_per_step(monkeypatch):
+    llm = LLM(None, dtype="auto", weight_quant="auto", num_blocks=96, max_num_batched_tokens=48)
+    prompts = [list(range(200, 290)), list(range(300, 310)), list(range(400, 403))]   # chunked, mixed steps
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts, params)
+    assert [len(t) for t in first] == [12, 12, 12]
+    backend = llm.runner.model.attention_backend
+    assert backend is not None
+    if cpu_attention.available():
+        assert backend.name == "cpu-c"
+
+    def boom(*a, **k):
+        raise AssertionError("a capability probe ran on the step path")
+    for mod, name in PROBES:
+        monkeypatch.setattr(mod, name, boom)
+    again = llm.generate(prompts, params)
+    assert again == first            # and batch-invariant: the prefix-cache hits and other steps change nothing
