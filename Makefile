@@ -32,7 +32,7 @@ lint: install
 	$(BIN)/mypy
 
 test: install lint
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow and not browser" $(PYTEST_ARGS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
+import threading
 
 import pytest
 
@@ -70,7 +70,9 @@ async def test_abort_frees_blocks_and_other_requests_continue():
     first = await long.__anext__()
     assert first.index == 0
     long.close()
-    assert await collect(long) == [] or True
+    rest = await asyncio.wait_for(collect(long), 60)   # the stream ends: buffered deltas, then nothing
+    assert all(d.finish_reason is None for d in rest)   # an abort sends no final delta
+    assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) < 200
     out = await collect(short)
     assert text_of(out) == "ghij"
     await asyncio.sleep(0.05)
@@ -122,15 +124,33 @@ async def test_admission_errors_propagate_synchronously():
 
 
 async def test_event_loop_stays_responsive_during_slow_step():
-    eng = fake_engine(delay=0.2)
+    """A step held inside the runner does not hold the loop: the loop keeps running other work (counted
+    in ticks) while the step waits, and the step only ends when that work releases it. Were the step run
+    on the loop's thread, nothing would release it but the 60 s safety timer."""
+    eng = fake_engine()
+    entered, release = threading.Event(), threading.Event()
+    execute = eng.runner.execute
+
+    def held(out):
+        entered.set()
+        release.wait()
+        return execute(out)
+
+    eng.runner.execute = held
+    safety = threading.Timer(60, release.set)
+    safety.start()
     await eng.start()
     stream = eng.submit([0], SamplingParams(max_tokens=2), request_id="slow")
-    await asyncio.sleep(0.01)
-    t0 = time.monotonic()
-    for _ in range(10):
-        await asyncio.sleep(0.005)
-    assert time.monotonic() - t0 < 0.15          # the 0.2 s step did not block the loop
-    await collect(stream)
+    ticks = 0
+    while not entered.is_set():
+        await asyncio.sleep(0.001)
+    for _ in range(10):                          # the loop runs while the step is still in the runner
+        await asyncio.sleep(0)
+        ticks += not release.is_set()
+    release.set()
+    safety.cancel()
+    assert ticks == 10
+    assert len(await collect(stream)) >= 1
     await eng.shutdown(0)
 
 
@@ -151,11 +171,10 @@ async def test_shutdown_drains_then_errors_the_rest():
     endless = asyncio.create_task(collect(eng.generate(
         [0], SamplingParams(max_tokens=10_000, ignore_eos=True), request_id="e")))
     await asyncio.sleep(0.02)
-    t0 = time.monotonic()
     await eng.shutdown(0.3)
-    assert time.monotonic() - t0 < 2.0
     q, e = await quick, await endless
     assert q[-1].finish_reason == "length"
+    assert sum(len(d.token_ids) for d in e) < 10_000          # ended by the drain timeout, not its length
     assert e[-1].finish_reason == "error" and "shutting down" in e[-1].error
     assert not eng.ready
     with pytest.raises(Exception) as err:

@@ -159,7 +159,8 @@ def test_cold_then_warm_load(tmp_path):
     t0 = time.perf_counter()
     warm = Tokenizer.from_model(MODEL, cache_dir=tmp_path)
     warm_s = time.perf_counter() - t0
-    assert warm_s < 3.0, warm_s
+    print(f"tokenizer cold {cold_s:.2f} s, warm {warm_s:.2f} s")
+    assert warm_s < cold_s / 2, (cold_s, warm_s)          # the cache skips the GGUF parse
     assert warm is not cold and Tokenizer.from_model(MODEL, cache_dir=tmp_path) is warm  # memoized
     conv = CONVERSATIONS[2]
     assert warm.apply_chat_template(conv) == cold.apply_chat_template(conv)

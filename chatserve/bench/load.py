@@ -2,7 +2,8 @@
 
 Every request is a streamed chat completion of mixed length; each stream is judged (valid SSE, role
 chunk first, one finish_reason per choice or one error event, [DONE] last) and counted; once the
-server is idle, KV blocks still in use are read from /metrics. It measures; it does not start a server.
+server is idle, KV blocks still in use are read from /metrics. The verdict is ok, failed, or unverified
+(exit 0, 3, 4) when the metrics cannot show leaks. It measures; it does not start a server.
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ from chatserve.bench.report import write_results
 from chatserve.bench.sse_client import (CANCELLED, COMPLETED, ERRORED, INVALID, REJECTED, SERVER_ERROR,
                                         TRANSPORT, StreamResult, first_model, make_client, stream_request)
 from chatserve.bench.workloads import PromptSource, parse_range
+
+
+OK, FAILED, UNVERIFIED = "ok", "failed", "unverified"
+EXIT = {OK: 0, FAILED: 3, UNVERIFIED: 4}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -115,8 +120,10 @@ def _report(args: argparse.Namespace, model: str, duration: float, results: list
         "output_tokens": sum(r.output_tokens for r in accepted),
         "problems": samples,
     }
-    out["ok"] = bool(lost == 0 and server_errors == 0 and out["transport_errors"] == 0
-                     and out["invalid_refusals"] == 0 and leaked in (0, None))
+    failed = bool(lost or server_errors or out["transport_errors"] or out["invalid_refusals"] or leaked)
+    # a leak the server's metrics cannot show is not a pass: the run is unverified
+    out["verdict"] = FAILED if failed else (UNVERIFIED if leaked is None else OK)
+    out["ok"] = out["verdict"] == OK
     return out
 
 
@@ -138,9 +145,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"server errors {r['server_errors']}, transport errors {r['transport_errors']}",
         f"TTFT p50 {ms(r['ttft_p50'])}, p99 {ms(r['ttft_p99'])}; "
         f"503 answers: {r['overload_503_count']} (p99 {ms(r['overload_503_latency_ms'])})",
-        f"leaked KV blocks once idle: {r['leaked_blocks'] if r['leaked_blocks'] is not None else 'unknown'}",
+        "leaked KV blocks once idle: " + (str(r["leaked_blocks"]) if r["leaked_blocks"] is not None
+                                          else "unknown (the server's /metrics show no KV usage)"),
         *[f"  problem: {p}" for p in r["problems"]],
-        "verdict: " + ("OK" if r["ok"] else "FAILED"),
+        "verdict: " + r["verdict"].upper() + (": leaks not verified" if r["verdict"] == UNVERIFIED else ""),
     ])
 
 
@@ -178,4 +186,4 @@ def main(argv: list[str]) -> int:
         print(f"chatserve bench load: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     write_results(res, args.out, args.json, format_report)
-    return 0 if res["ok"] else 3
+    return EXIT[res["verdict"]]

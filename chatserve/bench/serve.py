@@ -1,8 +1,9 @@
 """`chatserve bench serve`: an asyncio load generator for any OpenAI-compatible server (chatserve, vLLM).
 
-Streams every request and records its timings; serve_report.py turns the records into TTFT/TPOT/ITL/E2E
-percentiles, throughput and goodput, beside the prefix-cache hit rate (from /metrics). It does not start a
-server: point --url at a running one.
+Streams every request and records its timings and the output tokens that arrived (content chunks, and
+the text re-encoded with --tokenizer) beside the server's usage; serve_report.py turns the records into
+TTFT/TPOT/ITL/E2E percentiles, throughput and goodput, beside the prefix-cache hit rate (from /metrics).
+It does not start a server: point --url at a running one.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], opts: RunOptions,
             else:
                 res = await stream_request(client, path, body, chat=opts.endpoint == "chat",
                                            expected_n=job.n)
-            records.append(_record(job, i, res, sent))
+            records.append(_record(job, i, res, sent, tokenizer))
             if bar is not None:
                 bar.update(1)
             if res.outcome != COMPLETED:
@@ -138,7 +139,9 @@ async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], opts: RunOptions,
     return records, duration
 
 
-def _record(job: Job, i: int, res: StreamResult, sent: float = 0.0) -> Record:
+def _record(job: Job, i: int, res: StreamResult, sent: float = 0.0, tokenizer: Any = None) -> Record:
+    """One request's figures. Output tokens are counted from what arrived: the text re-encoded when a
+    tokenizer is given, else the content chunks; the server's usage is kept beside them."""
     ok = res.outcome == COMPLETED
     err = None
     if not ok:
@@ -152,9 +155,12 @@ def _record(job: Job, i: int, res: StreamResult, sent: float = 0.0) -> Record:
             json_ok = ok
         except ValueError:
             json_ok = False
+    retok = res.retokenized(tokenizer) if tokenizer is not None and ok else None
+    arrived = retok if retok is not None else res.output_tokens
     return Record(job.tag, i, ok, res.ttft_s, res.tpot_s(), res.e2e_s, res.itls(),
-                  res.output_tokens if ok else 0, prompt, res.cached_tokens, err, sent,
-                  [sent + t for t in res.token_times.get(0, [])], json_ok)
+                  arrived if ok else 0, prompt, res.cached_tokens, err, sent,
+                  [sent + t for t in res.token_times.get(0, [])], json_ok,
+                  chunks=res.content_chunks if ok else 0, retokenized=retok, usage_tokens=res.usage_tokens)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -210,7 +216,7 @@ async def run_structured(client: httpx.AsyncClient, args: argparse.Namespace, op
         jobs = make_jobs(args, seed + 7919 * r, tokenizer)
         resets += await reset_prefix_cache(client)
         recs, dur = await run_jobs(client, jobs, opts, tokenizer)
-        produced = {rec.job: rec.output_tokens for rec in recs if rec.ok and rec.output_tokens > 1}
+        produced = {rec.job: n for rec in recs if rec.ok and (n := rec.usage_tokens or rec.output_tokens) > 1}
         twins = make_jobs(args, seed + 7919 * r, tokenizer)          # the same prompts
         for twin in twins:
             twin.extra.pop("response_format", None)

@@ -28,6 +28,19 @@ class Record:
     start_s: float = 0.0                 # when it was sent, since the run started
     token_times: list[float] = field(default_factory=list)   # choice 0's chunks, since the run started
     json_ok: bool | None = None          # the reply parses as JSON (requests with a response_format)
+    chunks: int = 0                      # content chunks that arrived (all choices)
+    retokenized: int | None = None       # the text that arrived re-encoded (with --tokenizer)
+    usage_tokens: int | None = None      # the server's usage.completion_tokens
+
+    def usage_mismatch(self) -> bool:
+        """The server's count contradicts what arrived: fewer tokens than content chunks (each chunk
+        carries at least one token), or, with a tokenizer, off the re-encoded text by more than 10 % + 1
+        (re-encoding a text need not give back the same tokens, but never a very different number)."""
+        if self.usage_tokens is None or not self.ok:
+            return False
+        if self.usage_tokens < self.chunks:
+            return True
+        return self.retokenized is not None and abs(self.usage_tokens - self.retokenized) > 1 + 0.1 * self.usage_tokens
 
 
 def interference_summary(records: list[Record]) -> dict[str, Any]:
@@ -95,11 +108,29 @@ def summarize(records: list[Record], duration: float, *, slo_ttft_ms: float | No
     res["usage_cached_fraction_turn2plus"] = (
         sum(r.cached_tokens or 0 for r in later) / max(1, sum(r.prompt_tokens for r in later))
         if later else None)
+    res.update(_token_counts(ok))
     checked = [r for r in records if r.json_ok is not None]
     if checked:
         res["json_parsed"] = sum(bool(r.json_ok) for r in checked)
     res["errors"] = [r.error for r in records if not r.ok][:10]
     return res
+
+
+def _token_counts(ok: list[Record]) -> dict[str, Any]:
+    """What arrived (chunks; the text re-encoded when a tokenizer was given) beside the server's usage,
+    and the requests whose usage contradicts what arrived."""
+    retok = [r.retokenized for r in ok if r.retokenized is not None]
+    usage = [r.usage_tokens for r in ok if r.usage_tokens is not None]
+    bad = [r for r in ok if r.usage_mismatch()]
+    return {
+        "output_chunks": sum(r.chunks for r in ok),
+        "output_tokens_retokenized": sum(retok) if retok else None,
+        "usage_completion_tokens": sum(usage) if usage else None,
+        "usage_reported": f"{len(usage)}/{len(ok)}",
+        "usage_mismatches": len(bad),
+        "usage_mismatch_examples": [f"{r.job} turn {r.turn}: usage {r.usage_tokens}, chunks {r.chunks}, "
+                                    f"re-encoded {r.retokenized}" for r in bad[:5]],
+    }
 
 
 def plot(runs: list[dict[str, Any]], path: str) -> None:
@@ -132,6 +163,17 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def _counts_line(r: dict[str, Any]) -> str:
+    s = f"output tokens arrived: {r['output_chunks']} chunks"
+    if r.get("output_tokens_retokenized") is not None:
+        s += f", {r['output_tokens_retokenized']} re-encoded"
+    u = r.get("usage_completion_tokens")
+    s += "; server usage: " + ("none" if u is None else f"{u} ({r['usage_reported']} requests)")
+    if r.get("usage_mismatches"):
+        s += f"; MISMATCH in {r['usage_mismatches']} requests: " + "; ".join(r["usage_mismatch_examples"])
+    return s
+
+
 def format_report(res: dict[str, Any]) -> str:
     lines = []
     for r in res.get("runs", [res]):
@@ -150,6 +192,7 @@ def format_report(res: dict[str, Any]) -> str:
             else:
                 lines.append(f"{key:8s} mean {s['mean']:9.1f}  p50 {s['p50']:9.1f}  "
                              f"p90 {s['p90']:9.1f}  p99 {s['p99']:9.1f}")
+        lines.append(_counts_line(r))
         hr = r.get("prefix_cache_hit_rate")
         lines.append("prefix cache hit rate: " + ("n/a" if hr is None else f"{hr:.1%}"))
         if r.get("server_cpu_ms_per_token") is not None:

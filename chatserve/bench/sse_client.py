@@ -126,9 +126,18 @@ class StreamResult:
 
     @property
     def output_tokens(self) -> int:
-        if self.usage and isinstance(self.usage.get("completion_tokens"), int):
-            return self.usage["completion_tokens"]
+        """Tokens as they arrived: content chunks, all choices (the server's own count is usage_tokens)."""
         return self.content_chunks
+
+    @property
+    def usage_tokens(self) -> int | None:
+        """The server's usage.completion_tokens, or None when it sent no usage."""
+        v = (self.usage or {}).get("completion_tokens")
+        return v if isinstance(v, int) else None
+
+    def retokenized(self, tokenizer: Any) -> int:
+        """The received text of every choice re-encoded by `tokenizer` (without special tokens)."""
+        return sum(len(tokenizer.encode(t)) for t in self.texts.values())
 
     @property
     def prompt_tokens(self) -> int | None:

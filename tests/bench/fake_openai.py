@@ -27,7 +27,7 @@ BLOCK = 16
 
 @dataclass
 class FakeState:
-    behavior: str = "ok"      # ok | missing_done | two_finish | no_role | error_event | bad_json | drop | http500 | plain503
+    behavior: str = "ok"      # ok | missing_done | two_finish | no_role | error_event | bad_json | drop | http500 | plain503 | usage_half
     token_delay: float = 0.002
     max_running: int = 10_000  # beyond this: 503 + Retry-After + error body
     leak_on_cancel: bool = False
@@ -153,7 +153,8 @@ async def _stream(st: FakeState, chat: bool, n: int, max_tokens: int, prompt: in
                     yield chunk(i, None, "stop")
         if include_usage:
             yield "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [],
-                                         "usage": {"prompt_tokens": prompt, "completion_tokens": n * max_tokens,
+                                         "usage": {"prompt_tokens": prompt, "completion_tokens":
+                                                   n * max_tokens // (2 if st.behavior == "usage_half" else 1),
                                                    "total_tokens": prompt + n * max_tokens,
                                                    "prompt_tokens_details": {"cached_tokens": hit}}}) + "\n\n"
         if st.behavior != "missing_done":

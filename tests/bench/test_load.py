@@ -36,7 +36,9 @@ def test_duration_bounds_the_run(capsys, fake):
     rc = load.main(["--url", fake.url, "--json", "--duration", "0.5", "--concurrency", "2",
                     "--max-tokens", "5", "--cancel-fraction", "0"])
     r = json.loads(capsys.readouterr().out)
-    assert rc == 0 and r["duration_s"] < 2.0 and r["completed"] == r["requests_sent"] > 2
+    assert rc == 0 and r["completed"] == r["requests_sent"] > 2
+    # each request takes at least 5 tokens × 10 ms: 2 workers can start at most this many in 0.5 s
+    assert r["requests_sent"] <= 2 * (0.5 / (5 * 0.01)) + 2
 
 
 def test_leaked_blocks_detected(capsys, fake):
@@ -44,6 +46,15 @@ def test_leaked_blocks_detected(capsys, fake):
     r = _run(capsys, fake, "--concurrency", "4", "--cancel-fraction", "1", "--max-requests", "6",
              "--max-tokens", "20", expect_rc=3)
     assert r["cancelled"] == 6 and r["leaked_blocks"] > 0 and r["ok"] is False
+
+
+def test_unknown_leaks_are_unverified_not_a_pass(capsys, fake):
+    fake.state.metrics = False                       # no /metrics: KV blocks in use cannot be read
+    r = _run(capsys, fake, "--concurrency", "2", "--cancel-fraction", "0", "--max-requests", "4",
+             "--max-tokens", "4", expect_rc=4)
+    assert r["completed"] == 4 and r["leaked_blocks"] is None
+    assert r["verdict"] == "unverified" and r["ok"] is False
+    assert "verdict: UNVERIFIED" in load.format_report(r)
 
 
 def test_overload_503_counted_as_rejected_with_latency(capsys, fake):
@@ -54,7 +65,7 @@ def test_overload_503_counted_as_rejected_with_latency(capsys, fake):
     assert r["rejected"] > 0 and r["rejected"] == r["overload_503_count"]
     assert r["rejected_without_retry_after"] == 0 and r["server_errors"] == 0
     assert r["completed"] == r["accepted"] and r["rejected"] + r["accepted"] == 30
-    assert 0 < r["overload_503_latency_ms_p50"] <= r["overload_503_latency_ms"] < 1000
+    assert 0 < r["overload_503_latency_ms_p50"] <= r["overload_503_latency_ms"]
 
 
 def test_misbehaving_streams_are_lost(capsys, fake):

@@ -21,11 +21,8 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    try:
-        from chatserve.runtime.tiny import make_tiny_model
-        model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"tiny model unavailable: {e}")
+    from chatserve.runtime.tiny import make_tiny_model
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "serve.log"
     with open(log, "w") as f:

@@ -33,6 +33,38 @@ def test_random_workload_metrics(capsys, fake):
     assert min(lens) >= 8 and max(lens) <= 24
 
 
+def test_tokens_are_counted_as_they_arrive_beside_the_servers_usage(capsys, fake):
+    r = _run(capsys, fake, "--num-prompts", "3", "--input-len", "5", "--output-len", "4")
+    assert r["output_tokens"] == r["output_chunks"] == r["usage_completion_tokens"] == 12
+    assert r["usage_mismatches"] == 0 and r["usage_reported"] == "3/3"
+    fake.reset()
+    fake.state.behavior = "usage_half"                   # the server claims 2 tokens for 4 chunks
+    r = _run(capsys, fake, "--num-prompts", "3", "--input-len", "5", "--output-len", "4")
+    assert r["output_tokens"] == r["output_chunks"] == 12 and r["usage_completion_tokens"] == 6
+    assert r["usage_mismatches"] == 3 and "usage 2, chunks 4" in r["usage_mismatch_examples"][0]
+    assert "MISMATCH in 3 requests" in serve.format_report(r)
+
+
+def test_received_text_is_re_encoded_with_a_tokenizer():
+    """With a tokenizer, output tokens are the received text re-encoded; usage far from it is flagged."""
+    from chatserve.bench.sse_client import COMPLETED, StreamResult
+    from chatserve.bench.workloads import Job, Turn
+
+    class Words:
+        def encode(self, text: str) -> list[int]:
+            return [len(w) for w in text.split()]
+
+    job = Job([Turn("hi", 8, 1)], tag="j")
+    res = StreamResult(status=200, outcome=COMPLETED, texts={0: " one two three four five six"},
+                       token_times={0: [0.1, 0.2, 0.3]}, usage={"completion_tokens": 6})
+    rec = serve._record(job, 0, res, 0.0, Words())
+    assert (rec.output_tokens, rec.chunks, rec.retokenized, rec.usage_tokens) == (6, 3, 6, 6)
+    assert not rec.usage_mismatch()
+    res.usage = {"completion_tokens": 20}                 # far more than the text holds
+    assert serve._record(job, 0, res, 0.0, Words()).usage_mismatch()
+    assert serve._record(job, 0, res, 0.0).usage_mismatch() is False   # chunks alone cannot tell
+
+
 def test_multi_turn_history_and_prefix_hits(capsys, fake):
     r = _run(capsys, fake, "--workload", "multi-turn", "--conversations", "2", "--turns", "3",
              "--turn-len", "20", "--output-len", "6", "--ignore-eos")

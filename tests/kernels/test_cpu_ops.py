@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatserve_kernels import cpu_ops
+from chatserve_kernels import cpu_build, cpu_ops
 
-needs_lib = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason="no C compiler: torch ops are used")
+needs_lib = pytest.mark.skipif(not cpu_ops.usable(torch.zeros(1)), reason=str(cpu_build.status("cpu_ops")))
 DTYPES = [torch.float32, torch.bfloat16]
 
 

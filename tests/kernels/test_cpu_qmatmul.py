@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chatserve_kernels import cpu_build
 from chatserve_kernels import cpu_qmatmul as Q
 
-pytestmark = pytest.mark.skipif(not Q.available(), reason="no AVX-512 VNNI kernel on this CPU")
+pytestmark = pytest.mark.skipif(not Q.available(), reason=str(cpu_build.status("cpu_qmatmul")))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

