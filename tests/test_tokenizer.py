@@ -128,8 +128,9 @@ def test_custom_templates_match_transformers(tok, hf, name):
 
 
 def test_bad_messages_raise_value_error(tok):
-    for bad in ([], "hello", [1], [{"content": "no role"}], [{"role": "user", "content": 3}],
-                [{"role": "user", "content": ["not a part"]}], [{"role": "user", "content": object()}]):
+    # the message shapes are the request schema's to check (validated once); the text layer still refuses
+    # what is not a list of role-carrying objects of plain JSON data (the sandbox rule)
+    for bad in ([], "hello", [1], [{"content": "no role"}], [{"role": "user", "content": object()}]):
         with pytest.raises(ValueError):
             tok.apply_chat_template(bad)
     strict = tok.with_chat_template(TEMPLATES["llama3ish"])
@@ -341,7 +342,7 @@ def test_tool_calls_and_tool_messages_render_through_the_template(tok, hf):
     assert 'CALL get_weather({"city": "Paris"})' in text and "18 C, sunny [c1]" in text
     assert text == hf.apply_chat_template(TOOL_CHAT, chat_template=TOOL_TEMPLATE, tools=TOOLS,
                                           add_generation_prompt=True, tokenize=False)
-    with pytest.raises(ValueError, match="tool_calls"):
+    with pytest.raises(ValueError, match="rejected"):       # the schema checks tool_calls; the template fails cleanly
         t.render_chat([{"role": "assistant", "tool_calls": "not a list"}])
 
 

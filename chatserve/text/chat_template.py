@@ -92,8 +92,12 @@ def template_messages(messages: list[Mapping[str, Any]]) -> list[dict]:
     assistant message with `tool_calls` and null content, or a `tool` message, goes in as is; only plain
     JSON data (the sandbox rule). Their shape is the caller's to have checked: the server validates a
     request once (server/schemas), the sessions their stored turns."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of objects")
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string role")
         m = {k: v for k, v in m.items() if v is not None}
         check_plain(m, f"messages[{i}]")
         out.append(m)
