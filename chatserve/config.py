@@ -226,6 +226,11 @@ class ModelConfig:
         "auto", "sampling defaults for fields a request leaves unset: auto = the model's "
         "generation_config.json or its GGUF general.sampling.* keys where it ships them, none or vllm = "
         "OpenAI's defaults, or a folder holding a generation_config.json", metavar="auto|none|vllm|DIR")
+    batch_invariant: bool = option(
+        True, "a request's tokens and logprobs do not depend on the requests that share its steps: "
+        "generated-token rows always take the quantized matmuls and prompt rows the dense ones "
+        "(docs/kernels.md); off (--no-batch-invariant): by step size, a few %% more throughput when "
+        "prefills share steps with decodes (docs/benchmarks.md)")
     seed: int | None = option(None, "seed of the sampler's random generator for requests without a seed",
                               shown_default="random per process")
 

@@ -85,6 +85,7 @@ class ModelRunner:
         if weight_quant == "auto":
             weight_quant = None if in_place else auto_weight_quant(weights, self.device)
         self.weight_quant = weight_quant
+        self.batch_invariant = model.batch_invariant     # RowSplit per step, else rows by step size
         if weight_quant and progress:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
@@ -267,7 +268,7 @@ class ModelRunner:
             self.block_size, dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)      # [T]
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)      # [T]
-        rows = RowSplit.build(generated, dev)
+        rows = RowSplit.build(generated, dev) if self.batch_invariant else None
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, rows)  # [T, H]
         out: dict[str, torch.Tensor] = {}
         end = 0

@@ -97,7 +97,8 @@ def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
         f"  model      {cfg.model.resolved_model()}",
         f"  dtype      {dtype} on {runner.device}, weights {weights_text(runner)}, KV {kv_dtype}"
         f"   (loaded in {load_s:.1f} s)",
-        f"  backends   {runner.model.describe_backends()}",
+        f"  backends   {runner.model.describe_backends()}; "
+        f"batch-invariant {'on' if runner.batch_invariant else 'off (--no-batch-invariant)'}",
         f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens ({mem / (1 << 20):.0f} MiB)"
         f", prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}",
         f"  context    {ctx:,} tokens; {tokens / max(1, ctx):.1f} sequences fit at full context; "
