@@ -21,6 +21,7 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
     "model": "decode/prefill tokens/s",
     "kernels": "GPU paged-attention bandwidth",
     "blockmm": "CPU matmul on GGUF block formats vs today's paths",
+    "invariance": "what --batch-invariant costs a mixed step, and serving",
     "serve": "OpenAI-API serving benchmark",
     "load": "load + cancellation + stream validation",
     "sessions": "session-aware caching: turn N+1 hits under load",
@@ -32,7 +33,7 @@ BENCH["build-model"] = "chatserve.bench.checkpoint:main"
 BENCH["build-gguf"] = "chatserve.bench.gguf_checkpoint:main"
 
 USAGE = """usage: chatserve {serve,chat,generate,models} [options]
-       chatserve bench {memory,scheduler,model,kernels,blockmm,serve,load,sessions,build-model,build-gguf} [options]
+       chatserve bench {memory,scheduler,model,kernels,blockmm,invariance,serve,load,sessions,build-model,build-gguf} [options]
        chatserve --version
 Run `chatserve COMMAND --help` for a command's options."""
 BENCH_USAGE = ("usage: chatserve bench {" + ",".join(BENCH) + "} [options]\n"

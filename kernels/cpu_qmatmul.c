@@ -170,6 +170,8 @@ QMM_TILES_I16(8, 1)
 
 
 
+#define CHUNK_BYTES (96 * 1024)      /* codes + scales a chunk of tiles holds: well inside L2 */
+
 /* y[M, N] (fp32, or bf16 when bf16 != 0) = x[M, K] · Wᵀ for packed W (see the top). K % 32 == 0.
  * Returns 0, or -1 when this build has no VNNI kernel or the scratch could not be allocated. */
 int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int64_t K,
@@ -188,26 +190,34 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t part = 0; part < nt; part++) {
         const int64_t t0 = tiles * part / nt, t1 = tiles * (part + 1) / nt;
-        for (int64_t m = 0; m < M;) {        /* rows of x in blocks of 8, 4, 2, 1: the weights stream once a block */
+        /* More than 8 rows: the thread's tiles in chunks of ~CHUNK_BYTES of codes, every row block over a
+         * chunk before the next, so the weights stream from memory once and the later blocks read them from
+         * L2. Each output's arithmetic is the same at any chunking (a tile is summed alone). */
+        const int64_t tile_bytes = G * (bits == 4 ? 256 : 512) + G * 64;
+        const int64_t chunk = M <= 8 ? t1 - t0 : (CHUNK_BYTES / tile_bytes > 1 ? CHUNK_BYTES / tile_bytes : 1);
+        for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+          const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
+          for (int64_t m = 0; m < M;) {      /* rows of x in blocks of 8, 4, 2, 1 */
             const int64_t mb = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
             const float *u = xs + m * G;
             char *o = (char *)y + (size_t)(m * N) * ybytes;
             if (bits == 4) {
                 const int8_t *h = xq + m * K, *l = xq + M * K + m * K;
                 const float *s = sx + m * G;
-                if (mb == 8) qmm_i16_8(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
-                else if (mb == 4) qmm_i16_4(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
-                else if (mb == 2) qmm_i16_2(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
-                else qmm_i16_1(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
+                if (mb == 8) qmm_i16_8(w, sl, G, K, h, l, s, u, c0, c1, N, o, bf16);
+                else if (mb == 4) qmm_i16_4(w, sl, G, K, h, l, s, u, c0, c1, N, o, bf16);
+                else if (mb == 2) qmm_i16_2(w, sl, G, K, h, l, s, u, c0, c1, N, o, bf16);
+                else qmm_i16_1(w, sl, G, K, h, l, s, u, c0, c1, N, o, bf16);
             } else {
                 const int8_t *q = xq + m * K;
                 const float *s = sx + m * G;
-                if (mb == 8) qmm_i8_8(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
-                else if (mb == 4) qmm_i8_4(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
-                else if (mb == 2) qmm_i8_2(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
-                else qmm_i8_1(w, sl, G, K, q, s, u, t0, t1, N, o, bf16);
+                if (mb == 8) qmm_i8_8(w, sl, G, K, q, s, u, c0, c1, N, o, bf16);
+                else if (mb == 4) qmm_i8_4(w, sl, G, K, q, s, u, c0, c1, N, o, bf16);
+                else if (mb == 2) qmm_i8_2(w, sl, G, K, q, s, u, c0, c1, N, o, bf16);
+                else qmm_i8_1(w, sl, G, K, q, s, u, c0, c1, N, o, bf16);
             }
             m += mb;
+          }
         }
     }
     free(xq); free(sx); free(xs);

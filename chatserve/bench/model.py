@@ -129,7 +129,7 @@ def _decode(runner, batch: int, context: int, steps: int, warmup: int = 2, timed
             step += 1
             chunk = prompt[s:s + 512]
             runner.execute(SchedulerOutput(step, [ScheduledSeq(
-                f"s{b}", chunk, s, tables[b], s + len(chunk) == context, params)]))
+                f"s{b}", chunk, s, tables[b], s + len(chunk) == context, params, prompt)]))
     last = [prompt[-1]] * batch
     times = []
     with timed or contextlib.nullcontext():
@@ -205,7 +205,7 @@ def _prefill(runner, tokens: int, repeats: int, chunk: int = 0, warmup: bool = T
             n += 1
             piece = prompt[s:s + step]
             runner.execute(SchedulerOutput(n, [ScheduledSeq("p", piece, s, table, s + len(piece) == tokens,
-                                                            params)]))
+                                                            params, prompt)]))
         if r:                            # first run warms up
             times.append(time.perf_counter() - t0)
     med = statistics.median(times)
@@ -243,7 +243,8 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
     step = 0
     for b in range(streams):                                    # the streams' prompts, untimed
         step += 1
-        runner.execute(SchedulerOutput(step, [ScheduledSeq(f"s{b}", ctx_prompt, 0, tables[b], True, params)]))
+        runner.execute(SchedulerOutput(step, [ScheduledSeq(f"s{b}", ctx_prompt, 0, tables[b], True, params,
+                                                            ctx_prompt)]))
     pos, last = context, [ctx_prompt[-1]] * streams
 
     def decode_step(extra: list) -> tuple[float, float]:
@@ -264,7 +265,7 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
     for s in range(0, prompt_len, cap):
         piece = prompt[s:s + cap]
         mixed.append(decode_step([ScheduledSeq("long", piece, s, long_table, s + len(piece) == prompt_len,
-                                               params)]))
+                                               params, prompt)]))
     res = {"cap": cap, "streams": streams, "context": context, "prompt": prompt_len, "steps": len(mixed)}
     for i, kind in ((0, ""), (1, "cpu_")):
         a, m = [x[i] for x in alone], [x[i] for x in mixed]

@@ -145,7 +145,8 @@ class ModelRunner:
         steps = (([0] * prompt_len, 0), ([0], prompt_len))        # (token ids, start position)
         for step_id, (ids, start) in enumerate(steps):
             seq = ScheduledSeq(request_id=WARM_UP_ID, token_ids=ids, start_pos=start,
-                               block_table=table, sample=True, params=params)
+                               block_table=table, sample=True, params=params,
+                               prompt_token_ids=[0] * prompt_len)          # prompt rows: the dense path
             out = self.execute(SchedulerOutput(step_id=step_id, seqs=[seq]))
             if out.errors:
                 raise RuntimeError(f"warm-up step failed: {out.errors[WARM_UP_ID]}")

@@ -58,3 +58,24 @@ def test_linear_float_out_keeps_the_kernels_float32_result():
     assert y.dtype == torch.float32 and head.qw is not None
     assert (y.bfloat16().float() != y).any()                # not on the bf16 grid
     torch.testing.assert_close(y.bfloat16(), head(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_batch_and_thread_invariant(bits, dtype):
+    """A row's result has the same bits at every row count (1 to 21: every row-block mix, and more than 8
+    rows, where the tiles run in L2-sized chunks over all the row blocks) and thread count (batch
+    invariance, issue 28). K = 2048 makes a tile 20 KiB, so 24 tiles span several chunks."""
+    g = torch.Generator().manual_seed(bits)
+    n, k = 24 * 16 - 5, 2048
+    packed = Q.pack(*Q.quantize(torch.randn(n, k, generator=g) * 0.05, bits), bits)
+    x = torch.randn(21, k, generator=g).to(dtype)
+    alone = torch.cat([Q.matmul(x[i:i + 1], packed) for i in range(21)])
+    threads = torch.get_num_threads()
+    try:
+        for nt in sorted({1, threads}):
+            torch.set_num_threads(nt)
+            for m in (2, 5, 8, 9, 16, 21):
+                torch.testing.assert_close(Q.matmul(x[:m], packed), alone[:m], rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(threads)
