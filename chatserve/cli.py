@@ -32,10 +32,10 @@ BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_
 BENCH["build-model"] = "chatserve.bench.checkpoint:main"
 BENCH["build-gguf"] = "chatserve.bench.gguf_checkpoint:main"
 
-USAGE = """usage: chatserve {serve,chat,generate,models} [options]
-       chatserve bench {memory,scheduler,model,kernels,blockmm,invariance,serve,load,sessions,build-model,build-gguf} [options]
-       chatserve --version
-Run `chatserve COMMAND --help` for a command's options."""
+USAGE = ("usage: chatserve {serve,chat,generate,models} [options]\n"
+         "       chatserve bench {" + ",".join(BENCH) + "} [options]\n"
+         "       chatserve --version\n"
+         "Run `chatserve COMMAND --help` for a command's options.")
 BENCH_USAGE = ("usage: chatserve bench {" + ",".join(BENCH) + "} [options]\n"
                + "\n".join(f"  {name:<10} {desc}" for name, desc in BENCH_HELP.items())
                + "\nRun `chatserve bench NAME --help` for a benchmark's options.")
