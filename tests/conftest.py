@@ -1,6 +1,6 @@
 """Fixtures shared by every test folder: a throwaway redis-server (skipped with a hint when missing),
-the fake-engine server, a tiny random-weight model directory, and the real default model served once
-per session."""
+the fake-engine server, a tiny random-weight model directory, the real default model served once
+per session, and a spy on the rows each Linear call gets."""
 from __future__ import annotations
 
 import os
@@ -37,6 +37,20 @@ def shared_fake_server():
     srv = start_fake_server()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def linear_rows(monkeypatch) -> list:
+    """The `rows` argument (a RowSplit, or None) of every Linear call from here on, in call order."""
+    from chatserve.runtime.models import layers
+    seen: list = []
+    call = layers.Linear.__call__
+
+    def spy(self, x, rows=None):
+        seen.append(rows)
+        return call(self, x, rows)
+    monkeypatch.setattr(layers.Linear, "__call__", spy)
+    return seen
 
 
 @pytest.fixture(scope="session")

@@ -39,26 +39,19 @@ def test_no_capability_probe_runs_per_step(monkeypatch):
 
 @pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
 @pytest.mark.parametrize("invariant", [True, False])
-def test_batch_invariant_flag_chooses_the_row_split(monkeypatch, invariant):
+def test_batch_invariant_flag_chooses_the_row_split(linear_rows, invariant):
     """--batch-invariant (default on) hands every Linear the step's RowSplit, so a mixed step sends its
     generated rows and its prompt rows down different kernels; --no-batch-invariant hands none, and the
     Linear picks by step size (the throughput-first choice of earlier releases)."""
     llm = LLM(None, dtype="auto", weight_quant="auto", num_blocks=96, max_num_batched_tokens=48,
               batch_invariant=invariant)
     assert llm.runner.batch_invariant is invariant
-    seen: list[object] = []
-    call = layers.Linear.__call__
-
-    def spy(self, x, rows=None):
-        seen.append(rows)
-        return call(self, x, rows)
-    monkeypatch.setattr(layers.Linear, "__call__", spy)
     prompts = [list(range(300, 303)), list(range(200, 290))]   # the long one's chunks run beside the short's decodes
     out = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [len(t) for t in out] == [8, 8]
-    assert seen, "no Linear ran"
-    mixed = [r for r in seen if r is not None and not r.all_gen and r.gen is not None]
+    assert linear_rows, "no Linear ran"
+    mixed = [r for r in linear_rows if r is not None and not r.all_gen and r.gen is not None]
     if invariant:
-        assert None not in seen and mixed, "no mixed step reached the Linears with its row split"
+        assert None not in linear_rows and mixed, "no mixed step reached the Linears with its row split"
     else:
-        assert set(seen) == {None}
+        assert set(linear_rows) == {None}
