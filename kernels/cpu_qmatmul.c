@@ -187,14 +187,14 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
     quantize_rows(x, bf16, M, K, bits == 4 ? 32639.f : 127.f, xq, bits == 4 ? xq + M * K : NULL, sx, xs);
     const int nt = nthreads > 1 && tiles >= 8 ? nthreads : 1;
     const size_t ybytes = bf16 ? 2 : 4;
+    /* More than 8 rows: each thread's tiles in chunks of ~CHUNK_BYTES of codes and scales, every row block
+     * over a chunk before the next, so the weights stream from memory once and the later blocks read them
+     * from L2. Each output's arithmetic is the same at any chunking (a tile is summed alone). */
+    const int64_t tile_bytes = G * (bits == 4 ? 256 : 512) + G * 64;
+    const int64_t chunk = M <= 8 ? tiles : (CHUNK_BYTES / tile_bytes > 1 ? CHUNK_BYTES / tile_bytes : 1);
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t part = 0; part < nt; part++) {
         const int64_t t0 = tiles * part / nt, t1 = tiles * (part + 1) / nt;
-        /* More than 8 rows: the thread's tiles in chunks of ~CHUNK_BYTES of codes, every row block over a
-         * chunk before the next, so the weights stream from memory once and the later blocks read them from
-         * L2. Each output's arithmetic is the same at any chunking (a tile is summed alone). */
-        const int64_t tile_bytes = G * (bits == 4 ? 256 : 512) + G * 64;
-        const int64_t chunk = M <= 8 ? t1 - t0 : (CHUNK_BYTES / tile_bytes > 1 ? CHUNK_BYTES / tile_bytes : 1);
         for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
           const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
           for (int64_t m = 0; m < M;) {      /* rows of x in blocks of 8, 4, 2, 1 */
