@@ -15,7 +15,8 @@ import pytest
 from websockets.sync.client import connect as ws_connect
 
 from chatserve.server.errors import APIError
-from chatserve.server.prompt_guard import (OffloadingTokenizer, PromptGuard, TokenizerProcess, admit,
+from chatserve.server.admission import admit
+from chatserve.server.prompt_guard import (OffloadingTokenizer, PromptGuard, TokenizerProcess,
                                            max_token_bytes, prompt_bytes, text_bytes)
 from chatserve.server.ratelimit import RateLimiter
 

@@ -43,7 +43,7 @@ class ChatBackend(Protocol):
     def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
                rate_key: str | None = None) -> AsyncIterator[dict[str, Any]]: ...
     def rewarm(self, state: ServerState, messages: list[dict[str, Any]], *, owner: str,
-               request_id: str) -> Coroutine[Any, Any, int]: ...
+               request_id: str, model: str | None = None) -> Coroutine[Any, Any, int]: ...
 
 
 class ChatServiceBackend:
@@ -51,8 +51,8 @@ class ChatServiceBackend:
     server's prompt guard: size bound, rate limits, then tokenizing where it cannot stall the loop."""
 
     async def parse(self, body: dict[str, Any], state: ServerState, rate_key: str | None = None) -> ChatRequest:
-        from chatserve.server import chat_service, prompt_guard
-        return await prompt_guard.admit(state, body, chat_service.parse_chat_body,
+        from chatserve.server import admission, chat_service
+        return await admission.admit(state, body, chat_service.parse_chat_body,
                                         rate_key=rate_key or "anonymous")   # set by start()
 
     def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
@@ -62,9 +62,9 @@ class ChatServiceBackend:
                                         request_id=request_id, rate_key=rate_key)
 
     def rewarm(self, state: ServerState, messages: list[dict[str, Any]], *, owner: str,
-               request_id: str) -> Coroutine[Any, Any, int]:
+               request_id: str, model: str | None = None) -> Coroutine[Any, Any, int]:
         from chatserve.server.sessions import rewarm
-        return rewarm.rewarm(state, messages, owner=owner, request_id=request_id)
+        return rewarm.rewarm(state, messages, owner=owner, request_id=request_id, model=model)
 
 
 def not_found() -> APIError:
@@ -379,7 +379,8 @@ class TurnService:
         """In the background: prefill the history as the next prompt will start (rewarm.py)."""
         msgs = [*turn.messages, history_message({"role": "assistant", **reply})]
         task = asyncio.get_running_loop().create_task(
-            self.backend.rewarm(self.state, msgs, owner=turn.cache_owner, request_id=turn.request_id + "-rewarm"))
+            self.backend.rewarm(self.state, msgs, owner=turn.cache_owner, request_id=turn.request_id + "-rewarm",
+                                model=turn.model or None))
         self.rewarming.add(task)
         task.add_done_callback(self.rewarming.discard)
 
@@ -406,12 +407,12 @@ class TurnService:
 
     async def _tick(self, turn: LiveTurn) -> None:
         """Progress events until the first token; the partial reply and heartbeat saved periodically."""
-        engine = self.state.engine
         saved_len, saved_at = 0, time.monotonic()
         while True:
             await asyncio.sleep(TICK_S)
-            if not turn.text and not turn.reasoning:
-                p = engine.progress(turn.request_id)
+            served = self.state.models.peek(turn.model or None)
+            if not turn.text and not turn.reasoning and served is not None:
+                p = served.engine.progress(turn.request_id)
                 if p is not None:
                     ev = {"object": "chatserve.turn.progress", "turn_id": turn.id, **p}
                     if ev != turn.progress:
