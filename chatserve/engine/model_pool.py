@@ -67,6 +67,8 @@ class _Entry(Generic[T]):
     last_used: float = field(default_factory=time.monotonic)
     transition: asyncio.Future[None] | None = None   # done when the running load/unload ends
     failed: BaseException | None = None     # why the last load failed (its waiters are told)
+    loads: int = 0                          # loads started (a failed one included)
+    waiting: int = 0                        # requests waiting for its load: it is not idle for them
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class ModelInfo:
     phase: str
     size: int
     leases: int
+    loads: int
 
 
 class Lease(Generic[T]):
@@ -117,7 +120,7 @@ class ModelPool(Generic[T]):
         return list(self._entries)
 
     def info(self) -> list[ModelInfo]:
-        return [ModelInfo(e.name, e.phase.value, e.size, e.leases) for e in self._entries.values()]
+        return [ModelInfo(e.name, e.phase.value, e.size, e.leases, e.loads) for e in self._entries.values()]
 
     def loaded(self) -> list[tuple[str, T]]:
         return [(e.name, e.value) for e in self._entries.values()
@@ -146,7 +149,11 @@ class ModelPool(Generic[T]):
                 e.last_used = time.monotonic()
                 return Lease(self, e, keep_alive)
             if e.transition is not None:            # loading or unloading: wait, then look again
-                await asyncio.shield(e.transition)
+                e.waiting += 1
+                try:
+                    await asyncio.shield(e.transition)
+                finally:
+                    e.waiting -= 1
                 if e.phase is Phase.UNLOADED and e.failed is not None:
                     raise LoadFailed(f"loading the model {name!r} failed: {type(e.failed).__name__}: {e.failed}")
                 continue
@@ -166,6 +173,7 @@ class ModelPool(Generic[T]):
     def _start_load(self, e: _Entry[T]) -> None:
         e.phase = Phase.LOADING
         e.failed = None
+        e.loads += 1
         e.transition = asyncio.get_running_loop().create_future()
         asyncio.ensure_future(self._run_load(e))
 
@@ -187,7 +195,11 @@ class ModelPool(Generic[T]):
         self._ensure_reaper()
 
     async def _make_room(self, want: _Entry[T]) -> None:
-        """Unload least recently used idle models until `want` fits; NoRoom when it cannot."""
+        """Unload least recently used idle models until `want` fits; NoRoom when it cannot (at once, with
+        nothing unloaded, when it would not fit even alone beside the pinned models)."""
+        pinned = [e for e in self._entries.values() if e.pinned and e.phase is not Phase.UNLOADED]
+        if self.memory_budget and want.size + sum(e.size for e in pinned) > self.memory_budget:
+            raise self._no_room(want, pinned, 0, True)
         while True:
             live = [e for e in self._entries.values() if e.phase is not Phase.UNLOADED and e is not want]
             used = sum(e.size for e in live)
@@ -197,19 +209,23 @@ class ModelPool(Generic[T]):
                 return
             idle = sorted((e for e in live if self._idle(e)), key=lambda e: e.last_used)
             if not idle:
-                busy_names = ", ".join(e.name for e in live) or "none"
-                if over_memory and want.size > self.memory_budget - sum(e.size for e in live if e.pinned):
-                    raise NoRoom(f"the model {want.name!r} needs {_mib(want.size)} and the model memory budget "
-                                 f"is {_mib(self.memory_budget)}", want.size, retry_after=60.0)
-                why = (f"needs {_mib(want.size)}; {_mib(self.memory_budget - used)} of the "
-                       f"{_mib(self.memory_budget)} budget is free" if over_memory
-                       else f"--max-loaded-models {self.max_loaded} are loaded")
-                raise NoRoom(f"the model {want.name!r} cannot be loaded now: it {why}, and the loaded models "
-                             f"({busy_names}) are all in use", want.size)
+                raise self._no_room(want, live, used, over_memory)
             await self._unload_entry(idle[0])
 
+    def _no_room(self, want: _Entry[T], live: list[_Entry[T]], used: int, over_memory: bool) -> NoRoom:
+        need = f"the model {want.name!r} needs {_mib(want.size)} (weights and KV cache)"
+        pinned = sum(e.size for e in live if e.pinned)
+        if over_memory and want.size > self.memory_budget - pinned:
+            return NoRoom(f"{need}, more than the model memory budget of {_mib(self.memory_budget)} "
+                          f"(--model-memory-budget) holds", want.size, retry_after=60.0)
+        why = (f"{_mib(max(0, self.memory_budget - used))} of the {_mib(self.memory_budget)} budget is free"
+               if over_memory else f"{len(live)} models are loaded (--max-loaded-models {self.max_loaded})")
+        names = ", ".join(e.name for e in live)
+        return NoRoom(f"{need} and cannot be loaded now: {why}, and every loaded model ({names}) is in use",
+                      want.size)
+
     def _idle(self, e: _Entry[T]) -> bool:
-        return (e.phase is Phase.LOADED and not e.pinned and e.leases == 0
+        return (e.phase is Phase.LOADED and not e.pinned and e.leases == 0 and e.waiting == 0
                 and e.value is not None and not self._busy(e.value))
 
     async def _unload_entry(self, e: _Entry[T]) -> None:
@@ -250,7 +266,7 @@ class ModelPool(Generic[T]):
                 if e.phase is not Phase.LOADED or e.pinned or e.keep_alive < 0:
                     continue
                 watched = True
-                if e.leases or (e.value is not None and self._busy(e.value)):
+                if e.leases or e.waiting or (e.value is not None and self._busy(e.value)):
                     e.last_used = now                # idle time counts from the last request's end
                 elif now - e.last_used >= e.keep_alive:
                     await self.unload(e.name)

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from chatserve.engine import AsyncEngine
+    from chatserve.engine.model_pool import ModelInfo
 
 EngineSource = Callable[[], "list[tuple[str, AsyncEngine]]"]     # the loaded models' (name, engine)
 
@@ -69,8 +70,8 @@ _STAT_METRICS = (
 class _EngineCollector:
     """Every loaded model's engine stats at scrape time, one `model_name` label value per model."""
 
-    def __init__(self, engines: EngineSource) -> None:
-        self.engines = engines
+    def __init__(self, engines: EngineSource, models: Callable[[], list[ModelInfo]]) -> None:
+        self.engines, self.models = engines, models
 
     def describe(self):
         return []
@@ -99,6 +100,14 @@ class _EngineCollector:
             kv.add_metric([model], float(getattr(e.runner, "bytes_per_block", 0) * e.num_blocks))
             info.add_metric([model, *_cache_info(e)], 1)
         yield from (rate, fin, kv, info)
+        loaded = GaugeMetricFamily("chatserve:model_loaded", "1 while the model is loaded (every configured "
+                                   "model has a series).", labels=["model_name"])
+        loads = CounterMetricFamily("chatserve:model_loads", "Loads of the model started since the server "
+                                    "started (the first one included).", labels=["model_name"])
+        for m in self.models():
+            loaded.add_metric([m.name], 1.0 if m.phase == "loaded" else 0.0)
+            loads.add_metric([m.name], m.loads)
+        yield from (loaded, loads)
 
 
 _CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "max_model_len")
@@ -116,9 +125,9 @@ class Metrics:
     """Owns the registry; `render()` gives the exposition text. `engines` lists the loaded models'
     (name, engine) at scrape time; `attach` feeds a newly loaded one's observations to the histograms."""
 
-    def __init__(self, engines: EngineSource) -> None:
+    def __init__(self, engines: EngineSource, models: Callable[[], list[ModelInfo]] = list) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(engines))
+        self.registry.register(_EngineCollector(engines, models))
         r, lab = self.registry, ["model_name"]
         self.hist = {key: Histogram(f"chatserve:{name}", doc, lab, buckets=buckets, registry=r)
                      for key, (name, doc, buckets) in _ENGINE_HISTOGRAMS.items()}

@@ -59,6 +59,6 @@ def single_model_state(config: EngineConfig, engine: AsyncEngine, tokenizer: Tok
     starts it. No sampling defaults unless given (OpenAI's). `fields`: the other ServerState fields."""
     from chatserve.server.model_registry import ModelRegistry, PrebuiltParts
     from chatserve.server.model_specs import ModelSpec
-    registry = ModelRegistry([ModelSpec(model_name, config)],
-                             prebuilt={model_name: PrebuiltParts(engine, tokenizer, sampling_defaults or {}, vocab_size)})
+    parts = PrebuiltParts(engine, tokenizer, sampling_defaults or {}, vocab_size)
+    registry = ModelRegistry([ModelSpec(model_name, config)], prebuilt={model_name: parts})
     return ServerState(config=config, models=registry, **fields)

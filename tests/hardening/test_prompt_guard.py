@@ -66,6 +66,15 @@ def test_offloaded_tokenizing_gives_the_same_ids():
         proc.close()
 
 
+class _OneModel:
+    """A registry whose one model takes any text and is never overloaded (admit's other checks)."""
+
+    async def lease(self, name, keep_alive):
+        guard = SimpleNamespace(check_size=lambda nbytes, param: None)
+        served = SimpleNamespace(engine=SimpleNamespace(check_capacity=lambda: None), prompt_guard=guard)
+        return SimpleNamespace(value=served, release=lambda: None)
+
+
 async def test_rate_limit_refuses_before_tokenizing():
     calls = []
 
@@ -73,12 +82,12 @@ async def test_rate_limit_refuses_before_tokenizing():
         calls.append(body)
         return SimpleNamespace(prompt_ids=[1, 2, 3], params=SimpleNamespace(max_tokens=2, n=1))
 
-    state = SimpleNamespace(prompt_guard=None, rate_limiter=RateLimiter(rpm=1))
+    state = SimpleNamespace(models=_OneModel(), rate_limiter=RateLimiter(rpm=1))
     await admit(state, {"prompt": "x"}, build, rate_key="ip:a")
     with pytest.raises(APIError) as e:
         await admit(state, {"prompt": "x" * 100_000}, build, rate_key="ip:a")
     assert e.value.status == 429 and len(calls) == 1           # the second body was never tokenized
-    tpm = SimpleNamespace(prompt_guard=None, rate_limiter=RateLimiter(tpm=10))
+    tpm = SimpleNamespace(models=_OneModel(), rate_limiter=RateLimiter(tpm=10))
     await admit(tpm, {"prompt": "x"}, build, rate_key="ip:a")     # 5 tokens
     await admit(tpm, {"prompt": "x"}, build, rate_key="ip:a")     # 10: the window is full
     with pytest.raises(APIError):
