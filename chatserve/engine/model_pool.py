@@ -275,7 +275,10 @@ class ModelPool(Generic[T]):
             await asyncio.sleep(REAP_INTERVAL_S)
 
     async def close(self, unload: Callable[[T], Awaitable[None]] | None = None) -> None:
-        """Stop the reaper and unload every loaded model with `unload` (default: the pool's)."""
+        """Refuse new leases, stop the reaper, and unload every loaded model at once with `unload`
+        (default: the pool's; the server's drains each model's streams first). Idempotent."""
+        if self._closed:
+            return
         self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()
@@ -283,8 +286,10 @@ class ModelPool(Generic[T]):
             if e.transition is not None:
                 await asyncio.shield(e.transition)
         done = unload or self._unload
-        await asyncio.gather(*(done(e.value) for e in self._entries.values()
-                               if e.phase is Phase.LOADED and e.value is not None), return_exceptions=True)
+        live = [e for e in self._entries.values() if e.phase is Phase.LOADED and e.value is not None]
+        await asyncio.gather(*(done(e.value) for e in live if e.value is not None), return_exceptions=True)
+        for e in live:
+            e.value, e.phase = None, Phase.UNLOADED
 
 
 def _mib(n: int) -> str:

@@ -151,4 +151,4 @@ class ModelRegistry:
 
     @property
     def accepting(self) -> bool:
-        return all(m.engine.accepting for m in self.loaded())
+        return not self.pool.closed and all(m.engine.accepting for m in self.loaded())
