@@ -105,9 +105,13 @@ class Lease(Generic[T]):
 class ModelPool(Generic[T]):
     def __init__(self, *, load: Callable[[str], Awaitable[T]], unload: Callable[[T], Awaitable[None]],
                  busy: Callable[[T], bool], sizes: dict[str, int], keep_alive: float,
-                 max_loaded: int, memory_budget: int = 0, pinned: tuple[str, ...] = ()) -> None:
-        """sizes: every model's name → bytes expected once loaded; memory_budget: 0 = no limit."""
+                 max_loaded: int, memory_budget: int = 0, pinned: tuple[str, ...] = (),
+                 release_memory: Callable[[], Awaitable[None]] | None = None) -> None:
+        """sizes: every model's name → bytes expected once loaded; memory_budget: 0 = no limit;
+        release_memory: run after an unload once the pool holds no reference to the model (a garbage
+        collection: an engine's parts refer to each other, and the next load must find the memory free)."""
         self._load, self._unload, self._busy = load, unload, busy
+        self._release_memory = release_memory
         self.max_loaded, self.memory_budget = max(1, max_loaded), memory_budget
         self._entries: dict[str, _Entry[T]] = {
             n: _Entry(n, s, keep_alive, pinned=n in pinned) for n, s in sizes.items()}
@@ -229,12 +233,14 @@ class ModelPool(Generic[T]):
                 and e.value is not None and not self._busy(e.value))
 
     async def _unload_entry(self, e: _Entry[T]) -> None:
-        value = e.value
         e.phase = Phase.UNLOADING
         fut = e.transition = asyncio.get_running_loop().create_future()
         try:
-            if value is not None:
-                await self._unload(value)
+            if e.value is not None:
+                await self._unload(e.value)
+            e.value = None
+            if self._release_memory is not None:
+                await self._release_memory()
         except Exception:
             log.exception("unloading model %s failed", e.name)
         finally:

@@ -194,4 +194,5 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
     app.state.chatserve = state
     if install_sessions is not None:
         install_sessions(app, state)
+    state.freeze()
     return app

@@ -15,7 +15,7 @@ from chatserve.config import DEFAULT_MODEL_ALIASES
 from chatserve.engine.model_pool import Lease, LoadFailed, ModelInfo, ModelPool, NoRoom, PoolError, UnknownModel
 from chatserve.server.errors import APIError
 from chatserve.server.model_specs import ModelSpec
-from chatserve.server.served_model import ServedModel, load_served, unload_served
+from chatserve.server.served_model import ServedModel, load_served, release_memory, unload_served
 
 if TYPE_CHECKING:
     from chatserve.engine import AsyncEngine
@@ -56,7 +56,8 @@ class ModelRegistry:
         self.pool: ModelPool[ServedModel] = ModelPool(
             load=self._load, unload=unload_served, busy=lambda m: m.busy(),
             sizes={s.name: self.sizes.get(s.name, 0) for s in self.specs}, keep_alive=sc.keep_alive,
-            max_loaded=sc.max_loaded_models, memory_budget=sc.model_memory_budget, pinned=pinned)
+            max_loaded=sc.max_loaded_models, memory_budget=sc.model_memory_budget, pinned=pinned,
+            release_memory=release_memory)
 
     @staticmethod
     def _names_of(s: ModelSpec) -> set[str]:

@@ -7,6 +7,7 @@ drains and drops it. Which models are loaded is the registry's business (model_r
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import time
 from dataclasses import dataclass, field
@@ -107,4 +108,19 @@ async def unload_served(served: ServedModel, drain_timeout: float = 0.0) -> None
     """Drain its engine (streams get `drain_timeout` s), stop its tokenizer process, free its memory."""
     await served.engine.shutdown(drain_timeout)
     served.prompt_guard.close()
-    await asyncio.to_thread(gc.collect)
+
+
+async def release_memory() -> None:
+    """Once an unloaded model is unreferenced: a full garbage collection (its engine's parts refer to each
+    other, so its weights and KV cache are freed by the collector, not by refcounts), then glibc's
+    malloc_trim, which hands the freed heap back to the system (without it the process keeps it, and
+    every switch of models grows it). Off the event loop."""
+    await asyncio.to_thread(_collect_and_trim)
+
+
+def _collect_and_trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):      # not glibc: the allocator keeps what it keeps
+        pass

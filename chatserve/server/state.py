@@ -41,10 +41,22 @@ class ServerState:
     startup_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     shutdown_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
+    _frozen: bool = field(default=False, init=False, repr=False)
+
     def __post_init__(self) -> None:
         if not self.session_secret:
             s = self.config.server.session_secret
             self.session_secret = s.encode() if s else secrets.token_bytes(32)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"ServerState is complete once the app is built: {name} cannot change")
+        super().__setattr__(name, value)
+
+    def freeze(self) -> None:
+        """Called by build_app once every part is in place (stores, metrics, limiter): from then on no
+        field is reassigned (the per-model parts live on each ServedModel, themselves frozen)."""
+        object.__setattr__(self, "_frozen", True)
 
     @property
     def model_name(self) -> str:
