@@ -158,3 +158,14 @@ async def test_a_request_arriving_while_its_model_unloads_waits_and_reloads_it()
     assert phases(pool)["a"] == "loaded"
     lease.release()
     await pool.close()
+
+
+async def test_a_lease_dropped_without_release_is_given_back_when_collected():
+    m = Models()
+    pool = m.pool({"a": MiB, "b": MiB}, max_loaded=1)
+    lease = await pool.acquire("a")
+    assert [i.leases for i in pool.info()] == [1, 0]
+    del lease                                        # a request parsed, then dropped unstreamed
+    assert [i.leases for i in pool.info()] == [0, 0]
+    (await pool.acquire("b")).release()              # so a is idle and makes room
+    assert m.unloads == ["a"]

@@ -101,6 +101,14 @@ class Lease(Generic[T]):
             self._released = True
             self._pool._release(self._entry, self.keep_alive)
 
+    def __del__(self) -> None:
+        """A lease dropped unreleased (a parsed request whose stream never started) is given back when
+        collected, so its model can become idle again."""
+        try:
+            self.release()
+        except Exception:           # interpreter shutdown: nothing left to give back to
+            pass
+
 
 class ModelPool(Generic[T]):
     def __init__(self, *, load: Callable[[str], Awaitable[T]], unload: Callable[[T], Awaitable[None]],

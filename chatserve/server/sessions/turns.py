@@ -67,6 +67,14 @@ class ChatServiceBackend:
         return rewarm.rewarm(state, messages, owner=owner, request_id=request_id, model=model)
 
 
+def _release(req: Any) -> None:
+    """Give back the model lease of a parsed request that will not run (a test's backend parses to a
+    plain dict, which holds none)."""
+    from chatserve.server.protocol import ChatRequest
+    if isinstance(req, ChatRequest):
+        req.release()
+
+
 def not_found() -> APIError:
     return APIError(404, "session not found", code="session_not_found")
 
@@ -261,6 +269,7 @@ class TurnService:
                         cache_owner=cache_owner or owner, message_id=reply_id, parent_id="", user_message_id=user_id,
                         request_id=f"sess-{sid[:8]}-{secrets.token_hex(4)}")
         self.by_session[sid] = turn                          # claimed before any await
+        req: ChatRequest | None = None
         try:
             history: list[list[dict[str, Any]]] = []
 
@@ -279,11 +288,13 @@ class TurnService:
             if s is None:
                 raise not_found()
             if _chat_key(s, history[0]) != _chat_key(cur, preview):
+                _release(req)
                 req = await self._parse(s, history[0], treq.overrides, None)   # changed meanwhile
             turn.messages = chat_messages(s, history[0])
             turn.model = s.model or self.state.model_name or ""
         except BaseException:
             self.by_session.pop(sid, None)
+            _release(req)                                     # its model's lease (admission.admit)
             raise
         q = turn.follow(replay=False)
         turn.admitted = asyncio.get_running_loop().create_future()
