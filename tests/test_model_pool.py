@@ -140,6 +140,9 @@ async def test_keep_alive_unloads_an_idle_model_and_a_request_may_override_it():
     assert phases(pool)["b"] == "loaded"
     (await pool.acquire("b", keep_alive=0)).release()
     await until(lambda: phases(pool)["b"] == "unloaded", "a request's keep_alive 0")
+    (await pool.acquire("a", keep_alive=-1)).release()
+    (await pool.acquire("a")).release()              # the last request's keep_alive counts: the default 0
+    await until(lambda: phases(pool)["a"] == "unloaded", "a request without keep_alive: the default")
 
 
 async def test_a_request_arriving_while_its_model_unloads_waits_and_reloads_it():

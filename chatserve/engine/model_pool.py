@@ -83,8 +83,9 @@ class ModelInfo:
 
 
 class Lease(Generic[T]):
-    """A hold on one loaded model; `release()` (idempotent) ends it. `keep_alive` (seconds) overrides
-    the model's own for the idle time after this release."""
+    """A hold on one loaded model; `release()` (idempotent) ends it. `keep_alive` (seconds) is how long
+    the model stays loaded once idle after this release (None: the pool's default), as Ollama's last
+    request decides."""
 
     def __init__(self, pool: ModelPool[T], entry: _Entry[T], keep_alive: float | None) -> None:
         self._pool, self._entry, self.keep_alive = pool, entry, keep_alive
@@ -120,6 +121,7 @@ class ModelPool(Generic[T]):
         collection: an engine's parts refer to each other, and the next load must find the memory free)."""
         self._load, self._unload, self._busy = load, unload, busy
         self._release_memory = release_memory
+        self.keep_alive = keep_alive
         self.max_loaded, self.memory_budget = max(1, max_loaded), memory_budget
         self._entries: dict[str, _Entry[T]] = {
             n: _Entry(n, s, keep_alive, pinned=n in pinned) for n, s in sizes.items()}
@@ -177,8 +179,7 @@ class ModelPool(Generic[T]):
     def _release(self, e: _Entry[T], keep_alive: float | None) -> None:
         e.leases = max(0, e.leases - 1)
         e.last_used = time.monotonic()
-        if keep_alive is not None:
-            e.keep_alive = keep_alive
+        e.keep_alive = self.keep_alive if keep_alive is None else keep_alive   # the last request's (Ollama)
         self._ensure_reaper()
 
     # ---- loading and unloading -----------------------------------------------------------------
