@@ -100,14 +100,14 @@ class _EngineCollector:
             kv.add_metric([model], float(getattr(e.runner, "bytes_per_block", 0) * e.num_blocks))
             info.add_metric([model, *_cache_info(e)], 1)
         yield from (rate, fin, kv, info)
-        loaded = GaugeMetricFamily("chatserve:model_loaded", "1 while the model is loaded (every configured "
+        in_memory = GaugeMetricFamily("chatserve:model_loaded", "1 while the model is loaded (every configured "
                                    "model has a series).", labels=["model_name"])
         loads = CounterMetricFamily("chatserve:model_loads", "Loads of the model started since the server "
                                     "started (the first one included).", labels=["model_name"])
         for m in self.models():
-            loaded.add_metric([m.name], 1.0 if m.phase == "loaded" else 0.0)
+            in_memory.add_metric([m.name], 1.0 if m.phase == "loaded" else 0.0)
             loads.add_metric([m.name], m.loads)
-        yield from (loaded, loads)
+        yield from (in_memory, loads)
 
 
 _CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "max_model_len")
