@@ -272,6 +272,10 @@ class SchedulerConfig:
         0, "prompt tokens a step may compute while other requests decode, so a long prompt does not "
         "stretch their inter-token latency (alone it gets the whole budget); 0 = the whole budget. "
         "A cap trades TTFT for ITL: docs/benchmarks.md")
+    admission_window_ms: float = option(
+        3.0, "an idle engine waits this long after the first new request before its first step, so "
+        "requests sent together share that step instead of queueing behind it; 0 = off. It adds this "
+        "much to a lone request's TTFT: docs/benchmarks.md")
     max_waiting_requests: int = option(256, "admission control: beyond this many waiting, 503 + Retry-After")
     max_waiting_tokens: int = option(262_144, "admission control on queued prompt tokens")
     max_model_len: int | None = option(None, "context length cap", shown_default="the model's")

@@ -164,6 +164,27 @@ async def test_idle_engine_does_not_step():
     await eng.shutdown(0)
 
 
+@pytest.mark.parametrize("window_ms, together", [(0.0, False), (500.0, True)])
+async def test_admission_window_lets_requests_sent_together_share_the_first_step(window_ms, together):
+    """B arrives 20 ms after A at an idle engine: inside the window both run in the first step; without
+    one, A's step has started alone. The order is set by the loop's timers, not by how fast the box is."""
+    from dataclasses import replace
+
+    from chatserve.config import EngineConfig, SchedulerConfig
+    eng = fake_engine(EngineConfig(scheduler=replace(SchedulerConfig(), admission_window_ms=window_ms)))
+    steps: list[set[str]] = []
+    execute = eng.runner.execute
+    eng.runner.execute = lambda out: (steps.append({s.request_id for s in out.seqs}), execute(out))[1]
+    await eng.start()
+    await asyncio.sleep(0.01)                   # the step loop is idle, waiting for work
+    a = eng.submit([0], SamplingParams(max_tokens=2), request_id="a")
+    await asyncio.sleep(0.02)
+    b = eng.submit([5], SamplingParams(max_tokens=2), request_id="b")
+    assert text_of(await collect(a)) == "bc" and text_of(await collect(b)) == "gh"
+    assert steps and steps[0] == ({"a", "b"} if together else {"a"})
+    await eng.shutdown(0)
+
+
 async def test_shutdown_drains_then_errors_the_rest():
     eng = fake_engine(delay=0.01)
     await eng.start()
