@@ -15,7 +15,7 @@ from chatserve.structured.compiler import GrammarError, compiler_for
 from chatserve.structured.response_format import RequestFieldError, response_format_spec
 from chatserve.structured.spec import StructuredSpec
 from chatserve.toolcalls.parsers import default_parser_name
-from chatserve.toolcalls.prompt import fallback_messages, template_knows_tools, with_object_arguments
+from chatserve.toolcalls.prompt import fallback_messages, template_knows_tools
 from chatserve.toolcalls.request import ToolPlan, tool_plan
 
 if TYPE_CHECKING:
@@ -70,8 +70,7 @@ def chat_constraints(r: ChatCompletionRequest, messages: list[dict], state: Serv
     if plan is not None and plan.constraint is not None:
         spec = plan.constraint                      # a forced call: its grammar wins
     if template_knows_tools(template):
-        msgs, template_tools = with_object_arguments(messages, r.chat_template or template), \
-            (plan.tools if active else None)
+        msgs, template_tools = messages, (plan.tools if active else None)
     elif active or has_history:
         msgs, template_tools = fallback_messages(messages, plan.tools if active else None), None
     else:
