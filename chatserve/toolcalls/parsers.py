@@ -266,7 +266,10 @@ class GptOssParser(ToolCallParser):
     def extract(self, text: str, final: bool) -> Extraction:
         at = text.find(self.MARK)
         if at < 0:
-            return Extraction(content=text if final else _held_back(_held_back(text, self.MARK), "<|start|>"))
+            if final:
+                return Extraction(content=text)
+            head = self._before_header(text)          # a call's header may be on its way
+            return Extraction(content=_held_back(_held_back(head, self.MARK), "<|start|>"))
         out = Extraction(content=self._before_header(text[:at]).rstrip())
         while at >= 0:
             rest = text[at + len(self.MARK):]
@@ -278,7 +281,8 @@ class GptOssParser(ToolCallParser):
             body_start = at + len(self.MARK) + body_at + len(self.MESSAGE)
             end = text.find(self.CALL, body_start)
             closed = end >= 0 or final
-            out.calls.append(PartialCall(rest[:name_end], text[body_start:end if end >= 0 else len(text)].strip(),
+            args = text[body_start:end] if end >= 0 else text[body_start:]
+            out.calls.append(PartialCall(rest[:name_end], (args if closed else _held_back(args, self.CALL)).strip(),
                                          closed, closed))
             at = -1 if end < 0 else text.find(self.MARK, end)
         return out
