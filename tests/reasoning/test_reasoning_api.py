@@ -167,10 +167,11 @@ def test_deepseek_template_opened_block(r1_server):
 # ── the Responses API ──────────────────────────────────────────────────────────────────────────────
 def test_responses_reasoning_items(qwen3_server):
     c = _client(qwen3_server)
-    r = c.responses.create(model="qwen3", input="hi", temperature=0)
+    r = c.responses.create(model="qwen3", input="hi", temperature=0, reasoning={"summary": "auto"})
     kinds = [it.type for it in r.output]
     assert kinds == ["reasoning", "message"]
     assert r.output[0].content[0].text == THOUGHT and r.output_text == ANSWER
+    assert r.output[0].summary == [] and r.reasoning.summary == "auto"     # no summary is ever invented
     assert r.usage.output_tokens_details.reasoning_tokens == 9
     with c.responses.stream(model="qwen3", input="hi", temperature=0) as s:
         events = list(s)
