@@ -79,6 +79,20 @@ def test_commentary_call_is_a_tool_call(gpt_oss_server):
     assert json.loads("".join(d["function"]["arguments"] or "" for d in calls)) == json.loads(NOW_ARGS)
 
 
+def test_required_tool_choice_forces_a_call(gpt_oss_server):
+    """tool_choice required: the grammar forces the call array from the first token (harmony's headers are
+    several tokens: no end-of-thinking token to start after); the call's arguments parse."""
+    tool = {"type": "function", "function": {"name": "now", "description": "the time",
+                                             "parameters": {"type": "object", "properties": {},
+                                                            "additionalProperties": False}}}
+    r = _client(gpt_oss_server).chat.completions.create(
+        model="gpt_oss", messages=HI, temperature=0, tools=[tool], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=40)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls] == [("now", {})]
+
+
 def test_replayed_call_renders_as_transformers_does(gpt_oss_server, tmp_path):
     """The tool-call turn as OpenAI clients send it back (arguments as JSON text) gives the prompt that
     transformers' apply_chat_template gives for the arguments object the gpt-oss template expects."""

@@ -120,6 +120,7 @@ def deepseek_chains() -> list[tuple[list[str], float]]:
 # gpt-oss (harmony): the prompt ends with `<|start|>assistant`; a reply is one message (see the module doc)
 HARMONY_THOUGHT = ["Okay", ",", " the", " user", " says", " hi"]
 NOW_ARGS = '{"tz":"UTC"}'
+FORCED_CALL = '[{"name":"now","arguments":{}}]'    # what a grammar (tool_choice required) picks
 BRANCH_BIAS = 20     # logit_bias that picks a weight-7 or weight-6 branch over weight 10, and nothing else
 
 
@@ -127,9 +128,10 @@ def gpt_oss_chains() -> list[tuple[list[str], float]]:
     """After the prompt's `assistant`: `<|channel|>`, then by weight: the final answer (10); an analysis
     message (7: logit_bias BRANCH_BIAS on "analysis" and "Okay" picks it) that `<|end|>` closes and the next
     message repeats; a tool call in the commentary channel (6: logit_bias on "comment" and the arguments'
-    first token picks it)."""
+    first token picks it); the forced-call array (2: a grammar picks it, masking the heavier successors)."""
     return [(["assistant", "<|channel|>", "final", "<|message|>", *ANSWER, "<|return|>"], 10.0),
             (["<|channel|>", "analysis", "<|message|>", *HARMONY_THOUGHT, "<|end|>", "<|start|>", "assistant"],
              7.0),
             (["<|channel|>", "comment", "ary", " to", "=", "functions", ".", "now", " ", "<|constrain|>", "json",
-              "<|message|>", NOW_ARGS, "<|call|>"], 6.0)]
+              "<|message|>", NOW_ARGS, "<|call|>"], 6.0),
+            (["istant", FORCED_CALL, "<|call|>"], 2.0)]
