@@ -1,8 +1,8 @@
 """gpt-oss through the API: a tiny GptOssConfig checkpoint (MoE, attention sinks) with the real harmony chat
 template, its output scripted (think_models.gpt_oss_chains): the final channel as content, the analysis
 channel as reasoning_content (and `<|end|>` not ending the reply), a commentary-channel call as a tool call,
-streamed and not, read by the official openai SDK; a tool-call turn replayed as OpenAI sends it renders as
-transformers renders the gpt-oss template."""
+streamed and not, read by the official openai SDK; tool_choice required; reasoning_effort as the template's
+level; a tool-call turn replayed as OpenAI sends it renders as transformers renders the gpt-oss template."""
 from __future__ import annotations
 
 import json
@@ -115,3 +115,21 @@ def test_replayed_call_renders_as_transformers_does(gpt_oss_server, tmp_path):
 
 def _checkpoint_dir(srv) -> str:
     return httpx.get(srv.url + "/v1/models").json()["data"][0]["root"]
+
+
+def test_reasoning_effort_is_the_templates_level(gpt_oss_server):
+    """reasoning_effort reaches gpt-oss's template as its `reasoning_effort` ("none" as "low", its lowest):
+    the prompt's tokens (read back as prompt_logprobs) are what /tokenize renders with that level."""
+    url = gpt_oss_server.url
+
+    def rendered(level: str | None) -> list[int]:
+        body = {"messages": HI, **({"chat_template_kwargs": {"reasoning_effort": level}} if level else {})}
+        return httpx.post(url + "/tokenize", json=body).json()["tokens"]
+
+    assert rendered("high") != rendered(None) != rendered("low")
+    for effort, level in (("high", "high"), ("none", "low")):
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "gpt_oss", "messages": HI, "reasoning_effort": effort, "prompt_logprobs": 0,
+            "max_tokens": 1}).json()
+        ids = [int(next(iter(e))) for e in r["prompt_logprobs"][1:]]
+        assert ids == rendered(level)[1:], effort
