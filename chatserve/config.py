@@ -331,11 +331,11 @@ class ServerConfig:
     uvicorn_log_level: str = option("warning", "uvicorn's log level", choices=LOG_LEVELS)
     tool_call_parser: str | None = option(
         None, "how tool calls are read from the model's output with tool_choice auto",
-        choices=(None, "hermes", "llama3_json", "mistral"), shown_default="implied by the chat template")
+        choices=(None, "hermes", "llama3_json", "mistral", "gpt_oss"), shown_default="implied by the chat template")
     reasoning_parser: str = option(
-        "auto", "how reasoning (<think> blocks) is told apart from the answer, sent as reasoning_content "
-        "beside content; auto: implied by the chat template and model family; off: left in the content",
-        choices=("auto", "qwen3", "deepseek_r1", "off"))
+        "auto", "how reasoning (<think> blocks, gpt-oss's analysis channel) is told apart from the answer, "
+        "sent as reasoning_content beside content; auto: implied by the chat template and model family; "
+        "off: left in the content", choices=("auto", "qwen3", "deepseek_r1", "harmony", "off"))
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
