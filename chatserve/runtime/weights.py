@@ -12,6 +12,7 @@ import sys
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from chatserve.runtime.arch_config import (GGUF_ARCHS, ArchConfig, UnsupportedMo
                                            gguf_config)
 from chatserve.runtime.mxfp4 import SUFFIXES as MXFP4_SUFFIXES
 from chatserve.runtime.mxfp4 import fold_mxfp4
+
+if TYPE_CHECKING:
+    from chatserve.runtime.gguf_view import ViewReader
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -143,21 +147,10 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def gguf_reader(path: str | os.PathLike):
-    """A GGUFReader that parses metadata over a plain ndarray view of its memmap.
-
-    Slicing a np.memmap runs memmap.__array_finalize__ on every one of the ~10^6 small reads the
-    reader makes for a 49k-token vocabulary (most of its load time); the bytes are the same mapping.
-    """
-    from gguf import GGUFReader
-
-    class _Reader(GGUFReader):
-        def _get(self, *args, **kwargs):
-            if type(self.data) is not np.ndarray:
-                self.data = self.data.view(np.ndarray)
-            return super()._get(*args, **kwargs)
-
-    return _Reader(str(path))
+def gguf_reader(path: str | os.PathLike) -> "ViewReader":
+    """The GGUF reader of `path` (gguf_view.ViewReader: the header parsed over a plain ndarray view)."""
+    from chatserve.runtime.gguf_view import ViewReader
+    return ViewReader(str(path))
 
 
 def block_matrix(t, n_heads: int | None = None) -> BlockMatrix:
