@@ -133,19 +133,20 @@ def _decode(runner, batch: int, context: int, steps: int, warmup: int = 2, timed
     last = [prompt[-1]] * batch
     times = []
     with timed or contextlib.nullcontext():
-        _decode_steps(runner, batch, context, steps, warmup, step, tables, last, params, times)
+        _decode_steps(runner, batch, context, steps, warmup, step, tables, last, params, times, prompt)
     return _decode_result(batch, context, times)
 
 
 def _decode_steps(runner, batch: int, context: int, steps: int, warmup: int, step: int,
-                  tables: list[list[int]], last: list[int], params, times: list[float]) -> None:
+                  tables: list[list[int]], last: list[int], params, times: list[float],
+                  prompt: list[int]) -> None:
     """The decode loop of _decode: appends each step's seconds (after `warmup` steps) to `times`."""
     from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
 
     for i in range(steps + warmup):
         pos = context + i
-        out = SchedulerOutput(step + i + 1, [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params)
-                                             for b in range(batch)])
+        out = SchedulerOutput(step + i + 1, [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params,
+                                                          prompt) for b in range(batch)])
         t0 = time.perf_counter()
         res = runner.execute(out)
         dt = time.perf_counter() - t0
@@ -250,7 +251,8 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
     def decode_step(extra: list) -> tuple[float, float]:
         nonlocal step, pos, last
         step += 1
-        seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params) for b in range(streams)]
+        seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params, ctx_prompt)
+                for b in range(streams)]
         t0, c0 = time.perf_counter(), time.process_time()
         res = runner.execute(SchedulerOutput(step, seqs + extra))
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -282,6 +284,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from chatserve.runtime.device import set_num_threads
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
     from chatserve.runtime.weights import load_weights
 
@@ -316,9 +319,9 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"{dtype}: loaded in place in {runner.load_seconds:.1f} s, peak RSS "
                       f"{_peak_rss_mib():.0f} MiB", file=sys.stderr, flush=True)
         else:
-            runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
-                                 num_blocks=need, num_threads=threads, weights=weights, progress=False,
-                                 weight_quant=quant or None)
+            runner = ModelRunner.from_config(offline_config(
+                path, dtype=base, device=args.device, block_size=args.block_size, num_blocks=need,
+                num_threads=threads, weight_quant=quant or None), weights=weights)
         report["results"].append(_bench_dtype(runner, dtype, args, batches, prefill_lengths, caps, bandwidth))
         del runner
     return report
@@ -326,12 +329,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def _in_place_runner(path: str, dtype: str, isa: str, args: argparse.Namespace, blocks: int, threads: int):
     """A runner on the GGUF's own blocks (--gguf-in-place) with the block kernels at level `isa`."""
-    from chatserve.config import CacheConfig, ModelConfig
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
 
-    model = ModelConfig(model=path, dtype=dtype, device=args.device, num_threads=threads, weight_quant=None,
-                        gguf_in_place=True, cpu_isa=isa)
-    return ModelRunner(model, CacheConfig(block_size=args.block_size, num_blocks=blocks), progress=False)
+    return ModelRunner.from_config(offline_config(
+        path, dtype=dtype, device=args.device, num_threads=threads, weight_quant=None, gguf_in_place=True,
+        cpu_isa=isa, block_size=args.block_size, num_blocks=blocks))
 
 
 def _bench_dtype(runner, dtype: str, args: argparse.Namespace, batches: list[int], prefill_lengths: list[int],
@@ -423,13 +426,15 @@ def main(argv: list[str]) -> int:
 
 def _profile_main(args: argparse.Namespace) -> int:
     from chatserve.runtime.device import set_num_threads
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
 
     threads = set_num_threads(args.threads)
     base, _, quant = _parse_list(args.dtypes)[0].partition("+")
-    runner = ModelRunner(_model_path(args), dtype=base, device=args.device, block_size=args.block_size,
-                         num_blocks=-(-(args.context + args.profile + 16) // args.block_size) * 2,
-                         num_threads=threads, progress=False, weight_quant=quant or None)
+    runner = ModelRunner.from_config(offline_config(
+        _model_path(args), dtype=base, device=args.device, block_size=args.block_size,
+        num_blocks=-(-(args.context + args.profile + 16) // args.block_size) * 2, num_threads=threads,
+        weight_quant=quant or None))
     p = profile_decode(runner, args.context, args.profile)
     if args.json:
         print(json.dumps({k: v for k, v in p.items()}, indent=2))

@@ -6,14 +6,13 @@ is decided by the scheduler and the KV cache manager and arrives here as plain l
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 import chatserve_kernels
-from chatserve.config import OFFLINE_DEFAULTS, CacheConfig, ModelConfig
+from chatserve.config import CacheConfig, EngineConfig, ModelConfig
 from chatserve.core.ngram_proposer import can_draft
 from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
 from chatserve.core.request import SamplingParams
@@ -49,23 +48,22 @@ def gpu_kv_budget(free_bytes: int, total_bytes: int, utilization: float) -> int:
 
 
 WARM_UP_ID = "__warm_up__"
-_LEGACY_MODEL_KEYS = ("dtype", "device", "num_threads", "weight_quant", "seed")
-_LEGACY_CACHE_KEYS = ("block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization")
 
 
 class ModelRunner:
-    def __init__(self, model: ModelConfig | str, cache: CacheConfig | None = None, *,
-                 max_model_len: int | None = None, progress: bool = True,
-                 weights: LoadedWeights | None = None, **legacy: Any) -> None:
-        """model, cache: the model and KV cache sections of the config (chatserve/config.py).
-        weights: already-loaded weights of the model (tests and benchmarks reuse one read).
-        A model path with keyword settings (dtype=…, num_blocks=…) is accepted too, for scripts and
-        tests: they are the same fields, with the offline defaults (float32 on CPU, dense weights)."""
-        if isinstance(model, str):
-            model, cache = _configs_for_path(model, cache, legacy)
-        elif legacy:
-            raise TypeError(f"unexpected arguments {sorted(legacy)} (set them in the configs)")
-        cache = cache or CacheConfig()
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, progress: bool = False,
+                    weights: LoadedWeights | None = None) -> "ModelRunner":
+        """The runner of `config` (the builder's, and scripts' and tests' through
+        chatserve.config.offline_config(path, dtype=…, num_blocks=…)); max_model_len from its scheduler."""
+        return cls(config.model, config.cache, max_model_len=config.scheduler.max_model_len,
+                   progress=progress, weights=weights)
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, *, max_model_len: int | None = None,
+                 progress: bool = True, weights: LoadedWeights | None = None) -> None:
+        """model, cache: the model and KV cache sections of the config (chatserve/config.py); every
+        setting comes from them (no defaults of the runner's own). weights: already-loaded weights of
+        the model (tests and benchmarks reuse one read)."""
         t0 = time.perf_counter()
         self.device = resolve_device(model.device)
         self._threads_big = self._threads_small = None
@@ -356,16 +354,3 @@ class ModelRunner:
             if lp is not None:
                 res.logprobs[s.request_id] = lp
 
-
-def _configs_for_path(path: str, cache: CacheConfig | None, settings: dict[str, Any]
-                      ) -> tuple[ModelConfig, CacheConfig]:
-    """A model path + keyword settings → the two config sections, with the offline defaults."""
-    unknown = set(settings) - set(_LEGACY_MODEL_KEYS) - set(_LEGACY_CACHE_KEYS)
-    if unknown:
-        raise TypeError(f"unexpected arguments {sorted(unknown)}")
-    model_kw = {k: v for k, v in OFFLINE_DEFAULTS.items() if k in _LEGACY_MODEL_KEYS}   # float32, cpu, dense
-    model_kw.update({k: v for k, v in settings.items() if k in _LEGACY_MODEL_KEYS})
-    if not isinstance(model_kw["dtype"], str):
-        model_kw["dtype"] = str(model_kw["dtype"]).replace("torch.", "")
-    cache_kw = {k: v for k, v in settings.items() if k in _LEGACY_CACHE_KEYS}
-    return ModelConfig(model=path, **model_kw), replace(cache or CacheConfig(), **cache_kw)
