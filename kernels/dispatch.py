@@ -6,7 +6,6 @@ tests use it. Not a kernel itself; triton stays optional.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
@@ -17,7 +16,7 @@ from chatserve_kernels import env
 # so interpreting is the only useful mode: choose it here, before anything imports triton, whatever the
 # order in which modules (or test files) import us. An explicit TRITON_INTERPRET wins.
 if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    env.set_triton_interpret("1", only_if_unset=True)
 
 try:  # triton is an optional dependency (the CPU install does not need it)
     import triton
@@ -43,7 +42,7 @@ def interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # pragma: no cover - older triton
+    return env.triton_interpret() == "1"  # pragma: no cover - older triton
 
 
 def use_triton(t: torch.Tensor) -> bool:
