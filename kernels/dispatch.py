@@ -23,8 +23,8 @@ try:  # triton is an optional dependency (the CPU install does not need it)
     import triton.language as tl
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only without triton
-    triton = None  # type: ignore[assignment]  # without triton the names exist as None (HAS_TRITON guards)
-    tl = None  # type: ignore[assignment]  # as above
+    triton = None  # without triton the names exist as None (HAS_TRITON guards them)
+    tl = None
     HAS_TRITON = False
 
 FORCE_ENV = env.FORCE_TRITON

@@ -18,5 +18,5 @@ class ViewReader(GGUFReader):
 
     def _get(self, *args: Any, **kwargs: Any) -> Any:
         if type(self.data) is not np.ndarray:
-            self.data = self.data.view(np.ndarray)
+            self.data = self.data.view(np.ndarray)  # type: ignore[assignment]  # same bytes, a plain array type
         return super()._get(*args, **kwargs)

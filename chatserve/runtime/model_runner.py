@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -66,7 +66,8 @@ class ModelRunner:
         the model (tests and benchmarks reuse one read)."""
         t0 = time.perf_counter()
         self.device = resolve_device(model.device)
-        self._threads_big = self._threads_small = None
+        self._threads_big: int | None = None       # CPU threads for big steps, for small ones
+        self._threads_small: int | None = None
         if self.device.type == "cpu":
             self._set_step_threads(model.num_threads)
         if model.seed is not None:
@@ -118,8 +119,9 @@ class ModelRunner:
         decode matmuls are big (BIG_MATMUL_BYTES), keeps every core for them: the chain's steps are a few
         dozen kernels, and a big matmul's time dwarfs a stall, so both gain from the second core's memory
         bandwidth far more than they lose to the event loop (docs/benchmarks.md)."""
-        self._threads_big = set_num_threads(num_threads)
-        self._threads_small = self._threads_big if num_threads else max(1, self._threads_big - 1)
+        big = set_num_threads(num_threads)
+        self._threads_big = big
+        self._threads_small = big if num_threads else max(1, big - 1)
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -172,9 +174,10 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         res = RunnerOutput(step_id=out.step_id)
-        if self._threads_big is not None and self._threads_small != self._threads_big:
+        big, few = self._threads_big, self._threads_small
+        if big is not None and few is not None and few != big:
             small = sum(len(s.token_ids) for s in out.seqs) <= self.SMALL_STEP_TOKENS
-            n = self._threads_small if small else self._threads_big
+            n = few if small else big
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
         if out.finished_ids:
@@ -209,10 +212,10 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1, 2)  # [M, 2]
         caches = self.kv_caches
-        kw = {}
-        if len(caches[0]) == 4:
-            kw = {"k_scales": [c[2] for c in caches], "v_scales": [c[3] for c in caches]}
-        chatserve_kernels.copy_blocks([c[0] for c in caches], [c[1] for c in caches], mapping, **kw)
+        scaled = len(caches[0]) == 4
+        k_scales: list[torch.Tensor | None] | None = [c[2] for c in caches] if scaled else None
+        v_scales: list[torch.Tensor | None] | None = [c[3] for c in caches] if scaled else None
+        chatserve_kernels.copy_blocks([c[0] for c in caches], [c[1] for c in caches], mapping, k_scales, v_scales)
 
     def _check(self, s: ScheduledSeq) -> str | None:
         n = len(s.token_ids)
@@ -346,7 +349,7 @@ class ModelRunner:
                 res.errors[s.request_id] = f"sampling failed: {e}"
 
     @staticmethod
-    def _apply_sampler(sampler: Callable, logits: torch.Tensor, seqs: list[ScheduledSeq],
+    def _apply_sampler(sampler: Callable[..., Any], logits: torch.Tensor, seqs: list[ScheduledSeq],
                        res: RunnerOutput) -> None:
         ids, lps = sampler(logits, seqs)
         for s, tok, lp in zip(seqs, ids, lps):
