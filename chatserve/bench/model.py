@@ -13,6 +13,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
 
 def _parse_list(s: str, cast=str) -> list:
@@ -68,6 +69,7 @@ def agreement(path: str, variants: list[str], max_tokens: int) -> dict:
     from chatserve.bench.kernels import PROMPTS
     from chatserve.core.request import SamplingParams
     from chatserve.engine.llm import LLM
+    from chatserve.runtime.model_runner import ModelRunner
     from chatserve.text import Tokenizer
 
     tok = Tokenizer.from_model(path)
@@ -78,14 +80,16 @@ def agreement(path: str, variants: list[str], max_tokens: int) -> dict:
     for v in ["float32", *variants]:
         base, _, quant = v.partition("+")
         llm = LLM(path, dtype=base, weight_quant=quant or None, eos_token_ids=eos)
-        outs[v] = (str(llm.runner.dtype).replace("torch.", ""), llm.runner.weight_quant, llm.generate(ids, params))
+        runner = llm.runner
+        assert isinstance(runner, ModelRunner)             # LLM built it from the path
+        outs[v] = (str(runner.dtype).replace("torch.", ""), runner.weight_quant, llm.generate(ids, params))
     ref = outs["float32"][2]
-    report = {"prompts": len(ids), "max_tokens": max_tokens, "results": []}
+    report: dict[str, Any] = {"prompts": len(ids), "max_tokens": max_tokens, "results": []}
     for v in variants:
-        dtype, quant, got = outs[v]
+        dt, wq, got = outs[v]
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                   for a, b in zip(ref, got)]
-        report["results"].append({"variant": v, "dtype": dtype, "weight_quant": quant,
+        report["results"].append({"variant": v, "dtype": dt, "weight_quant": wq,
                                   "identical": sum(a == b for a, b in zip(ref, got)),
                                   "mean_matching_prefix": sum(prefix) / len(prefix)})
     return report
@@ -131,7 +135,7 @@ def _decode(runner, batch: int, context: int, steps: int, warmup: int = 2, timed
             runner.execute(SchedulerOutput(step, [ScheduledSeq(
                 f"s{b}", chunk, s, tables[b], s + len(chunk) == context, params, prompt)]))
     last = [prompt[-1]] * batch
-    times = []
+    times: list[float] = []
     with timed or contextlib.nullcontext():
         _decode_steps(runner, batch, context, steps, warmup, step, tables, last, params, times, prompt)
     return _decode_result(batch, context, times)
@@ -268,7 +272,8 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
         piece = prompt[s:s + cap]
         mixed.append(decode_step([ScheduledSeq("long", piece, s, long_table, s + len(piece) == prompt_len,
                                                params, prompt)]))
-    res = {"cap": cap, "streams": streams, "context": context, "prompt": prompt_len, "steps": len(mixed)}
+    res: dict[str, Any] = {"cap": cap, "streams": streams, "context": context, "prompt": prompt_len,
+                           "steps": len(mixed)}
     for i, kind in ((0, ""), (1, "cpu_")):
         a, m = [x[i] for x in alone], [x[i] for x in mixed]
         res.update({f"itl_alone_{kind}ms_p50": _percentile(a, 50) * 1e3,

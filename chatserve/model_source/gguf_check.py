@@ -43,10 +43,11 @@ class CheckedReader(ViewReader):
         if itype != GGUFValueType.STRING:
             return count * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
         fmt, start, end = (">Q" if self.byte_order == "S" else "<Q"), offs, len(self.data)
+        buf = memoryview(self.data)  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's memmap stub says not
         for _ in range(count):
             if offs + 8 > end:
                 raise ValueError(f"a string array of {count} items runs past the end of the file")
-            offs += 8 + struct.unpack_from(fmt, self.data, offs)[0]
+            offs += 8 + struct.unpack_from(fmt, buf, offs)[0]
         return offs - start
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
