@@ -1,8 +1,9 @@
 """The environment variables the kernels read, read here and nowhere else in kernels/.
 
 kernels/ imports nothing of chatserve, so these cannot come from chatserve/config.py; config.py declares
-the same names and meanings (`PROCESS_ENV`, shown in the docs), and tests/test_config.py checks that the
-two agree. They are process-wide switches read at first use, not per-engine settings. No torch here.
+the same names and meanings (`PROCESS_ENV` for the CHATSERVE_* switches, `FOREIGN_ENV` for CC,
+TRITON_INTERPRET and XDG_CACHE_HOME), and tests/test_config.py checks that the lists agree. They are
+process-wide switches read at first use, not per-engine settings. No torch here.
 """
 from __future__ import annotations
 
