@@ -375,6 +375,51 @@ def test_builder_wires_every_cache_setting_and_warms_up(tiny_model):
         LLM(tiny_model, no_such_setting=1)
 
 
+def test_one_construction_path_for_the_runner_and_the_offline_driver(tiny_model):
+    """The runner is built from a config only (ModelRunner.from_config, or its sections); a path with
+    keyword settings is refused, so no caller gets defaults of the runner's own. offline_config is the
+    scripts' way to a config, LLM(config=...) takes a whole one, and LLM.tokenizer honours chat_template."""
+    from chatserve.config import OFFLINE_DEFAULTS, offline_config
+    from chatserve.engine.llm import LLM
+    from chatserve.runtime.model_runner import ModelRunner
+    with pytest.raises(TypeError):
+        ModelRunner(tiny_model, num_blocks=8)
+    with pytest.raises(TypeError, match="no_such_setting"):
+        offline_config(tiny_model, no_such_setting=1)
+    cfg = offline_config(tiny_model, block_size=8, num_blocks=24, max_model_len=64,
+                         chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert (cfg.model.dtype, cfg.model.weight_quant) == (OFFLINE_DEFAULTS["dtype"], None)
+    runner = ModelRunner.from_config(cfg)
+    assert (runner.block_size, runner.num_blocks, runner.max_model_len) == (8, 24, 64)
+    llm = LLM(config=cfg)
+    assert (llm.runner.block_size, llm.runner.num_blocks) == (8, 24)
+    assert llm.tokenizer.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "<user>hi"
+    with pytest.raises(TypeError):
+        LLM(tiny_model, config=cfg)
+
+
+def test_generate_builds_its_llm_from_the_config(tiny_model, monkeypatch, capsys):
+    """`chatserve generate` hands its whole config to LLM(config=...): the block size is the config's
+    (CHATSERVE_BLOCK_SIZE here, not a literal 16) and --chat-template reaches LLM.tokenizer."""
+    from chatserve import generate
+    from chatserve.engine.llm import LLM
+    built: list[LLM] = []
+    init = LLM.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        built.append(self)
+    monkeypatch.setattr(LLM, "__init__", spy)
+    monkeypatch.setenv("CHATSERVE_BLOCK_SIZE", "8")
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    rc = generate.main(["--model", tiny_model, "--prompt", "hi", "--chat", "--chat-template", template,
+                        "--max-tokens", "2", "--temperature", "0", "--dtype", "float32"])
+    assert rc == 0 and capsys.readouterr().out.endswith("\n")
+    (llm,) = built
+    assert llm.runner.block_size == 8 and llm.config.model.chat_template == template
+    assert llm.tokenizer.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "<user>hi"
+
+
 def test_shutdown_and_slow_readers_carry_error_codes():
     async def run():
         eng = fake_engine(delay=0.01, max_buffered_deltas=2)

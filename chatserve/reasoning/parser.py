@@ -53,7 +53,8 @@ class ThinkTagParser:
     def feed(self, text: str) -> Pair:
         """The reasoning and content parts of a new text delta (either may be "")."""
         self._buf += text
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while self._buf:
             if not self._step(reasoning, content, final=False):
                 break
@@ -61,7 +62,8 @@ class ThinkTagParser:
 
     def finish(self) -> Pair:
         """Whatever was held back, at the end of the output (a block cut off stays reasoning)."""
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while self._buf:
             if not self._step(reasoning, content, final=True):
                 break

@@ -77,7 +77,7 @@ def weights_text(runner) -> str:
 def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
     """The startup summary: what was loaded, how the KV cache is sized, where to connect."""
     engine = state.engine
-    runner: ModelRunner = engine.runner     # type: ignore[assignment]  (serve always builds a real one)
+    runner: ModelRunner = engine.runner     # type: ignore[assignment]  # serve always builds a real one
     dtype = str(runner.dtype).replace("torch.", "")
     kv_dtype = dtype if runner.kv_cache_dtype == "auto" else runner.kv_cache_dtype
     blocks, bs, ctx = engine.num_blocks, engine.block_size, engine.max_model_len

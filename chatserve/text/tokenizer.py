@@ -206,7 +206,7 @@ class Tokenizer:
             raise ValueError(f"{model} has no chat template; use the completions endpoint, or start "
                              "the server with --chat-template FILE_OR_STRING")
         return chat_template_module.render(
-            template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            template, list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
             continue_final_message=continue_final_message, special_tokens=self._special_tokens_map,
             **chat_template_kwargs)
 
