@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable, Iterator
+from typing import Callable, Generator
 
 import httpx
 
@@ -28,7 +28,7 @@ class ChatError(Exception):
 
 
 def stream_reply(client: httpx.Client, messages: list[dict], *, model: str | None, max_tokens: int | None,
-                 temperature: float | None) -> Iterator[str | dict]:
+                 temperature: float | None) -> Generator[str | dict, None, None]:
     """Yields text deltas, then the usage dict (if the server sends one). Raises ChatError."""
     body: dict = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
     if model:

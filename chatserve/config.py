@@ -25,7 +25,7 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # The offline drivers' defaults (LLM, and ModelRunner built from a model path) where they differ from the
 # server's: exact float32 on the CPU, dense weights, a 1 GiB KV cache, and no admission limits (a script
-# queues everything it submits). Declared once here; chatserve.engine.llm and runtime.model_runner read them.
+# queues everything it submits). Declared once here; `offline_config()` lays them under a script's settings.
 OFFLINE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "device": "cpu", "weight_quant": None,
                                     "kv_cache_memory": 1 << 30, "max_waiting_requests": 1 << 30,
                                     "max_waiting_tokens": 1 << 40}
@@ -39,6 +39,31 @@ PROCESS_ENV = {
     "CHATSERVE_CACHE_DIR": "the per-user disk cache root (converted tokenizers, compiled kernels); "
                            "default $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve",
 }
+
+
+# The client command's variables (`chatserve chat`, chatserve/chat_client.py): defaults for its flags, not
+# engine settings.
+CLIENT_ENV = {
+    "CHATSERVE_URL": "the server `chatserve chat` talks to (--url); default http://127.0.0.1:8000",
+    "CHATSERVE_API_KEY": "the API key `chatserve chat` sends (--api-key)",
+}
+
+# Other programs' variables that chatserve's own code reads too (libraries read more of their own, such as
+# huggingface_hub's HF_TOKEN and HF_HUB_OFFLINE; those are theirs and not listed).
+FOREIGN_ENV = {
+    "XDG_CACHE_HOME": "where the cache root goes when CHATSERVE_CACHE_DIR is unset",
+    "OLLAMA_MODELS": "Ollama's model store, for model:tag names (default ~/.ollama/models)",
+    "NO_COLOR": "set: `chatserve chat` prints without colour",
+    "CC": "the C compiler the CPU kernels are built with (default cc, then gcc)",
+    "TRITON_INTERPRET": "1: Triton runs its interpreter on CPU tensors (set by CHATSERVE_FORCE_TRITON)",
+}
+
+
+def declared_env_names() -> frozenset[str]:
+    """Every environment variable chatserve's code reads: the settings' CHATSERVE_<FIELD> (and old
+    aliases), PROCESS_ENV, CLIENT_ENV and FOREIGN_ENV (tests/test_config.py checks the code against it)."""
+    names = {n for s in settings() for n in s.env_names}
+    return frozenset(names | set(PROCESS_ENV) | set(CLIENT_ENV) | set(FOREIGN_ENV))
 
 
 def cache_root() -> Path:
@@ -296,6 +321,10 @@ class SchedulerConfig:
         0, "prompt tokens a step may compute while other requests decode, so a long prompt does not "
         "stretch their inter-token latency (alone it gets the whole budget); 0 = the whole budget. "
         "A cap trades TTFT for ITL: docs/benchmarks.md")
+    admission_window_ms: float = option(
+        3.0, "an idle engine waits this long after the first new request before its first step, so "
+        "requests sent together share that step instead of queueing behind it; 0 = off. It adds this "
+        "much to a lone request's TTFT: docs/benchmarks.md")
     max_waiting_requests: int = option(256, "admission control: beyond this many waiting, 503 + Retry-After")
     max_waiting_tokens: int = option(262_144, "admission control on queued prompt tokens")
     max_model_len: int | None = option(None, "context length cap", shown_default="the model's")
@@ -351,11 +380,11 @@ class ServerConfig:
     uvicorn_log_level: str = option("warning", "uvicorn's log level", choices=LOG_LEVELS)
     tool_call_parser: str | None = option(
         None, "how tool calls are read from the model's output with tool_choice auto",
-        choices=(None, "hermes", "llama3_json", "mistral"), shown_default="implied by the chat template")
+        choices=(None, "hermes", "llama3_json", "mistral", "gpt_oss"), shown_default="implied by the chat template")
     reasoning_parser: str = option(
-        "auto", "how reasoning (<think> blocks) is told apart from the answer, sent as reasoning_content "
-        "beside content; auto: implied by the chat template and model family; off: left in the content",
-        choices=("auto", "qwen3", "deepseek_r1", "off"))
+        "auto", "how reasoning (<think> blocks, gpt-oss's analysis channel) is told apart from the answer, "
+        "sent as reasoning_content beside content; auto: implied by the chat template and model family; "
+        "off: left in the content", choices=("auto", "qwen3", "deepseek_r1", "harmony", "off"))
     # several models behind one server (docs/multi-model.md): `--model NAME=PATH`, repeatable, is read
     # by serve.py (chatserve/server/model_specs.py); these bound what is loaded at once
     models: tuple[str, ...] = option(
@@ -506,4 +535,22 @@ def config_from_args(args: argparse.Namespace, base: EngineConfig | None = None,
                 changes[s.name] = tuple(value) if s.option.many else value
         if changes:
             cfg = cfg.replace_section(section, **changes)
+    return cfg
+
+
+def offline_config(model: str | None, **settings_by_name: Any) -> EngineConfig:
+    """An EngineConfig for scripts, tests and benchmarks (`LLM(...)`, `ModelRunner.from_config(...)`):
+    keyword settings named as the config fields (dtype=…, num_blocks=…) over OFFLINE_DEFAULTS; an unknown
+    name is a TypeError. A torch dtype is taken by its name."""
+    cfg = EngineConfig()
+    by_section: dict[str, dict[str, Any]] = {}
+    known = {s.name: s.section for s in settings()}
+    for name, value in {**OFFLINE_DEFAULTS, **settings_by_name, "model": model}.items():
+        if name not in known:
+            raise TypeError(f"unexpected setting {name!r} (not a field of chatserve.config)")
+        if name == "dtype" and not isinstance(value, str):
+            value = str(value).replace("torch.", "")
+        by_section.setdefault(known[name], {})[name] = value
+    for section, changes in by_section.items():
+        cfg = cfg.replace_section(section, **changes)
     return cfg

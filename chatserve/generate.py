@@ -39,8 +39,7 @@ def main(argv: list[str]) -> int:
         # a name → a local path, files checked
         config = prepare_model(config_from_args(args, EngineConfig.from_env(), sections=("model",)),
                                count_kv_cache=False)
-        model = config.model
-        path = model.resolved_model()
+        path = config.model.resolved_model()
         tok = load_tokenizer(config)               # the builder's one way: --chat-template applies
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"chatserve generate: {e}", file=sys.stderr)
@@ -53,18 +52,15 @@ def main(argv: list[str]) -> int:
         ids = tok.encode(args.prompt)
     # a KV cache sized to this one request (plus a block of slack), not the server's default budget
     block_size = config.cache.block_size
+    config = config.replace_section("cache", num_blocks=(len(ids) + args.max_tokens) // block_size + 2)
     from chatserve.runtime.arch_config import UnsupportedModelError
     try:
-        llm = LLM(path, dtype=model.dtype, device=model.device, block_size=block_size,
-                  num_blocks=(len(ids) + args.max_tokens) // block_size + 2,
-                  num_threads=model.num_threads, progress=args.progress,
-                  eos_token_ids=sorted(set(tok.eos_token_ids)), weight_quant=model.weight_quant,
-                  chat_template=model.chat_template)
+        llm = LLM(config=config, progress=args.progress, eos_token_ids=sorted(set(tok.eos_token_ids)))
     except UnsupportedModelError as e:
         print(f"chatserve generate: cannot run {path}: {e}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=model.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=config.model.seed)
     out = llm.generate([ids], params)[0]
     eos = set(tok.eos_token_ids)
     while out and out[-1] in eos:

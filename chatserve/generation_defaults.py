@@ -77,10 +77,10 @@ def _auto_gguf(model: ModelConfig) -> Path | None:
 def gguf_sampling_defaults(path: str | Path, gguf_reader: Callable[[Path], Any] | None = None) -> dict[str, Any]:
     """{SamplingParams field: value} from a GGUF file's `general.sampling.*` keys ({} when it has none).
     A key llama.cpp writes but chatserve has no field for (xtc, mirostat, sequence) is left out."""
-    if gguf_reader is None:
-        from gguf import GGUFReader as gguf_reader
+    from gguf import GGUFReader
+    read: Callable[[Path], Any] = gguf_reader if gguf_reader is not None else GGUFReader
     try:
-        reader = gguf_reader(Path(path))
+        reader = read(Path(path))
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
     out: dict[str, Any] = {}

@@ -67,12 +67,13 @@ class TritonAttention:
     def attend(self, q: torch.Tensor, cache: Cache, meta: AttentionMetadata, scale: float,
                window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if softcap or sinks is not None:     # the Triton kernels have neither: those layers run the twin
-            return TorchAttention.attend(self, q, cache, meta, scale, window, softcap, sinks)
+            return _TWIN.attend(q, cache, meta, scale, window, softcap, sinks)
         ks, vs = _scales(cache)
         return paged_attention_triton(q, cache[0], cache[1], meta, scale, ks, vs, window)
 
 
 AttentionBackend = TorchAttention | CpuAttention | TritonAttention
+_TWIN = TorchAttention()                 # stateless: the Triton backend's fallback for softcap/sink layers
 
 
 def _scales(cache: Cache) -> tuple[torch.Tensor | None, torch.Tensor | None]:

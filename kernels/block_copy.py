@@ -38,7 +38,7 @@ def _pointer_table(bufs: list[torch.Tensor]) -> torch.Tensor:
     key = tuple((b.data_ptr(), b.shape, b.stride(), b.dtype, str(b.device)) for b in bufs)
     table = _TABLES.get(key)
     if table is None:
-        rows = [[], [], []]
+        rows: list[list[int]] = [[], [], []]
         for b in bufs:
             block_bytes = b[0].numel() * b.element_size()
             assert b[0].is_contiguous(), "each block must be contiguous"

@@ -105,7 +105,7 @@ def _dq_legacy(b: torch.Tensor, name: str) -> torch.Tensor:
     else:
         q = _nibbles(b[:, off:], 16)
         offset = 8
-    if has_min:
+    if m is not None:
         return d * q.float() + m
     return d * (q.to(torch.int16) - offset).float()
 

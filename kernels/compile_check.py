@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 
+from chatserve_kernels import env
+
 # pointer tags used in _variants (scalars are spelled "i32" / "fp32" as triton spells them)
 _PTR = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i8": "*i8", "fp8": "*fp8e4nv", "pi32": "*i32",
         "pi64": "*i64"}
@@ -106,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m chatserve_kernels.compile_check", description=__doc__)
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90 = H100/H200)")
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if env.triton_interpret() not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (it must not be 1)", file=sys.stderr)
         return 2
-    os.environ["TRITON_INTERPRET"] = "0"      # keep dispatch.py from choosing the interpreter
+    env.set_triton_interpret("0")             # keep dispatch.py from choosing the interpreter
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget

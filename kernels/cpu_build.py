@@ -95,8 +95,8 @@ def cpu_flags() -> set[str]:
 
 def compiler() -> str | None:
     """$CC when it names a program that exists, else cc or gcc on PATH; None when there is none."""
-    if os.environ.get("CC"):
-        return shutil.which(os.environ["CC"])
+    if cc := env.cc():
+        return shutil.which(cc)
     return shutil.which("cc") or shutil.which("gcc")
 
 
@@ -139,7 +139,7 @@ def _prerequisite_gap(name: str) -> KernelStatus | None:
     if platform.system() != "Linux":
         return KernelStatus(name, CPU_LACKS, f"not Linux ({platform.system()})")
     if compiler() is None:
-        return KernelStatus(name, NO_COMPILER, f"CC={os.environ['CC']!r} not found" if os.environ.get("CC")
+        return KernelStatus(name, NO_COMPILER, f"CC={env.cc()!r} not found" if env.cc()
                             else "no cc/gcc on PATH")
     if gap := missing_flags(name):
         return KernelStatus(name, CPU_LACKS, "needs " + " ".join(gap))

@@ -39,6 +39,7 @@ def extend_attention_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qh = q.transpose(0, 1)[None]                                                   # [1, hq, ql, d]
     ks = k[ctx:].repeat_interleave(g, 1).transpose(0, 1)[None]                     # [1, hq, ql, d]
     vs = v[ctx:].repeat_interleave(g, 1).transpose(0, 1)[None]
+    assert _FLASH is not None                      # flash_supported() said so
     o_self, lse_self = _FLASH(qh, ks, vs, 0.0, True, scale=scale)                  # [1,hq,ql,d] [1,hq,ql]
     if ctx == 0:
         return o_self[0].transpose(0, 1)

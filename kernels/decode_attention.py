@@ -165,8 +165,9 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert scale_mode(v_cache, v_scale) == mode
     if mode != SCALE_TOKEN:
         return mode, (0, 0, 0)
-    assert v_scale.stride() == k_scale.stride()
-    return mode, k_scale.stride()
+    assert k_scale is not None and v_scale is not None and v_scale.stride() == k_scale.stride()
+    n_blocks_stride, token_stride, head_stride = k_scale.stride()      # [NB, BS, H]
+    return mode, (n_blocks_stride, token_stride, head_stride)
 
 
 def paged_kernel_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

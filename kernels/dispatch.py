@@ -6,7 +6,6 @@ tests use it. Not a kernel itself; triton stays optional.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
@@ -17,15 +16,15 @@ from chatserve_kernels import env
 # so interpreting is the only useful mode: choose it here, before anything imports triton, whatever the
 # order in which modules (or test files) import us. An explicit TRITON_INTERPRET wins.
 if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    env.set_triton_interpret("1", only_if_unset=True)
 
 try:  # triton is an optional dependency (the CPU install does not need it)
     import triton
     import triton.language as tl
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only without triton
-    triton = None  # type: ignore[assignment]  # without triton the names exist as None (HAS_TRITON guards)
-    tl = None  # type: ignore[assignment]  # as above
+    triton = None  # without triton the names exist as None (HAS_TRITON guards them)
+    tl = None
     HAS_TRITON = False
 
 FORCE_ENV = env.FORCE_TRITON
@@ -43,7 +42,7 @@ def interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # pragma: no cover - older triton
+    return env.triton_interpret() == "1"  # pragma: no cover - older triton
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -1,8 +1,9 @@
 """The environment variables the kernels read, read here and nowhere else in kernels/.
 
 kernels/ imports nothing of chatserve, so these cannot come from chatserve/config.py; config.py declares
-the same names and meanings (`PROCESS_ENV`, shown in the docs), and tests/test_config.py checks that the
-two agree. They are process-wide switches read at first use, not per-engine settings. No torch here.
+the same names and meanings (`PROCESS_ENV` for the CHATSERVE_* switches, `FOREIGN_ENV` for CC,
+TRITON_INTERPRET and XDG_CACHE_HOME), and tests/test_config.py checks that the lists agree. They are
+process-wide switches read at first use, not per-engine settings. No torch here.
 """
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ CPU_KERNELS = "CHATSERVE_CPU_KERNELS"    # "0": never build or load the C kernel
 FORCE_TRITON = "CHATSERVE_FORCE_TRITON"  # "1": Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1)
 CACHE_DIR = "CHATSERVE_CACHE_DIR"        # the per-user cache root (compiled kernels live in <root>/kernels)
 NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR)
+# other programs' variables the kernels honour (config.FOREIGN_ENV declares them too)
+CC = "CC"                                # the C compiler for the CPU kernels
+TRITON_INTERPRET = "TRITON_INTERPRET"    # triton's own switch: "1" runs kernels in its CPU interpreter
+XDG_CACHE_HOME = "XDG_CACHE_HOME"        # the cache root's parent when CACHE_DIR is unset
+FOREIGN = (CC, TRITON_INTERPRET, XDG_CACHE_HOME)
 
 
 def cpu_kernels_enabled() -> bool:
@@ -26,4 +32,22 @@ def force_triton() -> bool:
 def cache_root() -> Path:
     """$CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve (as chatserve.config's)."""
     return Path(os.environ.get(CACHE_DIR) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "chatserve"))
+        os.environ.get(XDG_CACHE_HOME) or os.path.expanduser("~/.cache"), "chatserve"))
+
+
+def cc() -> str | None:
+    """$CC, or None when unset or empty."""
+    return os.environ.get(CC) or None
+
+
+def triton_interpret() -> str:
+    """$TRITON_INTERPRET as set ("0" when unset)."""
+    return os.environ.get(TRITON_INTERPRET, "0")
+
+
+def set_triton_interpret(value: str, *, only_if_unset: bool = False) -> None:
+    """Set TRITON_INTERPRET for triton to read at its import (an explicit setting wins with only_if_unset)."""
+    if only_if_unset:
+        os.environ.setdefault(TRITON_INTERPRET, value)
+    else:
+        os.environ[TRITON_INTERPRET] = value

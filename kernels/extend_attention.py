@@ -213,7 +213,7 @@ SCORE_ELEMS = 1 << 24    # fp32 scores held at once (64 MiB): longer contexts ru
 
 
 def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_len: int, scale: float,
+                           block_table: torch.Tensor | None, seq_len: int, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            sliding_window: int | None = None,
                            prep: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -228,6 +228,7 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     hkv = k_cache.shape[2]
     g = hq // hkv
     if prep is None:
+        assert block_table is not None, "the block table, or the prep built from it"
         prep = extend_prep(block_table, seq_len, ql, k_cache.shape[1], sliding_window)
     table, bias = prep
     kt = gather_dequant(k_cache, k_scale, table, q.dtype)[:seq_len].permute(1, 2, 0)  # [hkv, d, sl]

@@ -96,6 +96,7 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     if T == 0:
         return
     if mode == SCALE_TOKEN:
+        assert k_scale is not None and v_scale is not None
         assert k_scale.stride() == v_scale.stride(), "k/v scales need one layout"
         sstr = k_scale.stride()
     else:
@@ -135,6 +136,7 @@ def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         # index_copy_ is not implemented for float8 on CPU: copy the raw bytes instead
         cache.view(torch.uint8).view(nb * bs, h, d).index_copy_(0, slot_mapping, codes.view(torch.uint8))
         if mode == SCALE_TOKEN:
+            assert scale is not None and s is not None
             scale.view(nb * bs, h).index_copy_(0, slot_mapping, s)
 
 

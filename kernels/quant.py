@@ -46,6 +46,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim:
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k = torch.zeros(shape, dtype=elem, device=device)
     v = torch.zeros(shape, dtype=elem, device=device)
+    ks: torch.Tensor | None
+    vs: torch.Tensor | None
     if mode == SCALE_TOKEN:
         ks = torch.zeros(shape[:3], dtype=torch.float32, device=device)
         vs = torch.zeros(shape[:3], dtype=torch.float32, device=device)

@@ -109,7 +109,8 @@ def test_process_env_declared_in_config_is_what_the_kernels_read(monkeypatch, tm
     """kernels/ reads its switches itself (it imports nothing of chatserve): same names, same cache root."""
     from chatserve.config import PROCESS_ENV, cache_root
     from chatserve_kernels import env
-    assert set(env.NAMES) <= set(PROCESS_ENV)
+    from chatserve.config import FOREIGN_ENV
+    assert set(env.NAMES) == set(PROCESS_ENV) and set(env.FOREIGN) <= set(FOREIGN_ENV)
     for environ in ({"CHATSERVE_CACHE_DIR": str(tmp_path / "a")}, {"XDG_CACHE_HOME": str(tmp_path / "x")}, {}):
         monkeypatch.delenv("CHATSERVE_CACHE_DIR", raising=False)
         monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
@@ -117,3 +118,56 @@ def test_process_env_declared_in_config_is_what_the_kernels_read(monkeypatch, tm
             monkeypatch.setenv(k, v)
         assert cache_root() == env.cache_root()
         assert str(cache_root()).endswith("a" if "CHATSERVE_CACHE_DIR" in environ else "chatserve")
+
+
+def _env_reads(path) -> set[str]:
+    """The variable names a module reads from the environment: os.environ.get/[...]/setdefault/pop,
+    os.getenv and `in os.environ`, the name a string literal or a module-level (or kernels/env.py)
+    constant. A name it cannot resolve comes back as '?<expression>' so the test below fails on it."""
+    import ast
+    tree = ast.parse(path.read_text())
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+              and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str) for t in n.targets
+              if isinstance(t, ast.Name)}
+    from chatserve_kernels import env as kenv
+    consts.update({k: v for k, v in vars(kenv).items() if k.isupper() and isinstance(v, str)})
+
+    def name(node) -> str:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in consts:
+            return consts[node.id]
+        if isinstance(node, ast.Attribute) and node.attr in consts:
+            return consts[node.attr]
+        return "?" + ast.unparse(node)
+
+    def is_environ(node) -> bool:
+        return ast.unparse(node) in ("os.environ", "environ")
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            if (isinstance(f, ast.Attribute) and f.attr in ("get", "setdefault", "pop") and is_environ(f.value)) \
+                    or ast.unparse(f) in ("os.getenv", "getenv"):
+                found.add(name(node.args[0]))
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            found.add(name(node.slice))
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            found.add(name(node.left))
+    return found
+
+
+def test_every_environment_variable_the_code_reads_is_declared_in_config():
+    """Issue 29: grep-proof — every variable chatserve/ and kernels/ read is declared in chatserve/config.py
+    (a setting's CHATSERVE_<FIELD>, PROCESS_ENV, CLIENT_ENV or FOREIGN_ENV), with its meaning."""
+    from pathlib import Path
+
+    from chatserve.config import declared_env_names
+    root = Path(__file__).resolve().parents[1]
+    read = {}
+    for path in [*root.glob("chatserve/**/*.py"), *root.glob("kernels/*.py")]:
+        for var in _env_reads(path):
+            read.setdefault(var, []).append(str(path.relative_to(root)))
+    assert {"CHATSERVE_URL", "CHATSERVE_CACHE_DIR", "CHATSERVE_FORCE_TRITON", "TRITON_INTERPRET"} <= set(read)
+    undeclared = {v: where for v, where in read.items() if v not in declared_env_names()}
+    assert not undeclared, undeclared

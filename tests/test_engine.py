@@ -164,6 +164,27 @@ async def test_idle_engine_does_not_step():
     await eng.shutdown(0)
 
 
+@pytest.mark.parametrize("window_ms, together", [(0.0, False), (500.0, True)])
+async def test_admission_window_lets_requests_sent_together_share_the_first_step(window_ms, together):
+    """B arrives 20 ms after A at an idle engine: inside the window both run in the first step; without
+    one, A's step has started alone. The order is set by the loop's timers, not by how fast the box is."""
+    from dataclasses import replace
+
+    from chatserve.config import EngineConfig, SchedulerConfig
+    eng = fake_engine(EngineConfig(scheduler=replace(SchedulerConfig(), admission_window_ms=window_ms)))
+    steps: list[set[str]] = []
+    execute = eng.runner.execute
+    eng.runner.execute = lambda out: (steps.append({s.request_id for s in out.seqs}), execute(out))[1]
+    await eng.start()
+    await asyncio.sleep(0.01)                   # the step loop is idle, waiting for work
+    a = eng.submit([0], SamplingParams(max_tokens=2), request_id="a")
+    await asyncio.sleep(0.02)
+    b = eng.submit([5], SamplingParams(max_tokens=2), request_id="b")
+    assert text_of(await collect(a)) == "bc" and text_of(await collect(b)) == "gh"
+    assert steps and steps[0] == ({"a", "b"} if together else {"a"})
+    await eng.shutdown(0)
+
+
 async def test_shutdown_drains_then_errors_the_rest():
     eng = fake_engine(delay=0.01)
     await eng.start()
@@ -352,6 +373,51 @@ def test_builder_wires_every_cache_setting_and_warms_up(tiny_model):
                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0] == generated
     with pytest.raises(TypeError):
         LLM(tiny_model, no_such_setting=1)
+
+
+def test_one_construction_path_for_the_runner_and_the_offline_driver(tiny_model):
+    """The runner is built from a config only (ModelRunner.from_config, or its sections); a path with
+    keyword settings is refused, so no caller gets defaults of the runner's own. offline_config is the
+    scripts' way to a config, LLM(config=...) takes a whole one, and LLM.tokenizer honours chat_template."""
+    from chatserve.config import OFFLINE_DEFAULTS, offline_config
+    from chatserve.engine.llm import LLM
+    from chatserve.runtime.model_runner import ModelRunner
+    with pytest.raises(TypeError):
+        ModelRunner(tiny_model, num_blocks=8)
+    with pytest.raises(TypeError, match="no_such_setting"):
+        offline_config(tiny_model, no_such_setting=1)
+    cfg = offline_config(tiny_model, block_size=8, num_blocks=24, max_model_len=64,
+                         chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert (cfg.model.dtype, cfg.model.weight_quant) == (OFFLINE_DEFAULTS["dtype"], None)
+    runner = ModelRunner.from_config(cfg)
+    assert (runner.block_size, runner.num_blocks, runner.max_model_len) == (8, 24, 64)
+    llm = LLM(config=cfg)
+    assert (llm.runner.block_size, llm.runner.num_blocks) == (8, 24)
+    assert llm.tokenizer.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "<user>hi"
+    with pytest.raises(TypeError):
+        LLM(tiny_model, config=cfg)
+
+
+def test_generate_builds_its_llm_from_the_config(tiny_model, monkeypatch, capsys):
+    """`chatserve generate` hands its whole config to LLM(config=...): the block size is the config's
+    (CHATSERVE_BLOCK_SIZE here, not a literal 16) and --chat-template reaches LLM.tokenizer."""
+    from chatserve import generate
+    from chatserve.engine.llm import LLM
+    built: list[LLM] = []
+    init = LLM.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        built.append(self)
+    monkeypatch.setattr(LLM, "__init__", spy)
+    monkeypatch.setenv("CHATSERVE_BLOCK_SIZE", "8")
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    rc = generate.main(["--model", tiny_model, "--prompt", "hi", "--chat", "--chat-template", template,
+                        "--max-tokens", "2", "--temperature", "0", "--dtype", "float32"])
+    assert rc == 0 and capsys.readouterr().out.endswith("\n")
+    (llm,) = built
+    assert llm.runner.block_size == 8 and llm.config.model.chat_template == template
+    assert llm.tokenizer.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "<user>hi"
 
 
 def test_shutdown_and_slow_readers_carry_error_codes():

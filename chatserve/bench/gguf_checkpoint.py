@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any, Callable
 
 H, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 2048, 8192, 16, 32, 8, 128256
 
@@ -24,10 +25,11 @@ def build_gguf(out: Path, fmt: str = "Q4_0", seed: int = 0) -> Path:
     from chatserve_kernels.block_formats import random_weight
 
     w = gguf.GGUFWriter(str(out), "llama")
-    for add, value in ((w.add_block_count, LAYERS), (w.add_context_length, 131072), (w.add_embedding_length, H),
-                       (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS),
-                       (w.add_head_count_kv, KV_HEADS), (w.add_rope_freq_base, 500000.0),
-                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, VOCAB)):
+    settings: tuple[tuple[Callable[[Any], None], Any], ...] = (
+        (w.add_block_count, LAYERS), (w.add_context_length, 131072), (w.add_embedding_length, H),
+        (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
+        (w.add_rope_freq_base, 500000.0), (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, VOCAB))
+    for add, value in settings:
         add(value)
     qtype = gguf.GGMLQuantizationType[fmt]
     count = [seed]

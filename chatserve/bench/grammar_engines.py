@@ -83,11 +83,11 @@ def _timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
 class _Engine:
     name = ""
 
-    def compile(self, schema: dict) -> Any: ...
-    def matcher(self, compiled: Any) -> Any: ...
-    def accept(self, m: Any, tok: int) -> bool: ...
-    def fill(self, ms: list[Any], bitmask: torch.Tensor) -> None: ...
-    def can_end(self, m: Any) -> bool: ...
+    def compile(self, schema: dict) -> Any: raise NotImplementedError
+    def matcher(self, compiled: Any) -> Any: raise NotImplementedError
+    def accept(self, m: Any, tok: int) -> bool: raise NotImplementedError
+    def fill(self, ms: list[Any], bitmask: torch.Tensor) -> None: raise NotImplementedError
+    def can_end(self, m: Any) -> bool: raise NotImplementedError
 
 
 class _LLGuidance(_Engine):

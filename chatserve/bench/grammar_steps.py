@@ -127,7 +127,9 @@ def compile_ms(tok: Any, vocab_size: int, schema: dict, repeats: int = 5) -> dic
         c = GrammarCompiler(tok, vocab_size)
         c.ll_tokenizer                               # the tokenizer table is built once per process
         t = time.perf_counter()
-        spec = c.compile(response_format_spec(rf))
+        fmt = response_format_spec(rf)
+        assert fmt is not None
+        spec = c.compile(fmt)
         comp.append(time.perf_counter() - t)
         m = spec.compiled.template.deep_copy()
         buf = torch.zeros(words, dtype=torch.int32)
@@ -163,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     runner.warm_up()
     eos = set(tok.eos_token_ids)
     rf = {"type": "json_schema", "json_schema": {"name": "record", "schema": STRUCTURED_SCHEMA, "strict": True}}
-    spec = GrammarCompiler(tok, runner.vocab_size).compile(response_format_spec(rf))
+    fmt = response_format_spec(rf)
+    assert fmt is not None                                # a json_schema format always makes a spec
+    spec = GrammarCompiler(tok, runner.vocab_size).compile(fmt)
     res: dict[str, Any] = {"compile": compile_ms(tok, runner.vocab_size, STRUCTURED_SCHEMA), "batches": {}}
     print(f"compile: {res['compile']}", file=sys.stderr, flush=True)
     for b in batches:

@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace) -> dict:
         nonlocal step, pos, last
         step += 1
         runner.batch_invariant = invariant
-        seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params) for b in range(args.streams)]
+        seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params, ctx) for b in range(args.streams)]
         if kind == "mixed":                                # the same chunk again: same work every time
             seqs.append(ScheduledSeq("long", prompt, 0, long_table, False, params, prompt))
         t0, c0 = time.perf_counter(), time.process_time()

@@ -113,7 +113,7 @@ def _others(q, k, v, meta, perm, ctx, bs, scale) -> dict[str, float | str]:
     B, hq, d = q.shape
     hkv = k.shape[2]
     try:
-        import flashinfer  # type: ignore  # optional GPU package, not installed (no stubs either)
+        import flashinfer  # optional GPU package, not installed (no stubs either)
 
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         wrap = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
@@ -129,7 +129,7 @@ def _others(q, k, v, meta, perm, ctx, bs, scale) -> dict[str, float | str]:
     except Exception as e:  # noqa: BLE001 - a baseline failing must not end the benchmark
         res["flashinfer_us"] = f"failed: {type(e).__name__}: {e}"[:120]
     try:
-        from flash_attn import flash_attn_with_kvcache  # type: ignore  # optional GPU package, not installed
+        from flash_attn import flash_attn_with_kvcache  # optional GPU package, not installed
 
         page = 256                                   # flash-attn's paged KV wants pages of 256 tokens
         npg = -(-ctx // page)

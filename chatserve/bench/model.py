@@ -13,6 +13,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
 
 def _parse_list(s: str, cast=str) -> list:
@@ -68,6 +69,7 @@ def agreement(path: str, variants: list[str], max_tokens: int) -> dict:
     from chatserve.bench.kernels import PROMPTS
     from chatserve.core.request import SamplingParams
     from chatserve.engine.llm import LLM
+    from chatserve.runtime.model_runner import ModelRunner
     from chatserve.text import Tokenizer
 
     tok = Tokenizer.from_model(path)
@@ -78,14 +80,16 @@ def agreement(path: str, variants: list[str], max_tokens: int) -> dict:
     for v in ["float32", *variants]:
         base, _, quant = v.partition("+")
         llm = LLM(path, dtype=base, weight_quant=quant or None, eos_token_ids=eos)
-        outs[v] = (str(llm.runner.dtype).replace("torch.", ""), llm.runner.weight_quant, llm.generate(ids, params))
+        runner = llm.runner
+        assert isinstance(runner, ModelRunner)             # LLM built it from the path
+        outs[v] = (str(runner.dtype).replace("torch.", ""), runner.weight_quant, llm.generate(ids, params))
     ref = outs["float32"][2]
-    report = {"prompts": len(ids), "max_tokens": max_tokens, "results": []}
+    report: dict[str, Any] = {"prompts": len(ids), "max_tokens": max_tokens, "results": []}
     for v in variants:
-        dtype, quant, got = outs[v]
+        dt, wq, got = outs[v]
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                   for a, b in zip(ref, got)]
-        report["results"].append({"variant": v, "dtype": dtype, "weight_quant": quant,
+        report["results"].append({"variant": v, "dtype": dt, "weight_quant": wq,
                                   "identical": sum(a == b for a, b in zip(ref, got)),
                                   "mean_matching_prefix": sum(prefix) / len(prefix)})
     return report
@@ -131,21 +135,22 @@ def _decode(runner, batch: int, context: int, steps: int, warmup: int = 2, timed
             runner.execute(SchedulerOutput(step, [ScheduledSeq(
                 f"s{b}", chunk, s, tables[b], s + len(chunk) == context, params, prompt)]))
     last = [prompt[-1]] * batch
-    times = []
+    times: list[float] = []
     with timed or contextlib.nullcontext():
-        _decode_steps(runner, batch, context, steps, warmup, step, tables, last, params, times)
+        _decode_steps(runner, batch, context, steps, warmup, step, tables, last, params, times, prompt)
     return _decode_result(batch, context, times)
 
 
 def _decode_steps(runner, batch: int, context: int, steps: int, warmup: int, step: int,
-                  tables: list[list[int]], last: list[int], params, times: list[float]) -> None:
+                  tables: list[list[int]], last: list[int], params, times: list[float],
+                  prompt: list[int]) -> None:
     """The decode loop of _decode: appends each step's seconds (after `warmup` steps) to `times`."""
     from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
 
     for i in range(steps + warmup):
         pos = context + i
-        out = SchedulerOutput(step + i + 1, [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params)
-                                             for b in range(batch)])
+        out = SchedulerOutput(step + i + 1, [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params,
+                                                          prompt) for b in range(batch)])
         t0 = time.perf_counter()
         res = runner.execute(out)
         dt = time.perf_counter() - t0
@@ -250,7 +255,8 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
     def decode_step(extra: list) -> tuple[float, float]:
         nonlocal step, pos, last
         step += 1
-        seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params) for b in range(streams)]
+        seqs = [ScheduledSeq(f"s{b}", [last[b]], pos, tables[b], True, params, ctx_prompt)
+                for b in range(streams)]
         t0, c0 = time.perf_counter(), time.process_time()
         res = runner.execute(SchedulerOutput(step, seqs + extra))
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -266,7 +272,8 @@ def _interference(runner, cap: int, context: int, prompt_len: int, streams: int 
         piece = prompt[s:s + cap]
         mixed.append(decode_step([ScheduledSeq("long", piece, s, long_table, s + len(piece) == prompt_len,
                                                params, prompt)]))
-    res = {"cap": cap, "streams": streams, "context": context, "prompt": prompt_len, "steps": len(mixed)}
+    res: dict[str, Any] = {"cap": cap, "streams": streams, "context": context, "prompt": prompt_len,
+                           "steps": len(mixed)}
     for i, kind in ((0, ""), (1, "cpu_")):
         a, m = [x[i] for x in alone], [x[i] for x in mixed]
         res.update({f"itl_alone_{kind}ms_p50": _percentile(a, 50) * 1e3,
@@ -282,6 +289,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from chatserve.runtime.device import set_num_threads
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
     from chatserve.runtime.weights import load_weights
 
@@ -316,9 +324,9 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"{dtype}: loaded in place in {runner.load_seconds:.1f} s, peak RSS "
                       f"{_peak_rss_mib():.0f} MiB", file=sys.stderr, flush=True)
         else:
-            runner = ModelRunner(path, dtype=base, device=args.device, block_size=args.block_size,
-                                 num_blocks=need, num_threads=threads, weights=weights, progress=False,
-                                 weight_quant=quant or None)
+            runner = ModelRunner.from_config(offline_config(
+                path, dtype=base, device=args.device, block_size=args.block_size, num_blocks=need,
+                num_threads=threads, weight_quant=quant or None), weights=weights)
         report["results"].append(_bench_dtype(runner, dtype, args, batches, prefill_lengths, caps, bandwidth))
         del runner
     return report
@@ -326,12 +334,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def _in_place_runner(path: str, dtype: str, isa: str, args: argparse.Namespace, blocks: int, threads: int):
     """A runner on the GGUF's own blocks (--gguf-in-place) with the block kernels at level `isa`."""
-    from chatserve.config import CacheConfig, ModelConfig
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
 
-    model = ModelConfig(model=path, dtype=dtype, device=args.device, num_threads=threads, weight_quant=None,
-                        gguf_in_place=True, cpu_isa=isa)
-    return ModelRunner(model, CacheConfig(block_size=args.block_size, num_blocks=blocks), progress=False)
+    return ModelRunner.from_config(offline_config(
+        path, dtype=dtype, device=args.device, num_threads=threads, weight_quant=None, gguf_in_place=True,
+        cpu_isa=isa, block_size=args.block_size, num_blocks=blocks))
 
 
 def _bench_dtype(runner, dtype: str, args: argparse.Namespace, batches: list[int], prefill_lengths: list[int],
@@ -423,13 +431,15 @@ def main(argv: list[str]) -> int:
 
 def _profile_main(args: argparse.Namespace) -> int:
     from chatserve.runtime.device import set_num_threads
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
 
     threads = set_num_threads(args.threads)
     base, _, quant = _parse_list(args.dtypes)[0].partition("+")
-    runner = ModelRunner(_model_path(args), dtype=base, device=args.device, block_size=args.block_size,
-                         num_blocks=-(-(args.context + args.profile + 16) // args.block_size) * 2,
-                         num_threads=threads, progress=False, weight_quant=quant or None)
+    runner = ModelRunner.from_config(offline_config(
+        _model_path(args), dtype=base, device=args.device, block_size=args.block_size,
+        num_blocks=-(-(args.context + args.profile + 16) // args.block_size) * 2, num_threads=threads,
+        weight_quant=quant or None))
     p = profile_decode(runner, args.context, args.profile)
     if args.json:
         print(json.dumps({k: v for k, v in p.items()}, indent=2))

@@ -48,7 +48,8 @@ async def _unload(client: httpx.AsyncClient, model: str) -> None:
 
 
 async def cold_warm(client: httpx.AsyncClient, model: str, rounds: int, max_tokens: int) -> dict[str, Any]:
-    cold, warm = [], []
+    cold: list[float] = []
+    warm: list[float] = []
     for _ in range(rounds):
         await _unload(client, model)
         for out in (cold, warm):

@@ -49,13 +49,16 @@ def interference_summary(records: list[Record]) -> dict[str, Any]:
     long = next((r for r in records if r.job == "long" and r.ok and r.ttft_s is not None), None)
     if long is None:
         return {"long_ttft_ms": None, "itl_during_ms": _stats_ms([]), "itl_outside_ms": _stats_ms([])}
-    lo, hi = long.start_s, long.start_s + long.ttft_s
-    during, outside = [], []
+    ttft = long.ttft_s
+    assert ttft is not None                     # the filter above
+    lo, hi = long.start_s, long.start_s + ttft
+    during: list[float] = []
+    outside: list[float] = []
     for r in records:
         if r.job.startswith("stream"):
             for a, b in zip(r.token_times, r.token_times[1:]):
                 (during if b > lo and a < hi else outside).append(b - a)
-    res = {"long_ttft_ms": long.ttft_s * 1e3, "itl_during_ms": _stats_ms(during),
+    res: dict[str, Any] = {"long_ttft_ms": ttft * 1e3, "itl_during_ms": _stats_ms(during),
            "itl_outside_ms": _stats_ms(outside)}
     base, hit = res["itl_outside_ms"]["p99"], res["itl_during_ms"]["p99"]
     res["itl_p99_ratio"] = hit / base if base and hit is not None else None

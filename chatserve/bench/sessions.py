@@ -7,6 +7,7 @@ cost to the background traffic, not latency of real hardware.
 from __future__ import annotations
 
 import random
+from typing import Any
 import statistics
 import sys
 import zlib
@@ -78,7 +79,7 @@ class _Simulation:
     def __init__(self, w: Workload, num_blocks: int, keep_warm: bool, max_warm_fraction: float | None) -> None:
         self.w, self.num_blocks, self.keep_warm = w, num_blocks, keep_warm
         self.rng = rng = random.Random(w.seed)     # same prompts, think times and arrivals for both arms
-        kw = {} if max_warm_fraction is None else {"max_warm_fraction": max_warm_fraction}
+        kw: dict[str, Any] = {} if max_warm_fraction is None else {"max_warm_fraction": max_warm_fraction}
         self.kv = KVCacheManager(num_blocks, w.block_size, watermark=0.01, hash_seed=0, **kw)
         cfg = SchedulerConfig(max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.budget,
                               max_waiting_requests=1 << 20, max_waiting_tokens=1 << 30)

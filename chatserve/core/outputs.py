@@ -31,7 +31,10 @@ class ScheduledSeq:
     block_table: list[int]      # physical blocks covering positions [0, start_pos + len(token_ids))
     sample: bool                # True when the chunk reaches the end of the known tokens: sample one
     params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)  # for repetition penalties (not copied)
+    # The request's whole prompt (not copied): required, because it is how the runner tells prompt rows
+    # (position < len) from generated ones (RowSplit: a generated row takes the decode kernels), and what
+    # repetition penalties and prompt logprobs read.
+    prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)  # for penalties and seeded generators
     seed: int | None = None     # the per-sequence seed (params.seed + sample_index), None = unseeded
     # Speculative decoding: token_ids = [last token] + draft_token_ids. The runner returns logits-checked

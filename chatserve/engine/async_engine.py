@@ -231,6 +231,7 @@ class AsyncEngine:
                     self._wake.clear()
                     if not self._sched.has_unfinished and not self._stopping:
                         await self._wake.wait()
+                        await self._admission_window()
                     continue
                 out: SchedulerOutput = self._sched.schedule()
                 if out.is_empty and not out.finished_ids:
@@ -257,6 +258,15 @@ class AsyncEngine:
                 self._in_step = False
                 self._streams.fail_all(f"engine error: {type(e).__name__}: {e}")
                 await asyncio.sleep(0.01)
+
+    async def _admission_window(self) -> None:
+        """Woken from idle by a new request: wait --admission-window-ms before the first step, so the
+        requests that clients sent at the same moment (still being read, templated and tokenized on the
+        event loop) join that step rather than wait a whole prefill behind it. Only from idle: a busy
+        engine admits new requests at its next step anyway."""
+        window = self.config.scheduler.admission_window_ms / 1000.0
+        if window > 0 and not self._stopping:
+            await asyncio.sleep(window)
 
     async def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._in_step = True

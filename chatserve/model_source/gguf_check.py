@@ -15,23 +15,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from chatserve.model_source.errors import ModelCheckError
 from chatserve.model_source.hub import one_line
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError, gguf_config
+from chatserve.runtime.gguf_view import ViewReader
 
 from chatserve.runtime.weights import GGUF_MAGIC as MAGIC, is_gguf_file  # noqa: F401  (re-exported)
 
 
-class CheckedReader(GGUFReader):
-    """gguf-py's reader, refusing unknown tensor types and tensors past the end of the file with one line
-    each (the plain reader fails on them with a reshape error). Metadata arrays of more than BIG_ARRAY
-    items (the tokenizer's vocabulary, merges, scores) are stepped over, their contents left empty: the
-    checks and the architecture do not read them, and gguf-py reads them item by item (seconds for a
-    150k vocabulary); the tokenizer and the loader read the file again with the full reader."""
+class CheckedReader(ViewReader):
+    """The shared GGUF reader (runtime/gguf_view.py), refusing unknown tensor types and tensors past the
+    end of the file with one line each (the plain reader fails on them with a reshape error). Metadata
+    arrays of more than BIG_ARRAY items (the tokenizer's vocabulary, merges, scores) are stepped over,
+    their contents left empty: the checks and the architecture do not read them, and gguf-py reads them
+    item by item (seconds for a 150k vocabulary); the tokenizer and the loader read the file again with
+    the full reader."""
 
     BIG_ARRAY = 4096
-
-    def _get(self, *args, **kwargs):
-        if type(self.data) is not np.ndarray:     # slicing an np.memmap is slow (weights.gguf_reader)
-            self.data = self.data.view(np.ndarray)
-        return super()._get(*args, **kwargs)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type == GGUFValueType.ARRAY:
@@ -46,10 +43,11 @@ class CheckedReader(GGUFReader):
         if itype != GGUFValueType.STRING:
             return count * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
         fmt, start, end = (">Q" if self.byte_order == "S" else "<Q"), offs, len(self.data)
+        buf = memoryview(self.data)  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's memmap stub says not
         for _ in range(count):
             if offs + 8 > end:
                 raise ValueError(f"a string array of {count} items runs past the end of the file")
-            offs += 8 + struct.unpack_from(fmt, self.data, offs)[0]
+            offs += 8 + struct.unpack_from(fmt, buf, offs)[0]
         return offs - start
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:

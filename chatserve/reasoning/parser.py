@@ -9,7 +9,9 @@ Not the HTTP shapes (the server maps the pairs to `reasoning_content` / `content
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
+
+from chatserve.reasoning.harmony import HarmonyParser
 
 Pair = tuple[str, str]           # (reasoning_delta, content_delta)
 _State = Literal["undecided", "reasoning", "content"]
@@ -51,7 +53,8 @@ class ThinkTagParser:
     def feed(self, text: str) -> Pair:
         """The reasoning and content parts of a new text delta (either may be "")."""
         self._buf += text
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while self._buf:
             if not self._step(reasoning, content, final=False):
                 break
@@ -59,7 +62,8 @@ class ThinkTagParser:
 
     def finish(self) -> Pair:
         """Whatever was held back, at the end of the output (a block cut off stays reasoning)."""
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while self._buf:
             if not self._step(reasoning, content, final=True):
                 break
@@ -159,11 +163,32 @@ class DeepSeekR1Parser(ThinkTagParser):
     implicit_open = True
 
 
-ReasoningParser = ThinkTagParser
-PARSERS: dict[str, type[ThinkTagParser]] = {"qwen3": Qwen3Parser, "deepseek_r1": DeepSeekR1Parser}
+class ReasoningParser(Protocol):
+    """What the server reads: a think-tag parser or gpt-oss's harmony channels (harmony.py)."""
+    name: str
+    start: str                     # the reasoning's opening and closing marks (single tokens or not)
+    end: str
+    thinking_started: bool
+    reasoning_done: bool
+
+    @property
+    def phase(self) -> str: ...
+    @property
+    def in_reasoning(self) -> bool: ...
+    def feed(self, text: str) -> Pair: ...
+    def finish(self) -> Pair: ...
 
 
-def parser_for(name: str, prompt_text: str = "") -> ThinkTagParser:
+PARSERS: dict[str, type[ThinkTagParser] | type[HarmonyParser]] = {
+    "qwen3": Qwen3Parser, "deepseek_r1": DeepSeekR1Parser, "harmony": HarmonyParser}
+
+
+def needs_special_tokens(name: str) -> bool:
+    """The parser reads special tokens (harmony's channel markers), so the output keeps them."""
+    return bool(getattr(PARSERS.get(name), "needs_special_tokens", False))
+
+
+def parser_for(name: str, prompt_text: str = "") -> ReasoningParser:
     """A fresh parser for one request; `prompt_text` tells whether the template opened or closed the block."""
     try:
         cls = PARSERS[name]

@@ -3,6 +3,8 @@ metadata, with the RoPE scaling block normalized. No tensors and no torch: loadi
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from dataclasses import dataclass, field
 
 # GGUF architectures we run, and whether llama.cpp's converter permuted their Q/K rows.
@@ -56,7 +58,7 @@ class ArchConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None        # normalized: {"rope_type": linear|dynamic|yarn|llama3|longrope, ...}
+    rope_scaling: dict[str, Any] | None = None   # normalized: {"rope_type": linear|dynamic|yarn|llama3|longrope, ...}
     rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs` (llama3 scaling baked in)
     partial_rotary_factor: float = 1.0      # Phi-4-mini: only the first 3/4 of each head is rotated
     local_rope_theta: float | None = None   # Gemma 3: sliding layers' own base (and no scaling)
@@ -77,7 +79,7 @@ class ArchConfig:
     moe: MoESpec | None = None              # mixture-of-experts layers (models/moe.py)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    extra: dict = field(default_factory=dict, compare=False)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def q_size(self) -> int:
@@ -100,20 +102,24 @@ class ArchConfig:
         """The window every layer keeps (KV older than it is never read again), None if any layer
         attends globally: the KV cache manager frees blocks only past this."""
         windows = [self.layer_window(i) for i in range(self.num_layers)]
-        return None if not windows or None in windows else max(windows)
+        known = [w for w in windows if w is not None]
+        return None if not windows or len(known) < len(windows) else max(known)
 
 
 # ---------------------------------------------------------------------------------------------
 # GGUF metadata
 
-def _field(reader, key: str, default=None):
+MetaGetter = Callable[..., Any]     # a(key, default=None): one metadata value of the file's architecture
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
     return f.contents()
 
 
-def _gguf_rope(a, arch: str, mpe: int, tensor_shapes: dict) -> dict | None:
+def _gguf_rope(a: MetaGetter, arch: str, mpe: int, tensor_shapes: dict[str, Any]) -> dict[str, Any] | None:
     """RoPE scaling from llama.cpp's keys: linear, yarn, longrope (Phi-3: factor tensors, read later)."""
     stype = a("rope.scaling.type")
     orig = a("rope.scaling.original_context_length")
@@ -143,7 +149,7 @@ def _gguf_rope(a, arch: str, mpe: int, tensor_shapes: dict) -> dict | None:
                                 f"(linear, yarn, longrope)")
 
 
-def _gguf_layer_types(a, arch: str, layers: int) -> tuple[str, ...] | None:
+def _gguf_layer_types(a: MetaGetter, arch: str, layers: int) -> tuple[str, ...] | None:
     """Gemma's alternation of sliding and full layers (llama.cpp keeps only the pattern); None for
     families whose every layer slides."""
     if arch in ("gemma2", "gpt-oss"):
@@ -156,7 +162,7 @@ def _gguf_layer_types(a, arch: str, layers: int) -> tuple[str, ...] | None:
     return None
 
 
-def _gguf_moe(a, arch: str, layers: int, ffn: int) -> MoESpec | None:
+def _gguf_moe(a: MetaGetter, arch: str, layers: int, ffn: int) -> MoESpec | None:
     """The MoE spec from llama.cpp's keys: every layer is a MoE layer, and the top-k renormalization is
     llama.cpp's fixed choice per architecture (MOE_NORM_TOPK). ffn: feed_forward_length."""
     if arch not in MOE_NORM_TOPK:
@@ -171,7 +177,7 @@ def _gguf_moe(a, arch: str, layers: int, ffn: int) -> MoESpec | None:
                    biases=oss, swiglu_oai=(1.702, 7.0) if oss else None)
 
 
-def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
+def gguf_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
     """ArchConfig from a GGUFReader's metadata; tensor_shapes (GGUF name → numpy shape) tells which
     optional tensors (biases, norms, an untied output) the file has."""
     arch = str(_field(reader, "general.architecture", "llama"))
@@ -179,7 +185,7 @@ def gguf_config(reader, tensor_shapes: dict[str, tuple[int, ...]]) -> ArchConfig
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported "
                                     f"(supported: {', '.join(sorted(GGUF_ARCHS))})")
 
-    def a(key: str, default=None):
+    def a(key: str, default: Any = None) -> Any:
         return _field(reader, f"{gguf_arch}.{key}", default)
 
     gguf_arch = arch
@@ -261,9 +267,9 @@ ROPE_KEYS: dict[str, frozenset[str]] = {
 _ROPE_COMMON = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
 
 
-def normalize_rope_scaling(d: dict | None, *, max_position_embeddings: int,
+def normalize_rope_scaling(d: dict[str, Any] | None, *, max_position_embeddings: int,
                            original_max_position_embeddings: int | None = None,
-                           phi3: bool = False) -> dict | None:
+                           phi3: bool = False) -> dict[str, Any] | None:
     """One RoPE block (legacy `rope_scaling` or transformers-5 `rope_parameters`) → None for plain RoPE
     or {"rope_type": ..., params}; an unknown type or key raises UnsupportedModelError naming it."""
     if not d:
@@ -294,7 +300,7 @@ def normalize_rope_scaling(d: dict | None, *, max_position_embeddings: int,
     return out
 
 
-def _hf_rope(hf: dict, arch: str) -> tuple[float, dict | None, float, float | None]:
+def _hf_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None, float, float | None]:
     """(rope_theta, scaling, partial_rotary_factor, local_rope_theta) from either config form."""
     params = hf.get("rope_parameters") or {}
     legacy = hf.get("rope_scaling") or None
@@ -324,7 +330,7 @@ def _hf_rope(hf: dict, arch: str) -> tuple[float, dict | None, float, float | No
     return theta, scaling, partial, local_theta
 
 
-def _hf_sliding(hf: dict, arch: str, layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+def _hf_sliding(hf: dict[str, Any], arch: str, layers: int) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) as each family's config spells them; layer_types None means every
     layer slides when a window is set."""
     window = hf.get("sliding_window")
@@ -352,7 +358,7 @@ def _hf_sliding(hf: dict, arch: str, layers: int) -> tuple[int | None, tuple[str
     return window, tuple(layer_types)
 
 
-def _hf_moe(hf: dict, arch: str, layers: int) -> MoESpec | None:
+def _hf_moe(hf: dict[str, Any], arch: str, layers: int) -> MoESpec | None:
     """The MoE spec of an HF config of a MoE family (None for a dense family)."""
     if arch not in MOE_NORM_TOPK:
         return None
@@ -381,7 +387,7 @@ def _hf_moe(hf: dict, arch: str, layers: int) -> MoESpec | None:
                    int(hf.get("shared_expert_intermediate_size", 0)) if arch == "qwen2moe" else 0)
 
 
-def config_from_hf(hf: dict) -> ArchConfig:
+def config_from_hf(hf: dict[str, Any]) -> ArchConfig:
     """ArchConfig from an HF config.json dict of a supported family (HF_MODEL_TYPES)."""
     model_type = hf.get("model_type", "llama")
     arch = HF_MODEL_TYPES.get(model_type)

@@ -40,7 +40,8 @@ def cpu_has_bf16() -> bool:
             flags = next((ln for ln in f if ln.startswith("flags")), "").split()
     except OSError:
         return False
-    return torch.backends.mkldnn.is_available() and bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    mkldnn: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # unannotated in torch
+    return mkldnn and bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, cast
 
 import llguidance
 import numpy as np
@@ -18,6 +18,19 @@ import torch
 
 from chatserve.core.outputs import ScheduledSeq
 from chatserve.runtime.device import available_cores
+
+
+class _Spec(Protocol):
+    """What this module reads of a row's `params.structured` (chatserve.structured.spec.StructuredSpec,
+    which core types as `object` because it lives above core and runtime)."""
+    @property
+    def think(self) -> tuple[int | None, int] | None: ...
+    @property
+    def compiled(self) -> Any: ...
+
+
+def _spec(s: ScheduledSeq) -> _Spec:
+    return cast(_Spec, s.params.structured)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +65,7 @@ class GrammarMasks:
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
         self._helper: ThreadPoolExecutor | None = None
-        self._pending: tuple[list[tuple[str, int]], Future] | None = None   # rows, their bitmask
+        self._pending: tuple[list[tuple[str, int]], Future[Any]] | None = None   # rows, their bitmask
         self._buffer: np.ndarray | None = None    # the additive mask of the last CPU step, reused
         self._think_ends: dict[str, tuple[int, int | None]] = {}   # request → (scanned, grammar start)
 
@@ -66,7 +79,7 @@ class GrammarMasks:
     # ── reasoning first: the grammar starts after the end-of-thinking token (StructuredSpec.think) ──
     def begin(self, s: ScheduledSeq) -> int | None:
         """The output index the row's grammar starts at, or None while its think block is open."""
-        think = s.params.structured.think
+        think = _spec(s).think
         if think is None:
             return 0
         start, end = think
@@ -89,7 +102,7 @@ class GrammarMasks:
     @staticmethod
     def _may_open(s: ScheduledSeq) -> int | None:
         """The start-of-thinking token a row may still open its output with (its first token), else None."""
-        think = s.params.structured.think
+        think = _spec(s).think
         return think[0] if think is not None and not s.output_token_ids else None
 
     def prefetch(self, seqs: Sequence[ScheduledSeq], vocab_size: int) -> None:
@@ -104,7 +117,7 @@ class GrammarMasks:
             seqs = list(seqs)
             self._pending = (want, self._submit(self._row_masks, seqs, vocab_size))
 
-    def _submit(self, fn: Any, *args: Any) -> Future:
+    def _submit(self, fn: Any, *args: Any) -> Future[Any]:
         if self._helper is None:
             self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         return self._helper.submit(fn, *args)
@@ -165,7 +178,7 @@ class GrammarMasks:
         if begin is None:
             raise RuntimeError("grammar asked for inside a think block")
         if st is None or st.begin != begin:
-            compiled = s.params.structured.compiled
+            compiled = _spec(s).compiled
             if compiled is None:
                 raise RuntimeError("structured output without a compiled grammar")
             if compiled.vocab_size != vocab_size:

@@ -50,5 +50,5 @@ def allocate_kv_caches(config: ArchConfig, block_size: int, dtype: torch.dtype,
     for _ in range(config.num_layers):
         k, v, ks, vs = quant.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads,
                                                config.head_dim, dtype, kv_cache_dtype, device)
-        caches.append((k, v) if ks is None else (k, v, ks, vs))
+        caches.append((k, v) if ks is None or vs is None else (k, v, ks, vs))
     return caches

@@ -6,14 +6,13 @@ is decided by the scheduler and the KV cache manager and arrives here as plain l
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import time
 from typing import Any, Callable
 
 import torch
 
 import chatserve_kernels
-from chatserve.config import OFFLINE_DEFAULTS, CacheConfig, ModelConfig
+from chatserve.config import CacheConfig, EngineConfig, ModelConfig
 from chatserve.core.ngram_proposer import can_draft
 from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
 from chatserve.core.request import SamplingParams
@@ -49,26 +48,26 @@ def gpu_kv_budget(free_bytes: int, total_bytes: int, utilization: float) -> int:
 
 
 WARM_UP_ID = "__warm_up__"
-_LEGACY_MODEL_KEYS = ("dtype", "device", "num_threads", "weight_quant", "seed")
-_LEGACY_CACHE_KEYS = ("block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization")
 
 
 class ModelRunner:
-    def __init__(self, model: ModelConfig | str, cache: CacheConfig | None = None, *,
-                 max_model_len: int | None = None, progress: bool = True,
-                 weights: LoadedWeights | None = None, **legacy: Any) -> None:
-        """model, cache: the model and KV cache sections of the config (chatserve/config.py).
-        weights: already-loaded weights of the model (tests and benchmarks reuse one read).
-        A model path with keyword settings (dtype=…, num_blocks=…) is accepted too, for scripts and
-        tests: they are the same fields, with the offline defaults (float32 on CPU, dense weights)."""
-        if isinstance(model, str):
-            model, cache = _configs_for_path(model, cache, legacy)
-        elif legacy:
-            raise TypeError(f"unexpected arguments {sorted(legacy)} (set them in the configs)")
-        cache = cache or CacheConfig()
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, progress: bool = False,
+                    weights: LoadedWeights | None = None) -> "ModelRunner":
+        """The runner of `config` (the builder's, and scripts' and tests' through
+        chatserve.config.offline_config(path, dtype=…, num_blocks=…)); max_model_len from its scheduler."""
+        return cls(config.model, config.cache, max_model_len=config.scheduler.max_model_len,
+                   progress=progress, weights=weights)
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, *, max_model_len: int | None = None,
+                 progress: bool = True, weights: LoadedWeights | None = None) -> None:
+        """model, cache: the model and KV cache sections of the config (chatserve/config.py); every
+        setting comes from them (no defaults of the runner's own). weights: already-loaded weights of
+        the model (tests and benchmarks reuse one read)."""
         t0 = time.perf_counter()
         self.device = resolve_device(model.device)
-        self._threads_big = self._threads_small = None
+        self._threads_big: int | None = None       # CPU threads for big steps, for small ones
+        self._threads_small: int | None = None
         if self.device.type == "cpu":
             self._set_step_threads(model.num_threads)
         if model.seed is not None:
@@ -120,8 +119,9 @@ class ModelRunner:
         decode matmuls are big (BIG_MATMUL_BYTES), keeps every core for them: the chain's steps are a few
         dozen kernels, and a big matmul's time dwarfs a stall, so both gain from the second core's memory
         bandwidth far more than they lose to the event loop (docs/benchmarks.md)."""
-        self._threads_big = set_num_threads(num_threads)
-        self._threads_small = self._threads_big if num_threads else max(1, self._threads_big - 1)
+        big = set_num_threads(num_threads)
+        self._threads_big = big
+        self._threads_small = big if num_threads else max(1, big - 1)
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -174,9 +174,10 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         res = RunnerOutput(step_id=out.step_id)
-        if self._threads_big is not None and self._threads_small != self._threads_big:
+        big, few = self._threads_big, self._threads_small
+        if big is not None and few is not None and few != big:
             small = sum(len(s.token_ids) for s in out.seqs) <= self.SMALL_STEP_TOKENS
-            n = self._threads_small if small else self._threads_big
+            n = few if small else big
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
         if out.finished_ids:
@@ -211,10 +212,10 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1, 2)  # [M, 2]
         caches = self.kv_caches
-        kw = {}
-        if len(caches[0]) == 4:
-            kw = {"k_scales": [c[2] for c in caches], "v_scales": [c[3] for c in caches]}
-        chatserve_kernels.copy_blocks([c[0] for c in caches], [c[1] for c in caches], mapping, **kw)
+        scaled = len(caches[0]) == 4
+        k_scales: list[torch.Tensor | None] | None = [c[2] for c in caches] if scaled else None
+        v_scales: list[torch.Tensor | None] | None = [c[3] for c in caches] if scaled else None
+        chatserve_kernels.copy_blocks([c[0] for c in caches], [c[1] for c in caches], mapping, k_scales, v_scales)
 
     def _check(self, s: ScheduledSeq) -> str | None:
         n = len(s.token_ids)
@@ -348,7 +349,7 @@ class ModelRunner:
                 res.errors[s.request_id] = f"sampling failed: {e}"
 
     @staticmethod
-    def _apply_sampler(sampler: Callable, logits: torch.Tensor, seqs: list[ScheduledSeq],
+    def _apply_sampler(sampler: Callable[..., Any], logits: torch.Tensor, seqs: list[ScheduledSeq],
                        res: RunnerOutput) -> None:
         ids, lps = sampler(logits, seqs)
         for s, tok, lp in zip(seqs, ids, lps):
@@ -356,16 +357,3 @@ class ModelRunner:
             if lp is not None:
                 res.logprobs[s.request_id] = lp
 
-
-def _configs_for_path(path: str, cache: CacheConfig | None, settings: dict[str, Any]
-                      ) -> tuple[ModelConfig, CacheConfig]:
-    """A model path + keyword settings → the two config sections, with the offline defaults."""
-    unknown = set(settings) - set(_LEGACY_MODEL_KEYS) - set(_LEGACY_CACHE_KEYS)
-    if unknown:
-        raise TypeError(f"unexpected arguments {sorted(unknown)}")
-    model_kw = {k: v for k, v in OFFLINE_DEFAULTS.items() if k in _LEGACY_MODEL_KEYS}   # float32, cpu, dense
-    model_kw.update({k: v for k, v in settings.items() if k in _LEGACY_MODEL_KEYS})
-    if not isinstance(model_kw["dtype"], str):
-        model_kw["dtype"] = str(model_kw["dtype"]).replace("torch.", "")
-    cache_kw = {k: v for k, v in settings.items() if k in _LEGACY_CACHE_KEYS}
-    return ModelConfig(model=path, **model_kw), replace(cache or CacheConfig(), **cache_kw)

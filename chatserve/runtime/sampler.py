@@ -124,7 +124,7 @@ class Sampler:
             tokens[s_rows] = self._sample(_take(x, s_rows), [seqs[i] for i in s_rows])
 
         token_list = tokens.tolist()
-        if lp_rows:
+        if lp_all is not None:
             logprobs_rows = self._logprobs(lp_all, [token_list[i] for i in lp_rows], [seqs[i] for i in lp_rows])
             for i, lp in zip(lp_rows, logprobs_rows):
                 logprobs[i] = lp
@@ -141,11 +141,11 @@ class Sampler:
             out = torch.tensor(seqs[i].output_token_ids, dtype=torch.long)
             out = out[(out >= 0) & (out < V)]
             if p.repetition_penalty != 1.0:
-                seen = torch.cat([self._prompt_tensor(seqs[i], V), out]).unique()
+                seen = torch.unique(torch.cat([self._prompt_tensor(seqs[i], V), out]))
                 rep_r.append(torch.full_like(seen, i)); rep_t.append(seen)
                 rep_p.append(torch.full(seen.shape, p.repetition_penalty))
             if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and out.numel():
-                toks, counts = out.unique(return_counts=True)
+                toks, counts = torch.unique(out, return_counts=True)
                 cnt_r.append(torch.full_like(toks, i)); cnt_t.append(toks)
                 cnt_d.append(p.presence_penalty + p.frequency_penalty * counts.float())
         if rep_r:  # logit / p where positive, logit * p otherwise
@@ -162,7 +162,7 @@ class Sampler:
         n = len(seq.prompt_token_ids)
         cached = self._prompt_ids.get(seq.request_id)
         if cached is None or cached[0] != n:
-            ids = torch.tensor(seq.prompt_token_ids, dtype=torch.long).unique()
+            ids = torch.unique(torch.tensor(seq.prompt_token_ids, dtype=torch.long))
             cached = (n, ids[(ids >= 0) & (ids < V)])
             self._prompt_ids[seq.request_id] = cached
         return cached[1]
@@ -215,7 +215,8 @@ class Sampler:
     def _generator(self, seq: ScheduledSeq) -> torch.Generator:
         g = self._generators.get(seq.request_id)
         if g is None:
-            g = torch.Generator().manual_seed(int(seq.seed) & 0xFFFF_FFFF_FFFF_FFFF)
+            assert seq.seed is not None
+            g = torch.Generator().manual_seed(seq.seed & 0xFFFF_FFFF_FFFF_FFFF)
             if seq.output_token_ids:  # state lost (restart, re-admission): skip the draws already made
                 torch.rand(len(seq.output_token_ids), generator=g)
             self._generators[seq.request_id] = g
@@ -227,9 +228,11 @@ class Sampler:
         V = lp.shape[1]
         k = min(V, self.max_top_logprobs, max(s.params.logprobs or 0 for s in seqs))
         chosen_lp = lp.gather(1, torch.tensor(chosen, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+        top_v: list[list[float]] = []
+        top_i: list[list[int]] = []
         if k > 0:
-            top_v, top_i = lp.topk(k, dim=-1)
-            top_v, top_i = top_v.tolist(), top_i.tolist()
+            values, indices = lp.topk(k, dim=-1)
+            top_v, top_i = values.tolist(), indices.tolist()
         out = []
         for r, s in enumerate(seqs):
             n = min(k, s.params.logprobs or 0)

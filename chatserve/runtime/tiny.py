@@ -5,6 +5,8 @@ Not a real model: its outputs are noise. The tokenizer export needs transformers
 """
 from __future__ import annotations
 
+from typing import Any
+
 import hashlib
 import json
 import os
@@ -32,22 +34,22 @@ _BASE: dict[str, object] = {
     "eos_token_id": 2,
     "torch_dtype": "float32",
 }
-_ARCHS = {
+_ARCHS: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False},
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False},
     "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None},
 }
 
 
-def tiny_config(arch: str = "llama", **overrides) -> dict:
+def tiny_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
     if arch not in _ARCHS:
         raise ValueError(f"arch must be one of {sorted(_ARCHS)}")
-    cfg = {**_BASE, **_ARCHS[arch]}
+    cfg: dict[str, Any] = {**_BASE, **_ARCHS[arch]}
     cfg.update(overrides)
     return cfg
 
 
-def random_weights(cfg: dict, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
+def random_weights(cfg: dict[str, Any], seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
     """HF-named float32 tensors; norms near 1 and biases nonzero so every weight matters."""
     g = torch.Generator().manual_seed(seed)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -104,8 +106,8 @@ def default_tokenizer_dir() -> Path:
     return out
 
 
-def make_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
-                    tokenizer: bool = True, **overrides) -> str:
+def make_tiny_model(path: str | os.PathLike[str], arch: str = "llama", seed: int = 0,
+                    tokenizer: bool = True, **overrides: Any) -> str:
     """Write a tiny random checkpoint dir at `path` and return it. overrides: config.json keys."""
     from safetensors.torch import save_file
 

@@ -12,6 +12,7 @@ import sys
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from chatserve.runtime.arch_config import (GGUF_ARCHS, ArchConfig, UnsupportedMo
                                            gguf_config)
 from chatserve.runtime.mxfp4 import SUFFIXES as MXFP4_SUFFIXES
 from chatserve.runtime.mxfp4 import fold_mxfp4
+
+if TYPE_CHECKING:
+    from chatserve.runtime.gguf_view import ViewReader
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -62,7 +66,7 @@ class LoadedWeights:
                                        # weight-only decode reproduces them at no added error
 
 
-def load_weights(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+def load_weights(path: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
                  progress: bool = True, in_place: bool = False) -> LoadedWeights:
     """Load a GGUF file or a safetensors directory (or a .safetensors file next to config.json).
     in_place: GGUF matrices stay in their block format as views of the mapped file (BlockMatrix)."""
@@ -143,24 +147,13 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def gguf_reader(path: str | os.PathLike):
-    """A GGUFReader that parses metadata over a plain ndarray view of its memmap.
-
-    Slicing a np.memmap runs memmap.__array_finalize__ on every one of the ~10^6 small reads the
-    reader makes for a 49k-token vocabulary (most of its load time); the bytes are the same mapping.
-    """
-    from gguf import GGUFReader
-
-    class _Reader(GGUFReader):
-        def _get(self, *args, **kwargs):
-            if type(self.data) is not np.ndarray:
-                self.data = self.data.view(np.ndarray)
-            return super()._get(*args, **kwargs)
-
-    return _Reader(str(path))
+def gguf_reader(path: str | os.PathLike[str]) -> "ViewReader":
+    """The GGUF reader of `path` (gguf_view.ViewReader: the header parsed over a plain ndarray view)."""
+    from chatserve.runtime.gguf_view import ViewReader
+    return ViewReader(str(path))
 
 
-def block_matrix(t, n_heads: int | None = None) -> BlockMatrix:
+def block_matrix(t: Any, n_heads: int | None = None) -> BlockMatrix:
     """A 2-D GGUF tensor as raw blocks over the reader's memory map (no copy; Q/K rows permuted back to
     HF order are a copy of those rows, still in blocks)."""
     n, k = (int(x) for x in reversed(t.shape))
@@ -173,7 +166,7 @@ def block_matrix(t, n_heads: int | None = None) -> BlockMatrix:
     return BlockMatrix([BlockWeight(data, FORMATS[t.tensor_type.name], n, k)])
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
               progress: bool = True, in_place: bool = False) -> LoadedWeights:
     """Read a GGUF file, dequantize every tensor (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K/...); with
     in_place, the matrices of a format in block_formats.FORMATS stay as BlockMatrix views instead."""
@@ -184,7 +177,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
     cfg = gguf_config(reader, shapes)
     permuted = GGUF_ARCHS[cfg.arch]
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | BlockMatrix] = {}
     freq_factors = None
     long_short: dict[str, list[float]] = {}
     gemma = cfg.arch in ("gemma2", "gemma3")
@@ -230,7 +223,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 # ---------------------------------------------------------------------------------------------
 # safetensors + config.json
 
-def load_safetensors_dir(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+def load_safetensors_dir(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                          progress: bool = True, files: list[Path] | None = None) -> LoadedWeights:
     from safetensors import safe_open
 
@@ -248,9 +241,9 @@ def load_safetensors_dir(path: str | os.PathLike, dtype: torch.dtype = torch.flo
             files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{d} has no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | BlockMatrix] = {}
     handles = [safe_open(str(f), framework="pt") for f in files]
-    keys = [(h, k) for h in handles for k in h.keys()]
+    keys = [(h, k) for h in handles for k in h.keys()]  # type: ignore[no-untyped-call]  # safetensors' stub
     mxfp4: dict[str, torch.Tensor] = {}          # gpt-oss's FP4 experts, kept as stored until folded
     for h, k in tqdm(keys, desc=f"loading {d.name}", unit="tensor", disable=not progress,
                      file=sys.stderr, leave=False):

@@ -66,13 +66,14 @@ def chat_constraints(r: ChatCompletionRequest, messages: list[dict], served: Ser
     except RequestFieldError as e:
         raise invalid(str(e), e.param) from None
     has_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-    active = plan is not None and plan.active
+    tools = plan.tools if plan is not None and plan.active else None    # the tools the template shows
+    active = tools is not None
     if plan is not None and plan.constraint is not None:
         spec = plan.constraint                      # a forced call: its grammar wins
     if template_knows_tools(template):
-        msgs, template_tools = messages, (plan.tools if active else None)
+        msgs, template_tools = messages, tools
     elif active or has_history:
-        msgs, template_tools = fallback_messages(messages, plan.tools if active else None), None
+        msgs, template_tools = fallback_messages(messages, tools), None
     else:
         msgs, template_tools = messages, None
     if spec is not None:

@@ -33,7 +33,10 @@ class _Folded:
 
     def __post_init__(self) -> None:
         self.texts = [""] * self.n
-        self.reasons, self.stops, self.lps, self.plps = ([None] * self.n for _ in range(4))
+        self.reasons = [None] * self.n
+        self.stops = [None] * self.n
+        self.lps = [None] * self.n
+        self.plps = [None] * self.n
 
 
 async def _fold(chunks: AsyncIterator[dict], n: int, piece: Callable[[dict], str]) -> _Folded:

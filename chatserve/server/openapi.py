@@ -10,7 +10,7 @@ import html
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -104,16 +104,18 @@ OPS: tuple[Op, ...] = (
 )
 
 
-def _models() -> list[tuple[type[BaseModel], str]]:
-    out: list[tuple[type[BaseModel], str]] = [(o.ErrorResponse, "serialization")]
+Mode = Literal["validation", "serialization"]
+
+
+def _models() -> list[tuple[type[BaseModel], Mode]]:
+    out: list[tuple[type[BaseModel], Mode]] = [(o.ErrorResponse, "serialization")]
     for op in OPS:
         if op.body is not None:
             out.append((op.body, "validation"))
         for m in (op.ok, op.sse):
             if m is not None:
                 out.append((m, "serialization"))
-    seen: set = set()
-    return [x for x in out if not (x in seen or seen.add(x))]
+    return list(dict.fromkeys(out))             # in order, each once
 
 
 @lru_cache(maxsize=1)

@@ -46,6 +46,8 @@ def max_token_bytes(tokenizer: Any) -> int:
     supported families has one.)"""
     backend = getattr(tokenizer, "backend", None)      # None: a tokenizer without a `tokenizers` backend
     try:
+        if backend is None:
+            raise LookupError("no tokenizers backend")
         n = backend.get_vocab_size(with_added_tokens=True)
         texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
         return max(len(t.encode("utf-8", "surrogatepass")) for t in texts) + TOKEN_BYTES_SLACK

@@ -16,9 +16,10 @@ from chatserve.core.request import SamplingParams
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.schemas import openai as s
 from chatserve.server.schemas.openai import MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_TOP_LOGPROBS  # noqa: F401
-from chatserve.reasoning import thinking_switch
+from chatserve.reasoning import needs_special_tokens, thinking_switch
 from chatserve.server.chat_constraints import chat_constraints, tool_message_fields
-from chatserve.server.reasoning_plan import ReasoningPlan, reasoning_plan, replayed_reasoning
+from chatserve.toolcalls.prompt import with_object_arguments
+from chatserve.server.reasoning_plan import ReasoningPlan, reasoning_plan, replayed_reasoning, with_thinking_field
 from chatserve.toolcalls.request import ToolPlan
 
 GREEDY_BELOW = 1e-5          # temperatures under this sample greedily (dividing by them overflows float32)
@@ -276,6 +277,9 @@ def template_options(r: s.ChatCompletionRequest | s.TokenizeRequest,
 def render_prompt(served: ServedModel, messages: list[dict], options: dict[str, Any]) -> list[int]:
     if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise invalid("'continue_final_message' needs an assistant message last", "continue_final_message")
+    template = options.get("chat_template") or served.chat_template
+    messages = with_object_arguments(messages, template)     # a template that tojson's them: no double quoting
+    messages = with_thinking_field(messages, template)
     try:
         ids = list(served.tokenizer.apply_chat_template(messages, **options))
     except TypeError as e:
@@ -327,6 +331,9 @@ def _parse_chat(r: s.ChatCompletionRequest, served: ServedModel) -> ChatRequest:
                                        served.kv_tokens, served.default_max_tokens)
     _check_min_tokens(params)
     params.structured = plan.gate(constraints.spec) if plan is not None else constraints.spec
+    if ((plan is not None and needs_special_tokens(plan.parser_name))
+            or (constraints.tools is not None and constraints.tools.parser_name == "gpt_oss")):
+        params.skip_special_tokens = False      # harmony's channels are special tokens: the parsers read them
     params.prompt_logprobs = r.prompt_logprobs
     return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream, served=served,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,

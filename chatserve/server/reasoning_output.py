@@ -9,11 +9,13 @@ from chatserve.reasoning import ReasoningParser
 
 
 class ChoiceReasoning:
-    """A delta's tokens count as reasoning while the think block is open (the closing one too)."""
+    """A delta's tokens count as reasoning while the think block is open (the closing one too); tokens
+    before it opens (a harmony header: `<|channel|>analysis`) count once it does."""
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
         self.tokens = 0
+        self._undecided = 0             # tokens read before the parser knew whether thinking started
 
     def push(self, text: str, n_tokens: int, final: bool) -> tuple[str, str]:
         was_open = self.parser.in_reasoning
@@ -21,8 +23,11 @@ class ChoiceReasoning:
         if final:
             r2, c2 = self.parser.finish()
             r, c = r + r2, c + c2
-        if was_open and self.parser.thinking_started:
-            self.tokens += n_tokens
+        if was_open:
+            self._undecided += n_tokens
+            if self.parser.thinking_started:
+                self.tokens += self._undecided
+                self._undecided = 0
         return r, c
 
 

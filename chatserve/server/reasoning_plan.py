@@ -75,3 +75,11 @@ def replayed_reasoning(m: ChatMessage, where: str) -> dict[str, Any]:
         raise invalid(f"{where}.reasoning_content is only allowed on assistant messages",
                       f"{where}.reasoning_content")
     return {"reasoning_content": text}
+
+
+def with_thinking_field(messages: list[dict], chat_template: str | None) -> list[dict]:
+    """Replayed reasoning also as `thinking` for a template that reads that name (gpt-oss's); copies."""
+    if "message.thinking" not in (chat_template or ""):
+        return messages
+    return [{**m, "thinking": m["reasoning_content"]} if m.get("reasoning_content") is not None else m
+            for m in messages]

@@ -89,7 +89,7 @@ def model_lines(served: ServedModel, load_s: float) -> list[str]:
     """What one loaded model is: file, dtype and weights, backends, its KV cache (its share of the
     budget), context and max_tokens default."""
     engine, cfg = served.engine, served.config
-    runner: ModelRunner = engine.runner     # type: ignore[assignment]  (serve always builds a real one)
+    runner: ModelRunner = engine.runner     # type: ignore[assignment]  # serve always builds a real one
     dtype = str(runner.dtype).replace("torch.", "")
     kv_dtype = dtype if runner.kv_cache_dtype == "auto" else runner.kv_cache_dtype
     blocks, bs, ctx = engine.num_blocks, engine.block_size, engine.max_model_len

@@ -87,8 +87,9 @@ class ChunkStreamResponse(Response):
         first_task = asyncio.ensure_future(chunks.__anext__())
         try:
             await asyncio.wait({first_task}, timeout=FIRST_CHUNK_GRACE_S)
-            if first_task.done() and isinstance(first_task.exception(), APIError):
-                await error_response(first_task.exception())(scope, receive, send)
+            first_error = first_task.exception() if first_task.done() else None
+            if isinstance(first_error, APIError):
+                await error_response(first_error)(scope, receive, send)
                 return
 
             async def events() -> AsyncIterator[Any]:
@@ -122,7 +123,10 @@ class ChunkStreamResponse(Response):
                         yield {"data": "[DONE]"}
 
             resp = EventSourceResponse(guarded(), ping=SSE_PING_SECONDS if self.ping is None else self.ping,
-                                       sep=SSE_SEP, ping_message_factory=_ping_event,
+                                       sep=SSE_SEP,
+                                       # typed as a ServerSentEvent factory; sse_starlette's ensure_bytes
+                                       # passes our pre-encoded bare-LF keep-alive through unchanged
+                                       ping_message_factory=_ping_event,  # type: ignore[arg-type]  # as said
                                        send_timeout=self.send_timeout,
                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             try:

@@ -10,8 +10,12 @@ import collections
 import json
 import threading
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions      # the TypedDict of grammar_from_json_schema's options
 
 from chatserve.core.protocols import TokenizerLike
 from chatserve.structured.spec import StructuredSpec
@@ -19,8 +23,8 @@ from chatserve.structured.spec import StructuredSpec
 # JSON as models write it (indented or not), but whitespace between tokens is bounded: a run of at most
 # 16 spaces/newlines, so a small model sampling at temperature 1 cannot spend max_tokens on newlines.
 # oneOf is enforced as anyOf (pydantic writes oneOf for unions whose branches rarely overlap).
-JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}",
-                "coerce_one_of": True}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": True, "coerce_one_of": True,
+                                    "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 CACHE_SIZE = 256
 ENCODE_CACHE_SIZE = 4096     # distinct strings llguidance asked to tokenize, kept per tokenizer table
 

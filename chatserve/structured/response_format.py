@@ -96,8 +96,7 @@ def response_format_spec(value: Any) -> StructuredSpec | None:
                                                  "response_format.choices"))
     if not rf.grammar:
         raise RequestFieldError("'response_format.grammar' is required for type grammar", "response_format.grammar")
-    kind = "lark" if rf.syntax == "lark" else "grammar"
-    return StructuredSpec(kind, _bounded(rf.grammar, "response_format.grammar"))
+    return StructuredSpec("lark" if rf.syntax == "lark" else "grammar", _bounded(rf.grammar, "response_format.grammar"))
 
 
 def _bounded(text: str, param: str) -> str:

@@ -5,7 +5,7 @@ that turn bad messages into a ValueError fit for a 400. Not tokenization (tokeni
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,10 @@ def render(template: str, messages: list[Mapping[str, Any]], *, add_generation_p
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     context = {**(special_tokens or {}), **template_kwargs}
     try:
-        rendered, _ = render_jinja_template(
-            conversations=[msgs], tools=tools, chat_template=template,
+        tool_list: list[dict[str, Any] | Callable[..., Any]] | None = None if tools is None else list(tools)
+        # transformers annotates `-> str`, but it returns (rendered text, generation indices)
+        rendered, _ = render_jinja_template(  # type: ignore[str-unpack]  # see the line above
+            conversations=[msgs], tools=tool_list, chat_template=template,
             continue_final_message=continue_final_message, add_generation_prompt=add_generation_prompt,
             **context)
     except jinja2.TemplateSyntaxError as e:

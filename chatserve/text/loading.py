@@ -83,9 +83,10 @@ def _load_gguf(p: Path) -> tuple[tokenizers.Tokenizer, dict]:
             convert_gguf_tokenizer,
             get_gguf_tokenizer,
         )
+        fast = True
     except ImportError:
-        convert_gguf_tokenizer = None
-    if convert_gguf_tokenizer is not None:
+        fast = False
+    if fast:
         try:
             arch, tok_dict, tok_config = get_gguf_tokenizer(str(p))
             backend, _ = convert_gguf_tokenizer(arch, tok_dict)

@@ -24,6 +24,10 @@ _END_OF_GENERATION_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
     "<|end_of_text|>", "</s>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>", "<EOT>",
 )
+# gpt-oss's harmony format: `<|end|>` ends one message of a reply (its reasoning, a preamble), not the
+# turn; `<|return|>` (the answer is done) and `<|call|>` (a tool call waits for its result) end the turn.
+_HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|start|>")
+_HARMONY_END_OF_TURN = ("<|return|>", "<|call|>")
 _PROBE = "Zq7Xv"  # an assistant reply that no template rewrites, used to find the end-of-turn token
 
 _memo: dict[str, "Tokenizer"] = {}
@@ -66,10 +70,13 @@ class Tokenizer:
             self.end_of_turn_id = self.eos_token_id
         eos = {i for i in (self.eos_token_id, self.end_of_turn_id) if i is not None}
         eos.update(i for i in self._extra_eos if 0 <= i < self.vocab_size)
-        for text in _END_OF_GENERATION_TOKENS:
+        harmony = all(backend.token_to_id(t) in self._special_ids for t in _HARMONY_MARKERS)
+        for text in _HARMONY_END_OF_TURN if harmony else _END_OF_GENERATION_TOKENS:
             tid = backend.token_to_id(text)
             if tid is not None and tid in self._special_ids:
                 eos.add(tid)
+        if harmony:
+            eos.discard(backend.token_to_id("<|end|>"))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
 
     # ── loading ──────────────────────────────────────────────────────────────────────────────────
@@ -199,7 +206,7 @@ class Tokenizer:
             raise ValueError(f"{model} has no chat template; use the completions endpoint, or start "
                              "the server with --chat-template FILE_OR_STRING")
         return chat_template_module.render(
-            template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            template, list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
             continue_final_message=continue_final_message, special_tokens=self._special_tokens_map,
             **chat_template_kwargs)
 

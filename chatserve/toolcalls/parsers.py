@@ -252,12 +252,59 @@ class ForcedNamedParser(ToolCallParser):
                                              end is not None, end is not None)])
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+class GptOssParser(ToolCallParser):
+    """gpt-oss (harmony): a message to `functions.NAME` whose body is the arguments, ended by `<|call|>`:
+    `<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{…}<|call|>` (the recipient
+    may also follow the channel). Content is what stands before the call's header; the harmony reasoning
+    parser has already taken the channels' framing off it (chatserve/reasoning/harmony.py)."""
+
+    name = "gpt_oss"
+    MARK, MESSAGE, CALL = "to=functions.", "<|message|>", "<|call|>"
+    _HEADER_STARTS = ("<|start|>", "<|channel|>")
+    _ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+    def extract(self, text: str, final: bool) -> Extraction:
+        at = text.find(self.MARK)
+        if at < 0:
+            if final:
+                return Extraction(content=text)
+            head = self._before_header(text)          # a call's header may be on its way
+            return Extraction(content=_held_back(_held_back(head, self.MARK), "<|start|>"))
+        out = Extraction(content=self._before_header(text[:at]).rstrip())
+        while at >= 0:
+            rest = text[at + len(self.MARK):]
+            name_end = min((k for k in (rest.find(" "), rest.find("<|")) if k >= 0), default=-1)
+            body_at = rest.find(self.MESSAGE)
+            if name_end < 0 or body_at < 0:
+                out.calls.append(PartialCall(name=rest[:name_end] if name_end >= 0 else None))
+                break
+            body_start = at + len(self.MARK) + body_at + len(self.MESSAGE)
+            end = text.find(self.CALL, body_start)
+            closed = end >= 0 or final
+            args = text[body_start:end] if end >= 0 else text[body_start:]
+            out.calls.append(PartialCall(rest[:name_end], (args if closed else _held_back(args, self.CALL)).strip(),
+                                         closed, closed))
+            at = -1 if end < 0 else text.find(self.MARK, end)
+        return out
+
+    def _before_header(self, head: str) -> str:
+        """`head` less a call header's opening (`<|start|>assistant`, `<|channel|>commentary`)."""
+        cut = max(head.rfind(h) for h in self._HEADER_STARTS)
+        if cut >= 0 and cut >= max(head.rfind(e) for e in self._ENDS):
+            return head[:cut]
+        return head
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
+                                                                GptOssParser)}
 
 
 def default_parser_name(chat_template: str | None) -> str:
-    """The parser a chat template implies: Mistral's marker, Llama 3's python tag, else Hermes."""
+    """The parser a chat template implies: gpt-oss's harmony calls, Mistral's marker, Llama 3's python
+    tag, else Hermes."""
     t = chat_template or ""
+    if "<|channel|>" in t and "to=" in t and "<|call|>" in t:
+        return "gpt_oss"
     if "[TOOL_CALLS]" in t:
         return "mistral"
     if "<|python_tag|>" in t or "ipython" in t:

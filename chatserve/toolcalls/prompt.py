@@ -53,3 +53,35 @@ def _call_body(call: dict) -> dict[str, Any]:
     except ValueError:
         pass
     return {"name": fn.get("name"), "arguments": args}
+
+
+def template_wants_object_arguments(chat_template: str | None) -> bool:
+    """The template writes a call's arguments with `tojson` and never checks for a string (gpt-oss,
+    Llama 3.1, Mistral): given the OpenAI-shaped JSON text it would quote that text a second time."""
+    t = re.sub(r"\s+", "", chat_template or "")
+    return "arguments|tojson" in t and "argumentsisstring" not in t
+
+
+def with_object_arguments(messages: list[dict], chat_template: str | None) -> list[dict]:
+    """`messages` with each history call's arguments parsed into the JSON object a template like that
+    expects (copies; arguments that are not a JSON object stay text); unchanged for other templates."""
+    if not template_wants_object_arguments(chat_template):
+        return messages
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [_with_object(c) for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+def _with_object(call: dict) -> dict:
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}} if isinstance(parsed, dict) else call

@@ -91,13 +91,13 @@ def tool_plan(raw_tools: list[dict[str, Any]] | None, raw_choice: str | dict[str
             err = _error(e, f"tools[{i}]")
             raise RequestFieldError(str(err), "tools") from None
     schemas: dict[str, dict] = {}
-    for i, t in enumerate(tools):
-        if t.function.name in schemas:
-            raise RequestFieldError(f"'tools' has two functions named {t.function.name!r}", f"tools[{i}]")
-        params = t.function.parameters if t.function.parameters is not None else {"type": "object"}
+    for i, tool in enumerate(tools):
+        if tool.function.name in schemas:
+            raise RequestFieldError(f"'tools' has two functions named {tool.function.name!r}", f"tools[{i}]")
+        params = tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
         schema_spec(params, f"tools[{i}].function.parameters")        # a 400 for an invalid schema
-        schemas[t.function.name] = params
-    plan = ToolPlan(tools=[t.model_dump(exclude_none=True) for t in tools], choice="auto",
+        schemas[tool.function.name] = params
+    plan = ToolPlan(tools=[tool.model_dump(exclude_none=True) for tool in tools], choice="auto",
                     parallel=True if parallel is None else parallel, parser_name=parser_name, _schemas=schemas)
     if raw_choice is None or isinstance(raw_choice, str):
         plan.choice = raw_choice or "auto"
@@ -111,7 +111,7 @@ def tool_plan(raw_tools: list[dict[str, Any]] | None, raw_choice: str | dict[str
             raise RequestFieldError(f"'tool_choice' names {named.function.name!r}, which is not in 'tools'",
                                     "tool_choice")
         plan.choice, plan.named = "named", named.function.name
-    if plan.choice == "named":
+    if plan.choice == "named" and plan.named is not None:
         plan.constraint = schema_spec(schemas[plan.named], "tools.function.parameters")
     elif plan.choice == "required":
         plan.constraint = schema_spec(required_calls_schema(schemas, plan.parallel), "tools")

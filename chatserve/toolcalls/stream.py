@@ -35,7 +35,7 @@ class ToolCallStream:
             if piece:
                 delta["content"] = piece
                 self._content_sent += len(piece)
-        calls = []
+        calls: list[dict[str, Any]] = []
         for i, c in enumerate(ex.calls):
             if c.name is None:
                 break                   # arguments wait until the name is known

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from chatserve.bench import model as bench_model
+from chatserve.config import offline_config
 from chatserve.runtime.model_runner import ModelRunner
 
 
 def test_prefill_lengths_chunks_and_interference(tiny_model):
-    runner = ModelRunner(tiny_model, num_blocks=256, block_size=16, progress=False, num_threads=1)
+    runner = ModelRunner.from_config(offline_config(tiny_model, num_blocks=256, block_size=16, num_threads=1))
     one = bench_model._prefill(runner, 70, repeats=1)
     chunked = bench_model._prefill(runner, 70, repeats=1, chunk=32)
     assert one["chunk"] == 70 and chunked["chunk"] == 32

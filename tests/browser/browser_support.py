@@ -34,7 +34,7 @@ class LiveServer:
 
     def __enter__(self) -> "LiveServer":
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("uvicorn did not start")
@@ -85,7 +85,7 @@ class ServeProcess:
         self.log = open(self.log_path, "a")
         self.proc = self._subprocess.Popen(self.args, cwd=root, stdout=self.log, stderr=self.log,
                                            env={**os.environ, "PYTHONPATH": str(root)})
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600   # bounds a hang; a crash is seen at once (poll)
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(self.log_path.read_text()[-3000:])

@@ -19,9 +19,9 @@ LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)   # ~70 tok
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
+    # float32: the reference is fp32 (bf16 is auto on some CPUs)
     srv = start_real_server(str(tmp_path_factory.mktemp("plp")), "--model", tiny_model, "--kv-blocks", "256",
-                            "--max-model-len", "1024", "--max-num-batched-tokens", "32", "--dtype", "float32",
-                            startup_timeout=180)   # float32: the reference is fp32 (bf16 is auto on some CPUs)
+                            "--max-model-len", "1024", "--max-num-batched-tokens", "32", "--dtype", "float32")
     yield srv
     srv.stop()
 

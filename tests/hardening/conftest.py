@@ -20,6 +20,6 @@ def tiny_server(tiny_model, tmp_path_factory):
     (float32, so greedy outputs do not depend on batch composition)."""
     srv = start_real_server(str(tmp_path_factory.mktemp("tiny-srv")), "--model", tiny_model,
                             "--kv-blocks", "512", "--max-model-len", "1024", "--max-num-seqs", "64",
-                            "--max-waiting-requests", "512", "--dtype", "float32", startup_timeout=120)
+                            "--max-waiting-requests", "512", "--dtype", "float32")
     yield srv
     srv.stop()

@@ -82,8 +82,7 @@ def test_kv_exhaustion_preempts_without_crash_and_greedy_output_is_unchanged(tin
     prompts = [[(i * 977 + k * 31) % 40000 + 200 for k in range(70)] for i in range(6)]   # no sharing
     roomy = _greedy(tiny_server.url, prompts, 48)
     srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "24",
-                            "--max-model-len", "256", "--max-num-seqs", "16", "--dtype", "float32",
-                            startup_timeout=120)
+                            "--max-model-len", "256", "--max-num-seqs", "16", "--dtype", "float32")
     try:
         tight = _greedy(srv.url, prompts, 48)       # 6 × 118 tokens = 6 × 8 blocks on 24 blocks
         text = httpx.get(srv.url + "/metrics").text
@@ -108,7 +107,7 @@ def test_slow_reader_is_ended_after_stream_timeout_while_others_are_served(tiny_
     # 4,000 tokens take the tiny model ~10 s here: far longer than the 2 s stream timeout, so the
     # stream must be ended by the server, not by running out of tokens into the socket buffers
     srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "300",
-                            "--max-model-len", "4096", "--stream-timeout", "2", startup_timeout=120)
+                            "--max-model-len", "4096", "--stream-timeout", "2")
     try:
         host, port = srv.url.removeprefix("http://").split(":")
         body = json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True,
@@ -153,7 +152,7 @@ def test_sigterm_under_load_drains_then_exits(tiny_model, tmp_path):
     from a long stream's 16,000."""
     drain = 10.0
     srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "2048",
-                            "--max-model-len", "16384", "--drain-timeout", str(drain), startup_timeout=120)
+                            "--max-model-len", "16384", "--drain-timeout", str(drain))
     try:
         async def one(c: httpx.AsyncClient, i: int, started: asyncio.Event, counter: list) -> list[str]:
             body = {"prompt": f"load {i}", "max_tokens": 8 if i % 2 else 16000, "ignore_eos": True,

@@ -36,7 +36,7 @@ def _timed_post(host: str, port: int, body: bytes) -> tuple[int, float, bytes]:
 
 def test_overload_is_refused_with_503_retry_after_and_an_error_body(tiny_model, tmp_path):
     srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "512", "--max-model-len",
-                            "1024", "--max-num-seqs", "8", "--max-waiting-requests", "4", startup_timeout=120)
+                            "1024", "--max-num-seqs", "8", "--max-waiting-requests", "4")
     stop = threading.Event()
 
     def long_stream(i: int) -> None:         # keeps the engine busy and the queue full

@@ -33,7 +33,7 @@ def test_redis_restart_under_load_loses_no_turn_and_generation_goes_on(tiny_mode
     redis = redis_server                         # tests/conftest.py: a throwaway redis-server
     args = ("--model", tiny_model, "--kv-blocks", "256", "--max-model-len", "1024", "--api-key", KEY,
             "--redis-url", redis.url)
-    srv = start_real_server(str(tmp_path), *args, startup_timeout=120)
+    srv = start_real_server(str(tmp_path), *args)
     try:
         said: dict[str, list[tuple[str, str]]] = {}
         plain_ok = plain_bad = 0
@@ -86,7 +86,7 @@ def test_redis_restart_under_load_loses_no_turn_and_generation_goes_on(tiny_mode
         assert wait_kv_zero(srv.url) == 0
         assert srv.stop() == 0
         # a new process reads the same Redis: every turn of every conversation is there
-        srv = start_real_server(str(tmp_path), *args, startup_timeout=120)
+        srv = start_real_server(str(tmp_path), *args)
         for sid, turns in said.items():
             r = httpx.get(f"{srv.url}/v1/sessions/{sid}", headers=AUTH, timeout=10)
             assert r.status_code == 200, r.text

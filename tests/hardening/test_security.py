@@ -120,7 +120,7 @@ SYSTEM = ("You are the shared assistant of the chatserve hardening tests. Answer
 def test_prefix_cache_isolation_and_shared_system_prompt_on_the_real_engine(tiny_model, tmp_path):
     srv = start_real_server(str(tmp_path), "--model", tiny_model, "--kv-blocks", "256", "--max-model-len",
                             "1024", "--api-key", "owner-a", "--api-key", "owner-b",
-                            "--shared-system-prompt", SYSTEM, startup_timeout=120)
+                            "--shared-system-prompt", SYSTEM)
     try:
         def cached(key: str, messages: list[dict]) -> tuple[int, int]:
             r = httpx.post(srv.url + "/v1/chat/completions", headers=_h(key), timeout=60,

@@ -61,19 +61,21 @@ def test_rope_in_place(dt, T, heads, D):
 def test_fused_forward_matches_the_torch_forward(tmp_path, dt):
     from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
     from chatserve.core.request import SamplingParams
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
     from chatserve.runtime.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", seed=3)
     runs = []
     for fused in (True, False):
-        r = ModelRunner(path, dtype=dt, num_blocks=16, block_size=4, progress=False, num_threads=1)
+        r = ModelRunner.from_config(offline_config(path, dtype=dt, num_blocks=16, block_size=4, num_threads=1))
         r.model.fused = fused
         p = SamplingParams(temperature=0.0, logprobs=5)
-        out = r.execute(SchedulerOutput(1, [ScheduledSeq("a", list(range(3, 14)), 0, [0, 1, 2], True, p)]))
+        prompt = list(range(3, 14))
+        out = r.execute(SchedulerOutput(1, [ScheduledSeq("a", prompt, 0, [0, 1, 2], True, p, prompt)]))
         toks = [out.sampled["a"]]
         for i in range(4):
-            out = r.execute(SchedulerOutput(2 + i, [ScheduledSeq("a", [toks[-1]], 11 + i, [0, 1, 2, 3, 4], True, p)]))
+            out = r.execute(SchedulerOutput(2 + i, [ScheduledSeq("a", [toks[-1]], 11 + i, [0, 1, 2, 3, 4], True, p, prompt)]))
             toks.append(out.sampled["a"])
         runs.append(toks)
     assert runs[0] == runs[1]

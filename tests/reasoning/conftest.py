@@ -32,3 +32,10 @@ def r1_server(tmp_path_factory):
     srv = _serve(tmp_path_factory, "deepseek_r1", think_models.deepseek_chains())
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_server(tmp_path_factory):
+    srv = _serve(tmp_path_factory, "gpt_oss", think_models.gpt_oss_chains())
+    yield srv
+    srv.stop()

@@ -42,7 +42,8 @@ def _run(tok, spec, script: dict[int, int], steps: int = 80) -> list[int]:
         if k in script:
             logits[0, script[k]] = 100.0
         seq = ScheduledSeq(request_id="r", token_ids=[1], start_pos=5, block_table=[0], sample=True,
-                           params=SamplingParams(temperature=0.0, structured=spec), output_token_ids=list(out))
+                           params=SamplingParams(temperature=0.0, structured=spec), prompt_token_ids=[1] * 5,
+                           output_token_ids=list(out))
         ids, _ = sampler(logits, [seq])
         if k in script:
             assert ids[0] == script[k], k

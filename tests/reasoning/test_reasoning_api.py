@@ -1,8 +1,8 @@
 """Reasoning through the API on tiny Qwen3 and DeepSeek-R1-style checkpoints with their chat templates,
 their output scripted (think_models.py): reasoning_content beside content, streamed and not, cut by
 max_tokens, thinking switched off, with response_format and tools (the grammar starts after `</think>`),
-a replayed reasoning_content, and the Responses API's reasoning items, read by the official SDK and by
-langchain-openai."""
+a replayed reasoning_content, and the Responses API's reasoning items, read by the official SDK, by
+langchain-openai and by langchain-deepseek."""
 from __future__ import annotations
 
 import json
@@ -167,10 +167,11 @@ def test_deepseek_template_opened_block(r1_server):
 # ── the Responses API ──────────────────────────────────────────────────────────────────────────────
 def test_responses_reasoning_items(qwen3_server):
     c = _client(qwen3_server)
-    r = c.responses.create(model="qwen3", input="hi", temperature=0)
+    r = c.responses.create(model="qwen3", input="hi", temperature=0, reasoning={"summary": "auto"})
     kinds = [it.type for it in r.output]
     assert kinds == ["reasoning", "message"]
     assert r.output[0].content[0].text == THOUGHT and r.output_text == ANSWER
+    assert r.output[0].summary == [] and r.reasoning.summary == "auto"     # no summary is ever invented
     assert r.usage.output_tokens_details.reasoning_tokens == 9
     with c.responses.stream(model="qwen3", input="hi", temperature=0) as s:
         events = list(s)
@@ -207,6 +208,19 @@ def test_langchain_reads_reasoning(qwen3_server):
     chat = ChatOpenAI(model="qwen3", base_url=qwen3_server.url + "/v1", api_key="none", temperature=0,
                       max_retries=0).invoke("hi")
     assert chat.text == ANSWER                          # no <think> block left in the content
+
+
+def test_langchain_deepseek_reads_reasoning_content(qwen3_server):
+    """langchain on chat completions: ChatOpenAI drops `reasoning_content`; langchain-deepseek's ChatDeepSeek
+    (an OpenAI-compatible client) surfaces it in additional_kwargs, streamed and not."""
+    from langchain_deepseek import ChatDeepSeek
+    llm = ChatDeepSeek(model="qwen3", base_url=qwen3_server.url + "/v1", api_key="none", temperature=0,
+                       max_retries=0)
+    msg = llm.invoke("hi")
+    assert msg.additional_kwargs["reasoning_content"] == THOUGHT and msg.content == ANSWER
+    chunks = list(llm.stream("hi"))
+    streamed = "".join(c.additional_kwargs.get("reasoning_content") or "" for c in chunks)
+    assert streamed == THOUGHT and "".join(c.content for c in chunks) == ANSWER
 
 
 def test_qwen3_required_tool_call_after_thinking(qwen3_server):

@@ -7,19 +7,26 @@ import pytest
 from chatserve.config import default_model_path
 from chatserve.core.request import SamplingParams
 from chatserve.engine.llm import LLM
-from chatserve.runtime.models import layers
-from chatserve_kernels import attention, attention_backend, block_copy, cpu_attention, cpu_decode, cpu_ops
-from chatserve_kernels import cpu_qmatmul, kv_store
+from chatserve.runtime.models import layers, linear_backends
+from chatserve_kernels import attention, attention_backend, block_copy, cpu_attention, cpu_blockmm, cpu_build
+from chatserve_kernels import cpu_decode, cpu_ops, cpu_qmatmul, dispatch, env, kv_store
 
+# every capability probe: CPU features, compiled-kernel availability, Triton's switch, the backend choices
 PROBES = [(cpu_attention, "available"), (cpu_attention, "supports"), (cpu_qmatmul, "available"),
           (cpu_ops, "usable"), (cpu_decode, "usable"), (attention_backend, "use_triton"),
           (attention, "use_triton"), (attention, "flash_supported"), (kv_store, "use_triton"),
-          (block_copy, "use_triton"), (layers, "_onednn_bf16"), (attention_backend, "pick_attention_backend")]
+          (block_copy, "use_triton"), (layers, "_onednn_bf16"), (attention_backend, "pick_attention_backend"),
+          (cpu_blockmm, "available"), (cpu_blockmm, "supported"), (cpu_blockmm, "detect_isa"),
+          (cpu_build, "cpu_flags"), (cpu_build, "missing_flags"), (cpu_build, "compiler"),
+          (dispatch, "use_triton"), (env, "force_triton"), (env, "cpu_kernels_enabled"),
+          (linear_backends, "choose_block_backend"), (linear_backends.CpuBlockLinear, "usable")]
 
 
 @pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
-def test_no_capability_probe_runs_per_step(monkeypatch):
-    llm = LLM(None, dtype="auto", weight_quant="auto", num_blocks=96, max_num_batched_tokens=48)
+@pytest.mark.parametrize("settings", [{"weight_quant": "auto"}, {"gguf_in_place": True}],
+                         ids=["int4", "gguf-in-place"])
+def test_no_capability_probe_runs_per_step(monkeypatch, settings):
+    llm = LLM(None, dtype="auto", num_blocks=96, max_num_batched_tokens=48, **settings)
     prompts = [list(range(200, 290)), list(range(300, 310)), list(range(400, 403))]   # chunked, mixed steps
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts, params)
@@ -28,6 +35,8 @@ def test_no_capability_probe_runs_per_step(monkeypatch):
     assert backend is not None
     if cpu_attention.available():
         assert backend.name == "cpu-c"
+    if settings.get("gguf_in_place") and cpu_blockmm.detect_isa():
+        assert llm.runner.block_formats and llm.runner.block_backend.name.startswith("cpu-")
 
     def boom(*a, **k):
         raise AssertionError("a capability probe ran on the step path")

@@ -8,6 +8,7 @@ import torch
 
 from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
 from chatserve.core.request import SamplingParams
+from chatserve.config import offline_config
 from chatserve.runtime.model_runner import ModelRunner
 from chatserve_kernels import cpu_build, cpu_decode
 
@@ -21,8 +22,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def _runner(path: str, dtype: str) -> ModelRunner:
-    r = ModelRunner(path, dtype=dtype, weight_quant="int4", num_blocks=160, block_size=16, progress=False,
-                    num_threads=1)
+    r = ModelRunner.from_config(offline_config(path, dtype=dtype, weight_quant="int4", num_blocks=160, block_size=16, num_threads=1))
     if not cpu_decode.usable(r.model.dtype):
         pytest.skip("no C decode chain: " + "; ".join(
             str(cpu_build.status(k)) for k in ("cpu_qmatmul", "cpu_ops", "cpu_attention")))
@@ -50,11 +50,11 @@ def _steps(runner: ModelRunner, batch: int, use_chain: bool) -> tuple[list[torch
     try:
         prompts = [[(7 * i + 3 * b) % 1000 + 1 for i in range(20 + 5 * b)] for b in range(batch)]
         tables = [list(range(8 * b, 8 * b + 8)) for b in range(batch)]
-        out = SchedulerOutput(1, [ScheduledSeq(f"s{b}", p, 0, tables[b], True, GREEDY) for b, p in enumerate(prompts)])
+        out = SchedulerOutput(1, [ScheduledSeq(f"s{b}", p, 0, tables[b], True, GREEDY, p) for b, p in enumerate(prompts)])
         runner.execute(out)
         for i in range(6):
             out = SchedulerOutput(2 + i, [ScheduledSeq(f"s{b}", [(31 * i + b) % 1000 + 1], len(prompts[b]) + i,
-                                                       tables[b], True, GREEDY) for b in range(batch)])
+                                                       tables[b], True, GREEDY, prompts[b]) for b in range(batch)])
             runner.execute(out)
     finally:
         del runner.model.compute_logits

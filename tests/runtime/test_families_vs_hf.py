@@ -63,12 +63,12 @@ def hf_greedy(name: str, ids: list[int]) -> list[int]:
 
 def runner_for(path: str, name: str, fused: bool = True):
     """A ModelRunner on the checkpoint; fused=False swaps in the model built on the plain-torch ops."""
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
     from chatserve.runtime.models import build_model
     from chatserve.runtime.weights import load_weights
     w = load_weights(path, "float32", progress=False)
-    r = ModelRunner(path, num_blocks=64, block_size=BS, progress=False, num_threads=1,
-                    max_model_len=MAX_LEN.get(name), weights=w)
+    r = ModelRunner.from_config(offline_config(path, num_blocks=64, block_size=BS, num_threads=1, max_model_len=MAX_LEN.get(name)), weights=w)
     if not fused:
         r.model = build_model(w.config, w.tensors, torch.float32, "cpu", r.max_model_len, fused=False)
     return r

@@ -100,11 +100,12 @@ def _logits(runner: ModelRunner) -> list[torch.Tensor]:
     try:
         prompts = [[(7 * i + 3 * b) % 500 + 1 for i in range(19 + 6 * b)] for b in range(2)]
         tables = [list(range(8 * b, 8 * b + 8)) for b in range(2)]
-        runner.execute(SchedulerOutput(1, [ScheduledSeq(f"s{b}", p, 0, tables[b], True, GREEDY)
+        runner.execute(SchedulerOutput(1, [ScheduledSeq(f"s{b}", p, 0, tables[b], True, GREEDY, p)
                                            for b, p in enumerate(prompts)]))
         for i in range(4):
             runner.execute(SchedulerOutput(2 + i, [ScheduledSeq(f"s{b}", [(31 * i + b) % 500 + 1],
-                                                                len(prompts[b]) + i, tables[b], True, GREEDY)
+                                                                len(prompts[b]) + i, tables[b], True, GREEDY,
+                                                                prompts[b])
                                                    for b in range(2)]))
     finally:
         del runner.model.compute_logits

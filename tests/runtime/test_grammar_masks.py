@@ -39,7 +39,8 @@ def _spec(compiler, schema=SCHEMA) -> StructuredSpec:
 
 def _seq(rid: str, spec, out: list[int], temperature: float = 0.0) -> ScheduledSeq:
     return ScheduledSeq(request_id=rid, token_ids=[1], start_pos=5, block_table=[0], sample=True,
-                        params=SamplingParams(temperature=temperature, structured=spec), output_token_ids=out)
+                        params=SamplingParams(temperature=temperature, structured=spec), prompt_token_ids=[1] * 5,
+                        output_token_ids=out)
 
 
 def test_cache_hits_on_equal_schemas(compiler):
@@ -69,7 +70,7 @@ def test_greedy_sampler_follows_the_grammar_to_eos(tok, compiler):
     for _ in range(60):
         logits = torch.randn(2, tok.vocab_size, generator=g)      # [B, V]; row 1 is unconstrained
         free = ScheduledSeq(request_id="free", token_ids=[1], start_pos=5, block_table=[0], sample=True,
-                            params=SamplingParams(temperature=0.0))
+                            params=SamplingParams(temperature=0.0), prompt_token_ids=[1] * 5)
         ids, _ = sampler(logits.clone(), [_seq("c", spec, out), free])
         assert ids[1] == int(logits[1].argmax())
         if ids[0] in eos:

@@ -72,9 +72,9 @@ def greedy_with_runner(runner, prompts: list[list[int]], n_new: int) -> list[lis
 
 @pytest.fixture(scope="module")
 def default_runner(default_path, default_weights):
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
-    return ModelRunner(default_path, weights=default_weights, num_blocks=5 * 8, block_size=16,
-                       max_model_len=4096, progress=False, num_threads=1)
+    return ModelRunner.from_config(offline_config(default_path, num_blocks=5 * 8, block_size=16, max_model_len=4096, num_threads=1), weights=default_weights)
 
 
 def test_default_greedy_32_tokens_match_transformers(default_runner, default_hf, hf_tokenizer):

@@ -31,11 +31,15 @@ def test_engine_load_passes_both_to_the_runner(monkeypatch):
     seen = {}
 
     class StubRunner:
-        def __init__(self, model, cache, **kw):            # the config sections, as the builder passes them
+        def __init__(self, model, cache):
             seen.update(weight_quant=model.weight_quant, kv_cache_dtype=cache.kv_cache_dtype)
             self.num_blocks, self.max_model_len, self.block_size = 8, 64, 16
             self.model_path, self.model_key, self.kv_window = model.model, "stub", None
             self.vocab_size, self.eos_token_ids, self.kv_cache_dtype = 64, (), cache.kv_cache_dtype
+
+        @classmethod
+        def from_config(cls, config, **kw):                # the builder's one call: the whole config
+            return cls(config.model, config.cache)
 
         def warm_up(self) -> float:
             return 0.0
@@ -58,8 +62,9 @@ def test_auto_picks_int4_for_the_4bit_default_model_on_cpu(default_weights):
 
 
 def test_auto_keeps_dense_weights_for_a_float_checkpoint(tmp_path):
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
     from chatserve.runtime.tiny import make_tiny_model
     path = make_tiny_model(tmp_path / "tiny")
-    r = ModelRunner(str(path), num_blocks=8, progress=False, weight_quant="auto")
+    r = ModelRunner.from_config(offline_config(str(path), num_blocks=8, weight_quant="auto"))
     assert r.weight_quant is None

@@ -8,20 +8,22 @@ import torch
 from chatserve.core.outputs import CopyOp, ScheduledSeq, SchedulerOutput
 from chatserve.core.request import SamplingParams
 from chatserve.runtime.kv_cache import bytes_per_block
+from chatserve.config import offline_config
 from chatserve.runtime.model_runner import ModelRunner
 from chatserve_kernels import AttentionMetadata
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def seq(rid: str, ids: list[int], start: int, table: list[int], sample: bool = True) -> ScheduledSeq:
+def seq(rid: str, ids: list[int], start: int, table: list[int], sample: bool = True, *,
+        prompt: list[int]) -> ScheduledSeq:
     return ScheduledSeq(request_id=rid, token_ids=ids, start_pos=start, block_table=table,
-                        sample=sample, params=GREEDY)
+                        sample=sample, params=GREEDY, prompt_token_ids=prompt)
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_dirs) -> ModelRunner:
-    return ModelRunner(tiny_dirs["llama"], num_blocks=32, block_size=4, progress=False, num_threads=1)
+    return ModelRunner.from_config(offline_config(tiny_dirs["llama"], num_blocks=32, block_size=4, num_threads=1))
 
 
 def test_attributes_and_budget_sizing(tiny_dirs, runner):
@@ -30,8 +32,7 @@ def test_attributes_and_budget_sizing(tiny_dirs, runner):
     assert runner.kv_caches[0][0].shape == (32, 4, 2, 16)
     per_block = bytes_per_block(runner.config, 16, torch.bfloat16)
     assert per_block == 2 * 2 * 16 * 2 * 16 * 2
-    r = ModelRunner(tiny_dirs["llama"], dtype="bfloat16", block_size=16,
-                    kv_cache_memory=10 * per_block + 5, progress=False, num_threads=1)
+    r = ModelRunner.from_config(offline_config(tiny_dirs["llama"], dtype="bfloat16", block_size=16, kv_cache_memory=10 * per_block + 5, num_threads=1))
     assert r.num_blocks == 10 and r.kv_caches[0][0].dtype == torch.bfloat16
 
 
@@ -41,12 +42,12 @@ def test_small_steps_keep_every_core_for_big_decode_matmuls(tiny_dirs, monkeypat
     import os
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs two cores")
-    small = ModelRunner(tiny_dirs["llama"], num_blocks=8, block_size=4, progress=False)
+    small = ModelRunner.from_config(offline_config(tiny_dirs["llama"], num_blocks=8, block_size=4))
     per_matmul = small.model.decode_matmul_bytes()
     assert per_matmul == small.model.decode_weight_bytes(1) / (4 * 2 + 1) > 0
     assert small._threads_small == small._threads_big - 1
     monkeypatch.setattr(ModelRunner, "BIG_MATMUL_BYTES", int(per_matmul))
-    big = ModelRunner(tiny_dirs["llama"], num_blocks=8, block_size=4, progress=False)
+    big = ModelRunner.from_config(offline_config(tiny_dirs["llama"], num_blocks=8, block_size=4))
     assert big._threads_small == big._threads_big >= 2
 
 
@@ -94,34 +95,49 @@ def test_gpu_memory_utilization_sizes_the_cache_on_cuda_only(runner, monkeypatch
 def test_prefill_then_decode_samples_greedy_argmax(runner, contiguous_forward):
     prompt = [11, 22, 33, 44, 55, 66, 77]
     table = [9, 3]
-    res = runner.execute(SchedulerOutput(1, [seq("a", prompt[:5], 0, table, sample=False)]))
+    res = runner.execute(SchedulerOutput(1, [seq("a", prompt[:5], 0, table, sample=False, prompt=prompt)]))
     assert res.sampled == {} and not res.errors
-    res = runner.execute(SchedulerOutput(2, [seq("a", prompt[5:], 5, table)]))
+    res = runner.execute(SchedulerOutput(2, [seq("a", prompt[5:], 5, table, prompt=prompt)]))
     first = res.sampled["a"]
     assert first == int(contiguous_forward(runner.model, prompt)[-1].argmax())
-    res = runner.execute(SchedulerOutput(3, [seq("a", [first], 7, table)]))
+    res = runner.execute(SchedulerOutput(3, [seq("a", [first], 7, table, prompt=prompt)]))
     assert res.step_id == 3
     assert res.sampled["a"] == int(contiguous_forward(runner.model, prompt + [first])[-1].argmax())
 
 
+def test_a_scheduled_row_names_its_prompt_and_prompt_rows_reach_the_linears_as_prompt_rows(runner, linear_rows):
+    """The runner tells a prompt row from a generated one by position < len(prompt_token_ids): a caller
+    that could leave the prompt out would send its prompt chunk down the decode kernels unnoticed."""
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        ScheduledSeq("a", [1, 2, 3], 0, [0], True, GREEDY)
+    prompt = [11, 22, 33, 44, 55, 66]
+    runner.execute(SchedulerOutput(1, [seq("a", prompt[:4], 0, [9, 3], sample=False, prompt=prompt)]))
+    first = runner.execute(SchedulerOutput(2, [seq("a", prompt[4:], 4, [9, 3], prompt=prompt)])).sampled["a"]
+    runner.execute(SchedulerOutput(3, [seq("a", [first], 6, [9, 3], prompt=prompt)]))
+    assert runner.batch_invariant and linear_rows
+    kinds = [r.all_gen for r in linear_rows]               # every Linear of a step sees the same split
+    per_layer = len(kinds) // 3
+    assert kinds == [False] * (2 * per_layer) + [True] * per_layer      # two prompt steps, one decode step
+
+
 def test_copy_ops_copy_blocks_in_every_layer(runner):
     prompt = list(range(100, 108))
-    runner.execute(SchedulerOutput(1, [seq("p", prompt, 0, [20, 21], sample=False)]))
+    runner.execute(SchedulerOutput(1, [seq("p", prompt, 0, [20, 21], sample=False, prompt=prompt)]))
     res = runner.execute(SchedulerOutput(2, [], copy_ops=[CopyOp(21, 30), CopyOp(20, 31)]))
     assert not res.errors
     for k, v in runner.kv_caches:
         assert torch.equal(k[30], k[21]) and torch.equal(v[31], v[20]) and k[21].abs().sum() > 0
     # the copied blocks serve a forked sequence: decoding from them matches decoding the original
-    a = runner.execute(SchedulerOutput(3, [seq("p", [5], 8, [20, 21, 22])])).sampled["p"]
-    b = runner.execute(SchedulerOutput(4, [seq("q", [5], 8, [31, 30, 23])])).sampled["q"]
+    a = runner.execute(SchedulerOutput(3, [seq("p", [5], 8, [20, 21, 22], prompt=prompt)])).sampled["p"]
+    b = runner.execute(SchedulerOutput(4, [seq("q", [5], 8, [31, 30, 23], prompt=prompt)])).sampled["q"]
     assert a == b
 
 
 def test_bad_request_errors_alone(runner):
-    ok = seq("ok", [1, 2, 3], 0, [4])
-    bad_block = seq("bad-block", [1, 2], 0, [999])
-    bad_token = seq("bad-token", [10 ** 9], 0, [5])
-    short_table = seq("short", [1, 2, 3, 4, 5], 0, [6])
+    ok = seq("ok", [1, 2, 3], 0, [4], prompt=[1, 2, 3])
+    bad_block = seq("bad-block", [1, 2], 0, [999], prompt=[1, 2])
+    bad_token = seq("bad-token", [10 ** 9], 0, [5], prompt=[10 ** 9])
+    short_table = seq("short", [1, 2, 3, 4, 5], 0, [6], prompt=[1, 2, 3, 4, 5])
     res = runner.execute(SchedulerOutput(7, [bad_block, ok, bad_token, short_table]))
     assert set(res.errors) == {"bad-block", "bad-token", "short"}
     assert set(res.sampled) == {"ok"}
@@ -133,12 +149,13 @@ def test_drafts_are_verified_by_the_argmax_and_only_for_rows_that_may_draft(runn
     for _ in range(3):                                           # the greedy continuation, 3 tokens
         chain.append(int(contiguous_forward(runner.model, chain)[-1].argmax()))
     nxt, g1, g2 = chain[len(prompt):]
-    assert runner.execute(SchedulerOutput(1, [seq("ok", prompt, 0, [0, 1])])).sampled == {"ok": nxt}
+    assert runner.execute(SchedulerOutput(1, [seq("ok", prompt, 0, [0, 1], prompt=prompt)])).sampled == {"ok": nxt}
     wrong = (g2 + 1) % runner.vocab_size
-    drafted = seq("ok", [nxt, g1, wrong], len(prompt), [0, 1])
+    drafted = seq("ok", [nxt, g1, wrong], len(prompt), [0, 1], prompt=prompt)
     drafted.draft_token_ids = [g1, wrong]
     sampled = ScheduledSeq(request_id="sampled", token_ids=[nxt, 7], start_pos=len(prompt), block_table=[2, 3],
-                           sample=True, params=SamplingParams(temperature=0.8), draft_token_ids=[7])
+                           sample=True, params=SamplingParams(temperature=0.8), prompt_token_ids=prompt,
+                           draft_token_ids=[7])
     res = runner.execute(SchedulerOutput(2, [drafted, sampled]))
     assert res.accepted["ok"] == [g1, g2] and res.sampled["ok"] == g2    # g1 accepted, `wrong` replaced
     assert set(res.errors) == {"sampled"} and "sampled" not in res.accepted    # never drafted: an error
@@ -161,8 +178,8 @@ def test_sampler_interface(runner, monkeypatch):
             calls["prefetched"] = [s.request_id for s in seqs]
 
     monkeypatch.setattr(runner, "sampler", Recorder())
-    res = runner.execute(SchedulerOutput(1, [seq("x", [1, 2], 0, [10], sample=False),
-                                             seq("y", [3], 0, [11]), seq("z", [4, 5], 0, [12])],
+    res = runner.execute(SchedulerOutput(1, [seq("x", [1, 2], 0, [10], sample=False, prompt=[1, 2]),
+                                             seq("y", [3], 0, [11], prompt=[3]), seq("z", [4, 5], 0, [12], prompt=[4, 5])],
                                          finished_ids=["gone"]))
     assert calls == {"dropped": ["gone"], "prefetched": ["y", "z"], "shape": (2, runner.vocab_size),
                      "dtype": torch.float32, "ids": ["y", "z"]}
@@ -183,7 +200,7 @@ def test_sampler_failure_isolated_to_its_row(runner, monkeypatch):
             pass
 
     monkeypatch.setattr(runner, "sampler", Picky())
-    res = runner.execute(SchedulerOutput(1, [seq("fine", [1], 0, [13]), seq("boom", [2], 0, [14])]))
+    res = runner.execute(SchedulerOutput(1, [seq("fine", [1], 0, [13], prompt=[1]), seq("boom", [2], 0, [14], prompt=[2])]))
     assert res.sampled == {"fine": 1} and "boom" in res.errors
 
 
@@ -227,21 +244,20 @@ def test_llm_generate_n_and_eos(llm):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_kv_cache_tracks_full_precision(tiny_dirs, runner, contiguous_forward, kv_dtype):
-    q = ModelRunner(tiny_dirs["llama"], num_blocks=8, block_size=4, progress=False, num_threads=1,
-                    kv_cache_dtype=kv_dtype)
+    q = ModelRunner.from_config(offline_config(tiny_dirs["llama"], num_blocks=8, block_size=4, num_threads=1, kv_cache_dtype=kv_dtype))
     k, v, ks, vs = q.kv_caches[0]
     assert ks.shape == (8, 4, 2) and k.element_size() == 1
     # 2 layers x 4 tokens x (K and V: 2 heads x 16 one-byte codes + 2 fp32 scales)
     assert q.bytes_per_block == 2 * 4 * 2 * (2 * 16 + 2 * 4) == 640
     assert runner.bytes_per_block == 2 * 4 * 2 * (2 * 16 * 4) == 2048
     prompt = [11, 22, 33, 44, 55, 66, 77, 88, 99]
-    q.execute(SchedulerOutput(1, [seq("a", prompt[:-1], 0, [5, 1, 7], sample=False)]))
+    q.execute(SchedulerOutput(1, [seq("a", prompt[:-1], 0, [5, 1, 7], sample=False, prompt=prompt)]))
     # CoW of the two full blocks (codes and scales), then decode the last token from the copies
     q.execute(SchedulerOutput(2, [], copy_ops=[CopyOp(5, 2), CopyOp(1, 3)]))
     assert torch.equal(q.kv_caches[1][2][2], q.kv_caches[1][2][5])
     logits = {}
     for table in ([5, 1, 7], [2, 3, 6]):
-        q.execute(SchedulerOutput(3, [seq("a", prompt[-1:], 8, table, sample=False)]))
+        q.execute(SchedulerOutput(3, [seq("a", prompt[-1:], 8, table, sample=False, prompt=prompt)]))
         meta_ids = torch.tensor(prompt[-1:])
         meta = AttentionMetadata.build([1], [9], [table], 4)
         with torch.inference_mode():

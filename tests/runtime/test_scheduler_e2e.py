@@ -8,6 +8,7 @@ import pytest
 
 from chatserve.core.request import SamplingParams
 from chatserve.engine.llm import LLM
+from chatserve.config import offline_config
 from chatserve.runtime.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -27,8 +28,8 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def runners(tiny_dirs) -> dict[str, ModelRunner]:
     path = tiny_dirs["llama"]
-    return {"roomy": ModelRunner(path, num_blocks=256, progress=False),
-            "tiny": ModelRunner(path, num_blocks=12, progress=False)}     # 8 × up to 6 blocks → preemption
+    return {"roomy": ModelRunner.from_config(offline_config(path, num_blocks=256)),
+            "tiny": ModelRunner.from_config(offline_config(path, num_blocks=12))}     # 8 × up to 6 blocks → preemption
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 
 from chatserve.core.request import SamplingParams
 from chatserve.engine.llm import LLM
+from chatserve.config import offline_config
 from chatserve.runtime.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -35,7 +36,7 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingPar
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_tiny_greedy_outputs_identical_with_drafts(tiny_dirs, prompts, arch):
-    runner = ModelRunner(tiny_dirs[arch], num_blocks=256, progress=False)
+    runner = ModelRunner.from_config(offline_config(tiny_dirs[arch], num_blocks=256))
     plain, _ = _generate(runner, prompts, GREEDY)
     # one at a time (the default: drafting only while one sequence runs), then all at once with
     # drafting kept on for a batch of 8 (decodes with drafts beside prefill chunks)
@@ -52,7 +53,7 @@ def test_tiny_greedy_outputs_identical_with_drafts(tiny_dirs, prompts, arch):
 
 
 def test_tiny_sampled_rows_are_unaffected_by_the_option(tiny_dirs, prompts):
-    runner = ModelRunner(tiny_dirs["qwen2"], num_blocks=256, progress=False)
+    runner = ModelRunner.from_config(offline_config(tiny_dirs["qwen2"], num_blocks=256))
     seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True)
     plain, _ = _generate(runner, prompts[:2], seeded)
     spec, sched = _generate(runner, prompts[:2], seeded, speculative_ngram=True, speculative_disable_by_batch_size=8)
@@ -65,7 +66,7 @@ EDIT_TEXT = ("Teh quick brown fox jumsp over the lazy dog. It was a brigth cold 
 
 
 def test_default_model_editing_prompt_identical_and_accepted(default_path, default_weights):
-    runner = ModelRunner(default_path, weights=default_weights, num_blocks=64, progress=False)
+    runner = ModelRunner.from_config(offline_config(default_path, num_blocks=64), weights=default_weights)
     tok = LLM(runner=runner).tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Fix the typos in this text and reply with "
                                     "the corrected text only.\n\n" + EDIT_TEXT}])

@@ -23,11 +23,15 @@ def test_load_and_steps_share_one_thread(monkeypatch, start):
     threads = {"init": set(), "step": set()}
 
     class StubRunner:
-        def __init__(self, model, cache=None, **kw):
+        def __init__(self):
             threads["init"].add(threading.get_ident())
             self.num_blocks, self.max_model_len, self.block_size = 32, 64, 16
             self.model_path, self.model_key, self.kv_window = "/nonexistent.gguf", "stub", None
             self.vocab_size, self.eos_token_ids, self.kv_cache_dtype = 64, (), "auto"
+
+        @classmethod
+        def from_config(cls, config, **kw):              # the builder's one call
+            return cls()
 
         def warm_up(self):
             threads["step"].add(threading.get_ident())

@@ -86,7 +86,9 @@ def real_model_available() -> bool:
     return default_model_path() is not None
 
 
-def start_real_server(tmp_dir: str, *args: str, startup_timeout: float = 240) -> ProcServer:
+def start_real_server(tmp_dir: str, *args: str, startup_timeout: float = 600) -> ProcServer:
+    """A real `chatserve serve` on a free port. startup_timeout only bounds a hang: a crash is seen at once
+    (poll), and a loaded 2-core box can take minutes to load, repack and warm up."""
     port = free_port()
     log_path = os.path.join(tmp_dir, f"serve-{port}.log")
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -54,6 +55,24 @@ def test_openapi_is_valid_3_1_and_covers_every_route(keyed_server):
     assert chat["seed"]["anyOf"][0]["minimum"] == -(2 ** 63)
     assert "pattern" in json.dumps(chat["logit_bias"])
     assert "/v1/sessions/{sid}/messages" in spec["paths"] and "/v1/models/{model_id}" in spec["paths"]
+    # issue 31: the Responses API and the reasoning fields
+    assert set(spec["paths"]["/v1/responses"]) == {"post"}
+    assert set(spec["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+    assert "reasoning_effort" in chat
+    assert {"reasoning_content", "reasoning"} <= set(spec["components"]["schemas"]["ChatMessage"]["properties"])
+
+
+def test_docs_api_md_covers_the_responses_and_reasoning_fields():
+    """docs/api.md names every field of a /v1/responses request and the reasoning fields of chat."""
+    from chatserve.server.openapi import openapi_schema
+    doc = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    schemas = openapi_schema()["components"]["schemas"]
+    fields = [f for f in schemas["ResponsesRequest"]["properties"] if f != "model"]
+    missing = [f for f in fields if f"`{f}" not in doc]
+    assert not missing, missing
+    for name in ("reasoning_content", "reasoning_effort", "reasoning_tokens", "--reasoning-parser",
+                 "/v1/responses/{id}", "previous_response_id", "response.reasoning_text.delta", "harmony"):
+        assert name in doc, name
 
 
 def test_docs_page_is_static(keyed_server):

@@ -146,3 +146,39 @@ def test_official_sdk(srv):
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
+
+
+@pytest.fixture()
+def failing_srv():
+    """A server whose runner fails on its 4th step: a stream gets a few deltas, then the failure."""
+    s = start_fake_server()
+    runner = s.state.engine.runner
+    execute = runner.execute
+
+    def fail_later(out):
+        if runner.calls >= 3:
+            runner.calls += 1
+            raise RuntimeError("boom")
+        return execute(out)
+
+    runner.execute = fail_later
+    yield s
+    s.stop()
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(failing_srv):
+    """Deltas, then one typed `error` event (code, message) and the end of the stream, no response.completed:
+    as a naive "\\n\\n" reader and the official SDK read it."""
+    ev = _events(failing_srv, {"input": "hello", "max_output_tokens": 50})
+    kinds = [k for k, _ in ev]
+    assert "response.output_text.delta" in kinds and "response.completed" not in kinds
+    assert kinds[-1] == "error" and kinds.count("error") == 1
+    err = ev[-1][1]
+    assert err["type"] == "error" and err["code"] and "boom" in err["message"]
+    assert [d["sequence_number"] for _, d in ev] == list(range(len(ev)))
+    failing_srv.state.engine.runner.calls = 0           # three good steps again
+    client = openai.OpenAI(base_url=failing_srv.url + "/v1", api_key="none", max_retries=0)
+    events = list(client.responses.create(model="fake-model", input="hello", max_output_tokens=50, stream=True))
+    assert events[-1].type == "error" and "boom" in events[-1].message
+    assert any(e.type == "response.output_text.delta" for e in events)
+    assert not any(e.type == "response.completed" for e in events)

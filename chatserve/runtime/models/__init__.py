@@ -7,7 +7,7 @@ import torch
 from chatserve.runtime.models.decoder import DecoderModel
 from chatserve.runtime.models.gemma import GemmaModel
 from chatserve.runtime.models.gpt_oss import GptOssModel
-from chatserve.runtime.models.linear_backends import BlockLinear, TorchBlockLinear
+from chatserve.runtime.models.linear_backends import BlockLinear, BlockMatrix, TorchBlockLinear
 from chatserve.runtime.models.llama import LlamaModel
 from chatserve.runtime.models.mixtral import MixtralModel
 from chatserve.runtime.models.olmoe import OlmoeModel
@@ -32,7 +32,7 @@ FAMILIES: dict[str, type[DecoderModel]] = {
 }
 
 
-def build_model(config: ArchConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+def build_model(config: ArchConfig, tensors: dict[str, torch.Tensor | BlockMatrix], dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", max_model_len: int | None = None,
                 weight_quant: str | None = None, fused: bool = True,
                 block_backend: type[BlockLinear] = TorchBlockLinear) -> DecoderModel:

@@ -7,6 +7,8 @@ cache; plain tensors and torch functions (no nn.Module: no hook dispatch on the 
 """
 from __future__ import annotations
 
+from typing import Any, overload
+
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,13 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chatserve.runtime.models.layers import (Attention, GatedMLP, KVCaches, Linear, Rotary, RowSplit, StepInfo,
-                                             pick_ops)
+from chatserve.runtime.models.layers import (AnyLinear, Attention, GatedMLP, KVCaches, Linear, Rotary, RowSplit,
+                                             StepInfo, pick_ops)
 from chatserve.runtime.models.linear_backends import BlockLinear, BlockMatrix, TorchBlockLinear, cat_rows
 from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
-from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError
-from chatserve_kernels import AttentionMetadata, cpu_decode
+from chatserve.runtime.arch_config import ArchConfig, MoESpec, UnsupportedModelError
+from chatserve_kernels import AttentionMetadata, cpu_decode, cpu_qmatmul
 from chatserve_kernels.attention_backend import AttentionBackend, pick_attention_backend
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
@@ -31,13 +33,16 @@ class WeightReader:
     """Hands out checkpoint tensors by name and remembers which were taken: a tensor the model needs
     but the checkpoint lacks, or one the checkpoint has and nothing took, is a load error."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor | BlockMatrix], dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.tensors, self.dtype, self.device = tensors, dtype, device
         self.taken: set[str] = set()
         self.missing: list[str] = []
 
-    def __call__(self, name: str, when: bool = True) -> torch.Tensor | None:
-        """The tensor (in the model dtype, on the model device), None when `when` is False."""
+    def __call__(self, name: str, when: bool = True) -> Any:
+        """The tensor (in the model dtype, on the model device), a BlockMatrix for a matrix kept in its
+        GGUF block format, None when `when` is False or it is missing (then check_missing raises). Typed
+        Any: which of the three a name gives is the family's knowledge, checked by check_missing."""
         if not when:
             return None
         t = self.tensors.get(name)
@@ -69,12 +74,14 @@ class WeightReader:
                                                unused))
 
 
-def _qk_norm(ops, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _qk_norm(ops: Any, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     """RMSNorm of q or k before RoPE: per head when w is [d] (Qwen3, Gemma 3), over all the row's heads
     when w is [n·d] (OLMoE). x: [T, n, d] → [T, n, d]."""
+    assert w is not None
     T, n, d = x.shape
     rows = T * n if w.shape[0] == d else T
-    return ops.rms_norm(x.reshape(rows, -1), w).view(T, n, d)
+    out: torch.Tensor = ops.rms_norm(x.reshape(rows, -1), w).view(T, n, d)
+    return out
 
 
 def _names(what: str, names: list[str], shown: int = 6) -> str:
@@ -85,10 +92,10 @@ def _names(what: str, names: list[str], shown: int = 6) -> str:
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor                 # [H]
-    qkv: Linear                              # [q_size + 2 * kv_size, H]  (q, k, v rows fused)
+    qkv: AnyLinear                           # [q_size + 2 * kv_size, H]  (q, k, v rows fused)
     q_norm: torch.Tensor | None              # [d]  (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None              # [d]
-    o: Linear                                # [H, q_size]
+    o: AnyLinear                             # [H, q_size]
     post_attn_norm: torch.Tensor | None      # [H]  (Gemma: normed before the residual add)
     pre_ffn_norm: torch.Tensor               # [H]
     mlp: GatedMLP | MoE                      # MoE: models/moe.py
@@ -105,7 +112,7 @@ class DecoderModel:
     embed_scale = False        # Gemma multiplies embeddings by sqrt(hidden_size)
     sandwich_norms = False     # Gemma 2/3: norms after attention and after the MLP, before each add
 
-    def __init__(self, config: ArchConfig, tensors: dict[str, torch.Tensor],
+    def __init__(self, config: ArchConfig, tensors: dict[str, torch.Tensor | BlockMatrix],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  max_model_len: int | None = None, weight_quant: str | None = None,
                  fused: bool = True, block_backend: type[BlockLinear] = TorchBlockLinear) -> None:
@@ -166,6 +173,7 @@ class DecoderModel:
         q_norm = r(p + "self_attn.q_norm.weight", config.qk_norm)
         k_norm = r(p + "self_attn.k_norm.weight", config.qk_norm)
         r.check_missing()
+        assert mlp is not None                    # else check_missing raised
         nw = self._norm_weight
         return DecoderLayer(
             input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
@@ -184,25 +192,32 @@ class DecoderModel:
         if not (fused_ops and cpu_decode.usable(self.dtype) and c.hidden_act == "silu"
                 and len(self._rotaries) == 1 and self._rotaries[0].rot == c.head_dim):
             return None
+        first = self.layers[0].qkv
+        if not isinstance(first, Linear):
+            return None
+        small_m = first.small_m
+
+        def packed(m: AnyLinear) -> cpu_qmatmul.PackedWeight | None:
+            """m's cpu_qmatmul copy when the chain can run it (no bias, the first layer's crossover)."""
+            return m.qw if isinstance(m, Linear) and m.b is None and m.small_m == small_m else None
         layers = []
         for ly in self.layers:
             if not isinstance(ly.mlp, GatedMLP):
                 return None
-            lins = (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)
+            qkv, o, gate_up, down = (packed(m) for m in (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down))
             plain = (ly.q_norm is None and ly.k_norm is None and ly.post_attn_norm is None
                      and ly.post_ffn_norm is None and not ly.attention.window and not ly.attention.softcap
                      and ly.attention.sinks is None)
-            if not plain or any(m.qw is None or m.b is not None or m.small_m != ly.qkv.small_m for m in lins):
+            if not plain or qkv is None or o is None or gate_up is None or down is None:
                 return None
-            layers.append(cpu_decode.ChainLayer(ly.input_norm, ly.qkv.qw, ly.o.qw, ly.pre_ffn_norm,
-                                                ly.mlp.gate_up.qw, ly.mlp.down.qw))
+            layers.append(cpu_decode.ChainLayer(ly.input_norm, qkv, o, ly.pre_ffn_norm, gate_up, down))
         rot = self._rotaries[0]
         return cpu_decode.DecodeChain(layers, self.norm, c.rms_norm_eps, c.num_heads, c.num_kv_heads,
                                       c.head_dim, self.layers[0].attention.scale, rot.cos, rot.sin,
-                                      self.dtype, self.layers[0].qkv.small_m)
+                                      self.dtype, small_m)
 
     # ── what a family names differently ──────────────────────────────────────────────────────
-    def read_attention(self, r: WeightReader, a: str) -> tuple:
+    def read_attention(self, r: WeightReader, a: str) -> tuple[Any, ...]:
         """(qkv weight [q+2kv, H], qkv bias or None, o weight [H, q], o bias or None)."""
         c = self.config
         ws = [r(a + f"{n}_proj.weight") for n in "qkv"]
@@ -220,7 +235,7 @@ class DecoderModel:
             return None
         return GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), self.config.hidden_act, self.ops)
 
-    def read_mlp(self, r: WeightReader, m: str) -> tuple:
+    def read_mlp(self, r: WeightReader, m: str) -> tuple[Any, ...]:
         """(gate_up weight [2I, H] (gate rows, then up rows), its bias, down weight [H, I], its bias)."""
         b = self.config.mlp_bias
         g, u, d = r(m + "gate_proj.weight"), r(m + "up_proj.weight"), r(m + "down_proj.weight")
@@ -229,20 +244,32 @@ class DecoderModel:
         gub = None if gb is None or ub is None else torch.cat([gb, ub])
         return gu, gub, d, db
 
-    def read_norms(self, r: WeightReader, p: str) -> tuple:
+    def read_norms(self, r: WeightReader, p: str) -> tuple[Any, ...]:
         """(input, post-attention, pre-MLP, post-MLP) norm weights; None where the family has none."""
         if self.sandwich_norms:
             return (r(p + "input_layernorm.weight"), r(p + "post_attention_layernorm.weight"),
                     r(p + "pre_feedforward_layernorm.weight"), r(p + "post_feedforward_layernorm.weight"))
         return r(p + "input_layernorm.weight"), None, r(p + "post_attention_layernorm.weight"), None
 
+    @property
+    def moe_spec(self) -> MoESpec:
+        """The config's MoE block (a MoE family's config always has one: arch_config reads it)."""
+        assert self.config.moe is not None, f"{self.config.arch}: no MoE block in the config"
+        return self.config.moe
+
     # ── build helpers ────────────────────────────────────────────────────────────────────────
+    @overload
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def _norm_weight(self, w: None) -> None: ...
+
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         if w is None or not self.norm_offset:
             return w
         return (w.float() + self.norm_offset).to(self.dtype)         # (1 + w) in float32, as Gemma does
 
-    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None) -> Linear | BlockLinear:
+    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None) -> AnyLinear:
         if isinstance(w, BlockMatrix):
             return self.block_backend(w, b)
         return Linear(w, b, self.weight_quant)
@@ -251,7 +278,7 @@ class DecoderModel:
         """input_ids [T] → embedding rows [T, H] in the model dtype."""
         if isinstance(self.embed, BlockMatrix):
             return self.embed.rows(input_ids, self.dtype)
-        return F.embedding(input_ids, self.embed)
+        return F.embedding(input_ids, self.embed)          # [T, H]
 
     # ── forward ──────────────────────────────────────────────────────────────────────────────
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
@@ -270,6 +297,7 @@ class DecoderModel:
             self.attention_backend = pick_attention_backend(self.dtype, c.num_heads, kv_caches[0],
                                                             oracle=not self.fused)
             self._backend_caches = kv_caches
+        assert self.attention_backend is not None
         if (self.chain is not None and (rows is None or rows.all_gen) and self.attention_backend.name == "cpu-c"
                 and self.chain.takes(x, meta)):
             return self.chain.run(x, positions, meta, kv_caches)
@@ -308,9 +336,9 @@ class DecoderModel:
         if isinstance(lin, BlockLinear):
             linears = f"{lin.name} on the file's blocks ({'/'.join(lin.w.formats())}) for every row"
         else:
-            linears = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
+            quant = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
             dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
-            linears = f"{linears} for generated rows, {dense} for prompt rows" if linears else dense
+            linears = f"{quant} for generated rows, {dense} for prompt rows" if quant else dense
         attn = self.attention_backend.name if self.attention_backend is not None else "picked at the first step"
         return (f"attention {attn}; linears {linears}; norms {self.ops.name}; "
                 f"decode chain {'on' if self.chain is not None else 'off'}")
@@ -319,9 +347,9 @@ class DecoderModel:
         """Weight bytes a forward + LM head over `rows` tokens reads (matrices, norms, embedding rows):
         the numerator of the memory-bandwidth floor of a decode step."""
         lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o)]
-        norms = [self.norm] + [n for ly in self.layers for n in (ly.input_norm, ly.q_norm, ly.k_norm,
-                                                                ly.post_attn_norm, ly.pre_ffn_norm,
-                                                                ly.post_ffn_norm) if n is not None]
+        norms: list[torch.Tensor] = [self.norm] + [
+            n for ly in self.layers for n in (ly.input_norm, ly.q_norm, ly.k_norm, ly.post_attn_norm,
+                                              ly.pre_ffn_norm, ly.post_ffn_norm) if n is not None]
         embed_rows = rows * (self.embed.nbytes() // self.embed.n if isinstance(self.embed, BlockMatrix)
                              else self.embed.shape[1] * self.embed.element_size())
         return (sum(m.bytes_read(rows) for m in lins) + sum(ly.mlp.bytes_read(rows) for ly in self.layers)

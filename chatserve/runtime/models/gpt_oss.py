@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from chatserve.runtime.models.decoder import DecoderModel, WeightReader
-from chatserve.runtime.models.layers import GatedMLP, Linear, RowSplit
+from chatserve.runtime.models.layers import AnyLinear, GatedMLP, Linear, RowSplit
 from chatserve.runtime.models.moe import MoE, check_expert_count, dense
 
 # one expert's (gate w [I, H], gate b [I], up w, up b, down w [H, I], down b [H])
@@ -24,7 +24,7 @@ OaiExpert = tuple[torch.Tensor, ...]
 class OaiSwiGLU(GatedMLP):
     """down((clamp(up, ±limit) + 1) · g · σ(alpha · g)) with g = min(gate, limit)."""
 
-    def __init__(self, gate_up: Linear, down: Linear, alpha: float, limit: float) -> None:
+    def __init__(self, gate_up: AnyLinear, down: AnyLinear, alpha: float, limit: float) -> None:
         self.gate_up, self.down, self.alpha, self.limit = gate_up, down, alpha, limit
 
     def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
@@ -57,11 +57,12 @@ def read_oai_experts(r: WeightReader, p: str, n: int) -> list[OaiExpert] | None:
 
 class GptOssModel(DecoderModel):
     def build_mlp(self, r: WeightReader, p: str, i: int) -> MoE | None:
-        spec, m = self.config.moe, p + "mlp."
+        spec, m = self.moe_spec, p + "mlp."
         router, router_b = r(m + "router.weight"), r(m + "router.bias")       # [E, H], [E]
         experts = read_oai_experts(r, m + "experts.", spec.num_experts)
         if router is None or router_b is None or experts is None:
             return None
+        assert spec.swiglu_oai is not None               # gpt-oss's config always sets it
         alpha, limit = spec.swiglu_oai
         mlps = [OaiSwiGLU(self._lin(torch.cat([gw, uw]).contiguous(), torch.cat([gb, ub])),
                           self._lin(dw.contiguous(), db), alpha, limit)

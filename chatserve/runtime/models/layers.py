@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from chatserve_kernels import AttentionMetadata, cpu_ops, cpu_qmatmul
+from chatserve.runtime.models.linear_backends import BlockLinear
 from chatserve_kernels.attention_backend import AttentionBackend
 
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
@@ -50,7 +51,7 @@ ALL_PROMPT = RowSplit(False)
 @functools.lru_cache(maxsize=1)
 def _onednn_bf16() -> bool:
     """oneDNN's packed bf16 linear runs on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return False
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
@@ -78,6 +79,13 @@ class Linear:
     by step size (benchmarks, kernels tests)."""
 
     __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed", "n_out")
+    w: torch.Tensor | None                 # [N, K]; None once the packed bf16 copy replaces it
+    wt: torch.Tensor | None                # [K, N] view of w
+    b: torch.Tensor | None                 # [N]
+    wq: torch.Tensor | None                # torch's int8 [N, K] / int4-packed weight
+    scales: torch.Tensor | None            # their scales
+    qw: cpu_qmatmul.PackedWeight | None    # cpu_qmatmul's copy
+    packed: torch.Tensor | None            # oneDNN's opaque blocked bf16 weight
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, weight_quant: str | None = None,
                  small_m: int | None = None) -> None:
@@ -129,11 +137,12 @@ class Linear:
         bias = 0 if self.b is None else self.b.numel() * self.b.element_size()
         if self.qw is not None and rows <= self.small_m:
             return self.qw.nbytes() + bias
-        if self.wq is not None and rows <= self.small_m:
+        if self.wq is not None and self.scales is not None and rows <= self.small_m:
             return (self.wq.numel() * self.wq.element_size()
                     + self.scales.numel() * self.scales.element_size() + bias)
         if self.packed is not None:
-            return self.packed.size(0) * self.packed.size(1) * 2 + bias
+            return int(self.packed.size(0) * self.packed.size(1) * 2) + bias
+        assert self.w is not None
         return self.w.numel() * self.w.element_size() + bias
 
     def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
@@ -157,6 +166,7 @@ class Linear:
             y = y if y.dtype == x.dtype else y.to(x.dtype)
             return y if self.b is None else y + self.b
         xa = x if x.dtype == self.act else x.to(self.act)
+        assert self.wq is not None and self.scales is not None
         if self.kind == "int8":
             y = torch._weight_int8pack_mm(xa, self.wq, self.scales)
         else:
@@ -169,15 +179,16 @@ class Linear:
         padded to 4, whose kernel every larger step shares)."""
         if self.packed is not None:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-            y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], "")
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], "")
             return y if y.dtype == x.dtype else y.to(x.dtype)
+        assert self.w is not None and self.wt is not None
         if x.dim() != 2:
             return F.linear(x, self.w, self.b)
         T = x.shape[0]
         if 0 < T < DENSE_MIN_M and x.dtype == torch.float32 and x.device.type == "cpu":
             x = torch.cat([x, x.new_zeros(DENSE_MIN_M - T, x.shape[1])])
-        y = torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
-        return y[:T] if y.shape[0] != T else y
+        out = torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
+        return out[:T] if out.shape[0] != T else out
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ + b in float32 (the LM head), through the quantized copy at every row count when there is
@@ -239,6 +250,9 @@ class FusedCpuOps(TorchOps):
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         return cpu_ops.silu_mul(gu.contiguous())     # the decode chain's op: the same bits on both paths
+
+
+AnyLinear = Linear | BlockLinear       # a dense/quantized Linear, or a GGUF block-format matrix's backend
 
 
 def pick_ops(eps: float, dtype: torch.dtype, device: torch.device, fused: bool = True) -> TorchOps:
@@ -317,7 +331,7 @@ class GatedMLP:
     """down(act(gate(x)) · up(x)) with gate and up fused in one matmul: SwiGLU (silu, through the
     model's ops: the C op on CPU) or GeGLU (gelu_pytorch_tanh, Gemma)."""
 
-    def __init__(self, gate_up: Linear, down: Linear, act: str, ops: TorchOps) -> None:
+    def __init__(self, gate_up: AnyLinear, down: AnyLinear, act: str, ops: TorchOps) -> None:
         self.gate_up, self.down = gate_up, down
         if act == "silu":
             self.act_mul = ops.silu_mul

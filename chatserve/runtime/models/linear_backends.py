@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -55,7 +55,7 @@ class BlockMatrix:
         return block_formats.dequantize(picked).to(dtype)
 
 
-def cat_rows(mats: list) -> torch.Tensor | BlockMatrix:
+def cat_rows(mats: list[Any]) -> torch.Tensor | BlockMatrix:
     """Stack matrices by rows: torch.cat for tensors, a band list (no copy) for BlockMatrix."""
     if all(isinstance(m, BlockMatrix) for m in mats):
         return BlockMatrix([p for m in mats for p in m.parts])

@@ -8,12 +8,12 @@ Not a family (qwen_moe.py, mixtral.py, olmoe.py) and not the config (arch_config
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from chatserve.runtime.arch_config import MoESpec, UnsupportedModelError
-from chatserve.runtime.models.layers import GatedMLP, Linear, RowSplit, TorchOps
+from chatserve.runtime.models.layers import AnyLinear, GatedMLP, Linear, RowSplit, TorchOps
 from chatserve.runtime.models.linear_backends import BlockMatrix, cat_rows
 from chatserve_kernels import block_formats
 
@@ -21,7 +21,7 @@ from chatserve_kernels import block_formats
 class WeightReader(Protocol):
     """What reading experts needs of decoder.WeightReader (which imports this module)."""
 
-    def __call__(self, name: str, when: bool = True) -> torch.Tensor | None: ...
+    def __call__(self, name: str, when: bool = True) -> Any: ...
 
     def has(self, name: str) -> bool: ...
 
@@ -30,7 +30,7 @@ class MoE:
     """sum_k w_k · expert_{i_k}(x) over the row's top-k experts (+ sigmoid(x·g) · shared(x), Qwen2-MoE).
     Routing: p = softmax(router(x)) in float32, (w, i) = topk(p, k), w /= sum(w) when norm_topk_prob."""
 
-    def __init__(self, router: Linear, experts: list[GatedMLP], top_k: int, norm_topk_prob: bool,
+    def __init__(self, router: Linear, experts: Sequence[GatedMLP], top_k: int, norm_topk_prob: bool,
                  shared: GatedMLP | None = None, shared_gate: Linear | None = None) -> None:
         self.router, self.experts, self.top_k, self.norm = router, experts, top_k, norm_topk_prob
         self.shared, self.shared_gate = shared, shared_gate
@@ -74,6 +74,7 @@ class MoE:
         for j in range(1, len(ys)):
             out = out + ys[j] * w[:, j:j + 1]
         if self.shared is not None:
+            assert self.shared_gate is not None
             gate = torch.sigmoid(self.shared_gate(x))                        # [T, 1] (dense)
             out = out + gate * self.shared(x, rows)
         return out
@@ -84,7 +85,7 @@ class MoE:
         selected = min(len(self.experts), rows * self.top_k)
         share = -(-rows * self.top_k // selected)                  # rows per selected expert, rounded up
         total = self.router.bytes_read(rows) + sum(e.bytes_read(share) for e in self.experts[:selected])
-        if self.shared is not None:
+        if self.shared is not None and self.shared_gate is not None:
             total += self.shared.bytes_read(rows) + self.shared_gate.bytes_read(rows)
         return total
 
@@ -138,7 +139,7 @@ def read_experts(r: WeightReader, p: str, n: int, names: tuple[str, str, str]) -
     return None if any(t is None for ws in out for t in ws) else out
 
 
-def read_moe(r: WeightReader, m: str, spec: MoESpec, lin: Callable[[torch.Tensor], Linear], act: str,
+def read_moe(r: WeightReader, m: str, spec: MoESpec, lin: Callable[[torch.Tensor | BlockMatrix], AnyLinear], act: str,
              ops: TorchOps, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> MoE | None:
     """The MoE layer under prefix m ("…mlp."): router m gate.weight [E, H], experts under m experts.
     (read_experts), and with spec.shared_expert_size the shared expert m shared_expert.* and its gate
@@ -147,16 +148,18 @@ def read_moe(r: WeightReader, m: str, spec: MoESpec, lin: Callable[[torch.Tensor
     experts = read_experts(r, m + "experts.", spec.num_experts, names)
     shared = gate = None
     if spec.shared_expert_size:
-        shared = tuple(r(m + f"shared_expert.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+        sg, su, sd = (r(m + f"shared_expert.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
         gate = r(m + "shared_expert_gate.weight")
-        if gate is None or None in shared:
+        if gate is None or sg is None or su is None or sd is None:
             return None
+        shared = (sg, su, sd)
     if router is None or experts is None:
         return None
     return build_moe(experts, router, spec, lin, act, ops, shared, gate)
 
 
-def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec, lin: Callable[[torch.Tensor], Linear],
+def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec,
+              lin: Callable[[torch.Tensor | BlockMatrix], AnyLinear],
               act: str, ops: TorchOps, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               shared_gate: torch.Tensor | None = None) -> MoE:
     """The MoE layer on read weights: gate and up fused per expert, every matrix through lin (a

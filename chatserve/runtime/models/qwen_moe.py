@@ -13,6 +13,6 @@ class QwenMoeModel(DecoderModel):
     """mlp.gate.weight [E, H], mlp.experts.{e}.{gate,up,down}_proj.weight, mlp.shared_expert.*."""
 
     def build_mlp(self, r: WeightReader, p: str, i: int) -> GatedMLP | MoE | None:
-        if not self.config.moe.sparse_layers[i]:
+        if not self.moe_spec.sparse_layers[i]:
             return super().build_mlp(r, p, i)
-        return read_moe(r, p + "mlp.", self.config.moe, self._lin, self.config.hidden_act, self.ops)
+        return read_moe(r, p + "mlp.", self.moe_spec, self._lin, self.config.hidden_act, self.ops)

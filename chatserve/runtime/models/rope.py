@@ -6,6 +6,8 @@ nothing at run time. Not the rotation itself (layers.Rotary) and not config pars
 """
 from __future__ import annotations
 
+from typing import Any
+
 import math
 
 import torch
@@ -19,7 +21,7 @@ def _base_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** exps)
 
 
-def _yarn(theta: float, dim: int, s: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn(theta: float, dim: int, s: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp in between; the
     attention factor (0.1·ln(factor) + 1 unless given) scales cos and sin."""
     orig = float(s["original_max_position_embeddings"])
@@ -50,7 +52,7 @@ def _yarn(theta: float, dim: int, s: dict, max_pos: int) -> tuple[torch.Tensor, 
     return inv / factor * (1 - keep) + inv * keep, float(att)
 
 
-def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
+def _llama3(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     """llama3: wavelengths longer than orig/low_freq_factor are divided by factor, shorter than
     orig/high_freq_factor kept, and a smooth blend between."""
     factor = float(s["factor"])
@@ -64,16 +66,17 @@ def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def angles(theta: float, dim: int, scaling: dict | None, max_len: int, max_position_embeddings: int,
+def angles(theta: float, dim: int, scaling: dict[str, Any] | None, max_len: int, max_position_embeddings: int,
            freq_factors: tuple[float, ...] | None = None) -> tuple[torch.Tensor, float]:
     """(angle per position and frequency [max_len, dim/2] float32, cos/sin scale)."""
     pos = torch.arange(max_len, dtype=torch.int64).to(torch.float32)           # [L]
-    kind = scaling["rope_type"] if scaling else "default"
-    att = 1.0
+    s: dict[str, Any] = scaling or {"rope_type": "default"}
+    kind = s["rope_type"]
+    att: float = 1.0
     if kind == "dynamic":
         # dynamic NTK (as transformers decodes): position p is rotated with the base stretched for a
         # context of p + 1 tokens once that passes max_position_embeddings
-        factor = float(scaling["factor"])
+        factor = float(s["factor"])
         ctx = torch.clamp(pos.double() + 1, min=float(max_position_embeddings))[:, None]   # [L, 1]
         base = theta * ((factor * ctx / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
         return pos[:, None] * _base_inv_freq(base.float(), dim), att
@@ -81,22 +84,24 @@ def angles(theta: float, dim: int, scaling: dict | None, max_len: int, max_posit
     if freq_factors is not None:
         inv = inv / torch.tensor(freq_factors, dtype=torch.float32)
     if kind == "linear":
-        inv = inv / float(scaling["factor"])
+        inv = inv / float(s["factor"])
     elif kind == "llama3":
-        inv = _llama3(inv, scaling)
+        inv = _llama3(inv, s)
     elif kind == "yarn":
-        inv, att = _yarn(theta, dim, scaling, max_position_embeddings)
+        inv, att = _yarn(theta, dim, s, max_position_embeddings)
     elif kind == "longrope":
         # the long factors when the served context passes the original one, for every position
         # (llama.cpp's choice: a sequence's rotation never depends on its batch or its length so far)
-        orig = int(scaling["original_max_position_embeddings"])
-        factors = scaling["long_factor"] if max_len > orig else scaling["short_factor"]
+        orig = int(s["original_max_position_embeddings"])
+        factors = s["long_factor"] if max_len > orig else s["short_factor"]
         if len(factors) != dim // 2:
             raise UnsupportedModelError(f"LongRoPE factors have {len(factors)} entries, not {dim // 2}")
         inv = inv / torch.tensor(factors, dtype=torch.float32)
-        factor = scaling.get("factor") or max_position_embeddings / orig
-        att = scaling.get("attention_factor")
-        if att is None:
+        factor = s.get("factor") or max_position_embeddings / orig
+        given = s.get("attention_factor")
+        if given is not None:
+            att = float(given)
+        else:
             att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     elif kind != "default":
         raise UnsupportedModelError(f"RoPE scaling type {kind!r} is not supported")

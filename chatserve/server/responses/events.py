@@ -111,7 +111,7 @@ class ResponseBuilder:
             events += self._close()
             if kind == "reasoning":
                 item = {"id": new_item_id("rs"), "type": "reasoning", "summary": [], "content": []}
-                part = {"type": "reasoning_text", "text": ""}
+                part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
             else:
                 item = {"id": new_item_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
                         "content": []}
@@ -122,7 +122,7 @@ class ResponseBuilder:
                                      output_index=len(self.output) - 1, content_index=0, part=dict(part)))
         item["content"][0]["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
         events.append(self.event(name, item_id=item["id"], output_index=len(self.output) - 1, content_index=0,
                                  delta=text, **extra))
         return events
@@ -156,7 +156,7 @@ class ResponseBuilder:
         else:
             part = item["content"][0]
             done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-            extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+            extra: dict[str, Any] = {} if item["type"] == "reasoning" else {"logprobs": []}
             events.append(self.event(done, item_id=item["id"], output_index=k, content_index=0, text=part["text"],
                                      **extra))
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=k,

@@ -87,7 +87,7 @@ def _response_format(r: ResponsesRequest) -> dict[str, Any] | None:
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
-    js = {"name": fmt.name, "schema": fmt.schema_}
+    js: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema_}
     if fmt.strict is not None:
         js["strict"] = fmt.strict
     return {"type": "json_schema", "json_schema": js}

@@ -29,12 +29,15 @@ def _integral(v: Any) -> Any:
     return v
 
 
-def IntIn(ge: int | None = None, le: int | None = None, **extra: Any) -> Any:
-    """An integer field type with bounds (the bounds go before the validator so the schema shows them)."""
-    return Annotated[int, Field(ge=ge, le=le, **extra), BeforeValidator(_integral)]
-
-
-TokenId = IntIn(0, json_schema_extra={"x-token-id": True})
+_INTEGRAL = BeforeValidator(_integral)
+# integer field types with bounds (the bounds go before the validator so the schema shows them)
+NonNegativeInt = Annotated[int, Field(ge=0), _INTEGRAL]
+PositiveInt = Annotated[int, Field(ge=1), _INTEGRAL]
+TopK = Annotated[int, Field(ge=-1), _INTEGRAL]
+ChoiceCount = Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), _INTEGRAL]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), _INTEGRAL]
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), _INTEGRAL]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_LEN)]
 LogitBiasKey = Annotated[str, StringConstraints(pattern=r"^\s*[0-9]{1,9}\s*$")]
 
@@ -89,23 +92,23 @@ class SamplingFields(Strict):
     keep_alive: str | float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
-    n: IntIn(1, MAX_N) = 1
-    max_tokens: IntIn(1) | None = None
+    n: ChoiceCount = 1
+    max_tokens: PositiveInt | None = None
     temperature: float = Field(1.0, ge=0, le=2, description="0 (and anything below 1e-5) is greedy")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: IntIn(-1) = Field(0, description="0 or -1: off")
+    top_k: TopK = Field(0, description="0 or -1: off")
     min_p: float = Field(0.0, ge=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=2)
-    seed: IntIn(SEED_MIN, SEED_MAX) | None = None
+    seed: Seed | None = None
     logit_bias: dict[LogitBiasKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS)
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)], None] = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    min_tokens: IntIn(0) = Field(0, description="EOS and stop token ids are masked until this many "
+    min_tokens: NonNegativeInt = Field(0, description="EOS and stop token ids are masked until this many "
                             "tokens are generated")
     skip_special_tokens: bool = True
     user: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = Field(
@@ -114,10 +117,10 @@ class SamplingFields(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: IntIn(1) | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: IntIn(0, MAX_TOP_LOGPROBS) | None = Field(None, description="needs logprobs: true")
-    prompt_logprobs: IntIn(0, MAX_TOP_LOGPROBS) | None = None
+    top_logprobs: TopLogprobs | None = Field(None, description="needs logprobs: true")
+    prompt_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, description="render the last (assistant) message open, "
                                          "to be continued; excludes add_generation_prompt")
@@ -152,12 +155,12 @@ class CompletionRequest(SamplingFields):
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                             Field(min_length=1, max_length=MAX_BATCH_SAMPLES)]] = Field(
         description=f"one prompt or a batch; prompts × (best_of or n) ≤ {MAX_BATCH_SAMPLES}")
-    max_tokens: IntIn(0) | None = Field(None, description="default 16; 0 only with echo")
+    max_tokens: NonNegativeInt | None = Field(None, description="default 16; 0 only with echo")
     echo: bool = False
-    best_of: IntIn(1, MAX_N) | None = Field(None, description="n <= best_of; the best n by "
+    best_of: ChoiceCount | None = Field(None, description="n <= best_of; the best n by "
                                 "cumulative logprob are returned (not with stream)")
-    logprobs: IntIn(0, MAX_TOP_LOGPROBS) | None = None
-    prompt_logprobs: IntIn(0, MAX_TOP_LOGPROBS) | None = None
+    logprobs: TopLogprobs | None = None
+    prompt_logprobs: TopLogprobs | None = None
     suffix: Annotated[str, StringConstraints(max_length=0)] | None = Field(None, description="not supported")
 
 

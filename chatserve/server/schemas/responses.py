@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, StringConstraints, Tag, field_validator
 
-from chatserve.server.schemas.openai import MAX_USER_CHARS, IntIn, Open, Strict
+from chatserve.server.schemas.openai import MAX_USER_CHARS, NonNegativeInt, Open, PositiveInt, Strict
 
 MAX_INPUT_ITEMS = 2048
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
@@ -138,7 +138,7 @@ class ResponsesRequest(Strict):
     store: bool = Field(True, description="keep the response for GET and previous_response_id")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_output_tokens: IntIn(1) | None = None
+    max_output_tokens: PositiveInt | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = Field(
@@ -158,7 +158,7 @@ class ResponsesRequest(Strict):
     safety_identifier: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = None
     prompt_cache_key: Annotated[str, StringConstraints(max_length=1024)] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    seed: IntIn(0) | None = Field(None, description="chatserve extension: seeded sampling")
+    seed: NonNegativeInt | None = Field(None, description="chatserve extension: seeded sampling")
 
     @field_validator("input", mode="before")
     @classmethod
