@@ -25,6 +25,7 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
     "serve": "OpenAI-API serving benchmark",
     "load": "load + cancellation + stream validation",
     "sessions": "session-aware caching: turn N+1 hits under load",
+    "models": "model switching: cold vs warm TTFT, two models alternating",
     "build-model": "random-weight checkpoint of a real shape (Llama-3.2-1B)",
     "build-gguf": "random-block GGUF of the Llama-3.2-1B shape in one format",
 }

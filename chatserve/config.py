@@ -117,6 +117,30 @@ def parse_str(text: str) -> str:
     return text
 
 
+_DURATION_PART = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+_DURATION_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Seconds, with Ollama's keep_alive semantics: a number is seconds, a string is a Go duration ("5m",
+    "1h30m", "300ms") or a number; 0 = at once, negative = never. ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    try:
+        return sign * float(body)
+    except ValueError:
+        pass
+    parts = _DURATION_PART.findall(body)
+    if not body or "".join(n + u for n, u in parts) != body:
+        raise ValueError(f"not a duration: {value!r} (try 5m, 1h, 30s, 0 or -1)")
+    return sign * sum(float(n) * _DURATION_UNIT_S[u] for n, u in parts)
+
+
 @dataclass(frozen=True)
 class Option:
     """How one config field appears on the command line and in the environment.
@@ -361,6 +385,21 @@ class ServerConfig:
         "auto", "how reasoning (<think> blocks, gpt-oss's analysis channel) is told apart from the answer, "
         "sent as reasoning_content beside content; auto: implied by the chat template and model family; "
         "off: left in the content", choices=("auto", "qwen3", "deepseek_r1", "harmony", "off"))
+    # several models behind one server (docs/multi-model.md): `--model NAME=PATH`, repeatable, is read
+    # by serve.py (chatserve/server/model_specs.py); these bound what is loaded at once
+    models: tuple[str, ...] = option(
+        (), "more models to serve, NAME=PATH (comma-separated); on the command line: --model NAME=PATH, "
+        "repeatable", many=True, cli=False, shown_default="none")
+    max_loaded_models: int = option(
+        3, "models loaded at once; loading one more unloads the least recently used idle one (the KV cache "
+        "budget is split among this many)")
+    model_memory_budget: int = option(
+        0, "bytes the loaded models' weights and KV caches may take together; 0 = no limit beyond "
+        "--max-loaded-models", parse=parse_bytes, metavar="BYTES")
+    keep_alive: float = option(
+        -1.0, "how long an idle model stays loaded (Ollama's keep_alive: 5m, 1h, 0 = unload at once, "
+        "negative = never); a request's keep_alive field overrides it", parse=parse_duration,
+        metavar="DURATION", shown_default="-1 (never)")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

@@ -85,7 +85,7 @@ def test_bad_flag_values_are_argparse_errors(capsys):
 def test_generation_config_defaults_and_the_effective_max_tokens(tmp_path):
     from chatserve.config import ModelConfig, ServerConfig
     from chatserve.generation_defaults import load_generation_defaults
-    from chatserve.server.state import ServerState
+    from chatserve.server.served_model import ServedModel
     (tmp_path / "generation_config.json").write_text(
         '{"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 512, "do_sample": true}')
     shipped = load_generation_defaults(ModelConfig(model=str(tmp_path)))        # auto: the model's folder
@@ -95,9 +95,9 @@ def test_generation_config_defaults_and_the_effective_max_tokens(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_generation_defaults(ModelConfig(model="x.gguf", generation_config=str(tmp_path / "nope")))
 
-    def state(flag: int | None, defaults: dict) -> ServerState:
+    def state(flag: int | None, defaults: dict) -> ServedModel:
         cfg = EngineConfig(server=ServerConfig(max_tokens_default=flag))
-        return ServerState(config=cfg, engine=None, tokenizer=None, model_name="m",  # type: ignore[arg-type]  # no engine: only the config is read
+        return ServedModel(name="m", config=cfg, engine=None, tokenizer=None, prompt_guard=None,  # type: ignore[arg-type]  # no engine: only the config is read
                            sampling_defaults=defaults)
     assert state(None, {}).default_max_tokens is None                            # OpenAI: the rest of the context
     assert state(None, shipped).default_max_tokens == 512

@@ -24,10 +24,8 @@ from chatserve.server.auth import APIKeyMiddleware
 from chatserve.server.errors import APIError, error_response
 from chatserve.server.metrics import Metrics
 from chatserve.server.openapi import openapi_schema
-from chatserve.server.prompt_guard import PromptGuard
 from chatserve.server.ratelimit import RateLimiter, redis_storage
 from chatserve.server.redis_check import RedisCheck
-from chatserve.server.shared_prompts import SharedPrompts
 from chatserve.server.state import ServerState
 
 log = logging.getLogger("chatserve.server")
@@ -123,33 +121,19 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _openapi(request: Request) -> Response:
-    st = request.app.state.chatserve
-    return JSONResponse(openapi_schema(st.model_name, st.vocab_size))
-
-
-def _vocab_size(state: ServerState) -> int | None:
-    """The tokenizer's vocabulary size (token ids a request may send), None when unknown."""
-    size = state.tokenizer.vocab_size if state.tokenizer is not None else 0
-    return size if size > 0 else None
+    st: ServerState = request.app.state.chatserve
+    default = st.models.peek(None)
+    return JSONResponse(openapi_schema(st.model_name, default.vocab_size if default is not None else None))
 
 
 def _lifespan(state: ServerState) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
-    """Startup (engine, the state built from its tokenizer, Redis check, hooks) and shutdown (hooks,
-    drain, then the helpers closed)."""
+    """Startup (the default model loaded, Redis check, hooks) and shutdown (hooks, every loaded model
+    drained, then the helpers closed)."""
     cfg = state.config.server
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        await state.engine.start()
-        if state.tokenizer is None:
-            state.tokenizer = state.engine.tokenizer
-        if state.vocab_size is None:
-            state.vocab_size = _vocab_size(state)
-        if state.shared_prompts is None and cfg.shared_system_prompts:
-            state.shared_prompts = SharedPrompts(cfg.shared_system_prompts, state.tokenizer)
-        if state.prompt_guard is None:
-            state.prompt_guard = PromptGuard(state.tokenizer, state.max_model_len)
-            state.tokenizer = state.prompt_guard.tokenizer     # big encodes run in its helper process
+        await state.models.start()
         if state.redis_check is not None:
             await state.redis_check.start()
         for hook in state.startup_hooks:
@@ -162,13 +146,11 @@ def _lifespan(state: ServerState) -> Callable[[Starlette], contextlib.AbstractAs
                     await hook()
                 except Exception:
                     log.exception("shutdown hook failed")
-            await state.engine.shutdown(cfg.drain_timeout if state.engine.accepting else 0.0)
+            await state.models.shutdown(cfg.drain_timeout if state.models.accepting else 0.0)
             if state.redis_check is not None:
                 await state.redis_check.stop()
             if state.rate_limiter is not None:
                 await state.rate_limiter.aclose()
-            if state.prompt_guard is not None:
-                state.prompt_guard.close()
 
     return lifespan
 
@@ -176,7 +158,9 @@ def _lifespan(state: ServerState) -> Callable[[Starlette], contextlib.AbstractAs
 def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> Starlette:
     cfg = state.config.server
     if state.metrics is None:
-        state.metrics = Metrics(state.engine, state.model_name)
+        state.metrics = Metrics(lambda: [(m.name, m.engine) for m in state.models.loaded()], state.models.info)
+        metrics = state.metrics
+        state.models.on_load.append(lambda m: metrics.attach(m.name, m.engine))
     if state.rate_limiter is None and (cfg.rate_limit_rpm or cfg.rate_limit_tpm):
         state.rate_limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm,
                                          redis_storage(cfg.redis_url) if cfg.redis_url else None)
@@ -210,4 +194,5 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
     app.state.chatserve = state
     if install_sessions is not None:
         install_sessions(app, state)
+    state.freeze()
     return app

@@ -19,7 +19,7 @@ from chatserve.toolcalls.prompt import fallback_messages, template_knows_tools
 from chatserve.toolcalls.request import ToolPlan, tool_plan
 
 if TYPE_CHECKING:
-    from chatserve.server.state import ServerState
+    from chatserve.server.served_model import ServedModel
 
 HANDLED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
 
@@ -32,11 +32,11 @@ class ChatConstraints:
     tools: ToolPlan | None                 # how to read tool calls back (None: no tools)
 
 
-def model_vocab_size(state: ServerState) -> int:
+def model_vocab_size(served: ServedModel) -> int:
     """The width of the model's logits (a grammar's bitmask covers exactly this many tokens)."""
-    runner = state.engine.runner            # None only before the engine has loaded
+    runner = served.engine.runner            # None only before the engine has loaded
     v = runner.vocab_size if runner is not None else 0
-    return v if v > 0 else int(state.vocab_size or state.tokenizer.vocab_size)
+    return v if v > 0 else int(served.vocab_size or served.tokenizer.vocab_size)
 
 
 def tool_message_fields(m: ChatMessage) -> dict:
@@ -55,13 +55,13 @@ def tool_message_fields(m: ChatMessage) -> dict:
     return out
 
 
-def chat_constraints(r: ChatCompletionRequest, messages: list[dict], state: ServerState) -> ChatConstraints:
+def chat_constraints(r: ChatCompletionRequest, messages: list[dict], served: ServedModel) -> ChatConstraints:
     """Check and compile the validated request's constraint fields (the inner shapes of `tools` and
     `response_format`, which the schema leaves open). Raises APIError (400) naming the problem."""
-    template = state.tokenizer.chat_template if state.tokenizer is not None else None
+    template = served.chat_template
     try:
         spec = response_format_spec(r.response_format)
-        parser = state.config.server.tool_call_parser or default_parser_name(template)
+        parser = served.config.server.tool_call_parser or default_parser_name(template)
         plan = tool_plan(r.tools, r.tool_choice, r.parallel_tool_calls, parser)
     except RequestFieldError as e:
         raise invalid(str(e), e.param) from None
@@ -78,7 +78,7 @@ def chat_constraints(r: ChatCompletionRequest, messages: list[dict], state: Serv
         msgs, template_tools = messages, None
     if spec is not None:
         try:
-            spec = compiler_for(state.tokenizer, model_vocab_size(state)).compile(spec)
+            spec = compiler_for(served.tokenizer, model_vocab_size(served)).compile(spec)
         except GrammarError as e:
             param = "tools" if plan is not None and plan.constraint is not None else "response_format"
             raise APIError(400, str(e), param=param, code="invalid_grammar") from None

@@ -24,42 +24,36 @@ from chatserve.server.protocol import (ChatRequest, CompletionRequest, Generatio
                                        parse_chat_body, parse_completion_body)
 from chatserve.server.reasoning_output import ChoiceReasoning, reasoning_delta
 from chatserve.server.sse import ChunkStreamResponse, FiniteJSONResponse, dumps, sse_response
+from chatserve.server.served_model import ServedModel
 from chatserve.server.state import ServerState
 
 # sse_response, collect_* and the JSON helpers live in sse.py and collect.py; importable from here too
-__all__ = ["precheck", "parse_chat_body", "parse_completion_body", "stream_chat", "stream_completion",
+__all__ = ["parse_chat_body", "parse_completion_body", "stream_chat", "stream_completion",
            "sse_response", "error_response", "collect_chat", "collect_completion", "APIError",
            "ChatRequest", "CompletionRequest", "ChunkStreamResponse", "FiniteJSONResponse", "dumps"]
 
 log = logging.getLogger("chatserve.server")
 
 
-def precheck(state: ServerState) -> None:
-    """Cheap overload check before parsing and tokenizing: 503 + Retry-After when the queue is full."""
-    try:
-        state.engine.check_capacity()
-    except AdmissionError as e:
-        raise admission_error(e.code, e.message, e.retry_after) from None
-
-
 def submit(state: ServerState, req: GenerationRequest, *, owner: str, keep_warm: bool, request_id: str,
            rate_key: str | None = None):
-    """Admission to the engine queue (rate limits were charged by prompt_guard.admit). Raises
+    """Admission to the model's engine queue (rate limits were charged by prompt_guard.admit). Raises
     APIError (400/503)."""
+    served = req.served_model
     kwargs = {}
-    shared = _shared_prefix_tokens(state, req)
+    shared = _shared_prefix_tokens(served, req)
     if shared:
         kwargs["shared_prefix_tokens"] = shared
     try:
-        return state.engine.submit(req.prompt_ids, req.params, request_id=request_id,
-                                   cache_salt=cache_salt(state, owner), keep_warm=keep_warm, **kwargs)
+        return served.engine.submit(req.prompt_ids, req.params, request_id=request_id,
+                                    cache_salt=cache_salt(state, owner), keep_warm=keep_warm, **kwargs)
     except AdmissionError as e:
         raise admission_error(e.code, e.message, e.retry_after) from None
 
 
-def _shared_prefix_tokens(state: ServerState, req: GenerationRequest) -> int:
+def _shared_prefix_tokens(served: ServedModel, req: GenerationRequest) -> int:
     """Leading tokens of an operator-shared system prompt (cached across owners), else 0."""
-    prompts = state.shared_prompts
+    prompts = served.shared_prompts
     if prompts is None or not isinstance(req, ChatRequest):
         return 0
     return prompts.shared_tokens(req.messages, req.prompt_ids)
@@ -144,7 +138,11 @@ async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_
     then a usage chunk (choices == []) carrying usage["chatserve"] timings. An engine failure yields
     one {"error": {...}} dict instead of the remaining chunks. Raises APIError before the first chunk."""
     rid = request_id or req.request_id
-    stream = submit(state, req, owner=owner, keep_warm=keep_warm, request_id=rid, rate_key=rate_key)
+    tokenizer = req.served_model.tokenizer
+    try:
+        stream = submit(state, req, owner=owner, keep_warm=keep_warm, request_id=rid, rate_key=rate_key)
+    finally:
+        req.release()                     # from here the engine's live request keeps the model loaded
     _log_user(req, rid)
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": req.model, "system_fingerprint": None}
@@ -168,10 +166,10 @@ async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_
                 started.add(d.index)
                 delta = ({"role": "assistant", "content": None, **delta} if calls is not None or thinks is not None
                          else {"role": "assistant", "content": d.text})
-            choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs(state.tokenizer, d),
+            choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs(tokenizer, d),
                       "finish_reason": reason, "stop_reason": _stop_reason(d, req.params)}
             if d.prompt_logprobs is not None and req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, d.prompt_logprobs,
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, d.prompt_logprobs,
                                                                    req.prompt_logprobs)
             yield {**base, "choices": [choice]}
         usage.reasoning = sum(t.tokens for t in thinks or ())
@@ -247,12 +245,22 @@ async def stream_completion(state: ServerState, req: CompletionRequest, *, owner
     """text_completion chunk dicts (no role chunk), then a usage chunk; errors as in stream_chat.
     Prompt p's sample j is choice p * n + j; with echo, a choice's first text starts with its prompt."""
     rid = request_id or req.request_id
+    try:
+        async for chunk in _completion_chunks(state, req, owner=owner, rid=rid, rate_key=rate_key):
+            yield chunk
+    finally:
+        req.release()
+
+
+async def _completion_chunks(state: ServerState, req: CompletionRequest, *, owner: str, rid: str,
+                             rate_key: str | None) -> AsyncIterator[dict]:
+    tokenizer = req.served_model.tokenizer
     prompts = req.prompts or [(req.prompt_ids, req.prompt_text)]
     n = req.params.n
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
             "system_fingerprint": None}
     usage = _Usage(sum(len(ids) for ids, _ in prompts))
-    echo = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
+    echo = [(text if text is not None else tokenizer.decode(ids)) if req.echo else ""
             for ids, text in prompts]
     if req.params.max_tokens == 0 and req.params.prompt_logprobs is None:   # echo only: no model work
         for p in range(len(prompts)):
@@ -261,7 +269,10 @@ async def stream_completion(state: ServerState, req: CompletionRequest, *, owner
                                             "finish_reason": "length", "stop_reason": None}]}
         yield {**base, "choices": [], "usage": usage.to_dict()}
         return
-    streams = _submit_all(state, req, prompts, owner=owner, rid=rid, rate_key=rate_key)
+    try:
+        streams = _submit_all(state, req, prompts, owner=owner, rid=rid, rate_key=rate_key)
+    finally:
+        req.release()                     # from here the engine's live requests keep the model loaded
     _log_user(req, rid)
     offsets = [0] * (n * len(prompts))
     started: set[int] = set()
@@ -276,16 +287,16 @@ async def stream_completion(state: ServerState, req: CompletionRequest, *, owner
                 started.add(i)
                 text = echo[p] + text
                 offsets[i] = len(echo[p])
-            lp = completion_logprobs(state.tokenizer, d, offsets[i])
+            lp = completion_logprobs(tokenizer, d, offsets[i])
             offsets[i] += len(d.text)
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
                       "stop_reason": _stop_reason(d, req.params)}
             if d.prompt_logprobs is not None:           # the choice's first chunk (vLLM streams echo so)
                 if req.echo and req.logprobs is not None:
                     choice["logprobs"] = join_logprobs(
-                        echo_logprobs(state.tokenizer, prompts[p][0], d.prompt_logprobs, req.logprobs), lp)
+                        echo_logprobs(tokenizer, prompts[p][0], d.prompt_logprobs, req.logprobs), lp)
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, d.prompt_logprobs,
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, d.prompt_logprobs,
                                                                      req.prompt_logprobs)
             yield {**base, "choices": [choice]}
         yield {**base, "choices": [], "usage": usage.to_dict()}

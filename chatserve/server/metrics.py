@@ -6,13 +6,16 @@ a vLLM dashboard works with the prefix swapped. Not the periodic stats line (ser
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from chatserve.engine import AsyncEngine
+    from chatserve.engine.model_pool import ModelInfo
+
+EngineSource = Callable[[], "list[tuple[str, AsyncEngine]]"]     # the loaded models' (name, engine)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST      # what generate_latest writes, as prometheus_client names it
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -65,54 +68,67 @@ _STAT_METRICS = (
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        self.engine = engine
-        self.model = model_name
+    """Every loaded model's engine stats at scrape time, one `model_name` label value per model."""
+
+    def __init__(self, engines: EngineSource, models: Callable[[], list[ModelInfo]]) -> None:
+        self.engines, self.models = engines, models
 
     def describe(self):
         return []
 
     def collect(self):
-        s = self.engine.stats()
-
-        def family(kind: type, name: str, doc: str, value: float):
-            f = kind(f"chatserve:{name}", doc, labels=["model_name"])
-            f.add_metric([self.model], value)
-            return f
-
+        loaded = [(name, e, e.stats()) for name, e in self.engines()]
         for kind, name, doc, attr in _STAT_METRICS:
-            yield family(kind, name, doc, getattr(s, attr))
-        yield family(GaugeMetricFamily, "spec_decode_draft_acceptance_rate",
-                     "Speculative decoding: accepted / verified draft tokens since start (0 before any draft).",
-                     s.spec_num_accepted_tokens / s.spec_num_draft_tokens if s.spec_num_draft_tokens else 0.0)
+            f = kind(f"chatserve:{name}", doc, labels=["model_name"])
+            for model, _, s in loaded:
+                f.add_metric([model], getattr(s, attr))
+            yield f
+        rate = GaugeMetricFamily("chatserve:spec_decode_draft_acceptance_rate",
+                                 "Speculative decoding: accepted / verified draft tokens since start (0 before "
+                                 "any draft).", labels=["model_name"])
         fin = CounterMetricFamily("chatserve:request_success", "Finished sequences by reason.",
                                   labels=["model_name", "finished_reason"])
-        for reason, count in sorted(s.requests_finished.items()):
-            fin.add_metric([self.model, reason], count)
-        yield fin
-        info = self._cache_info()
-        g = GaugeMetricFamily("chatserve:cache_config_info", "The KV cache's configuration (value 1).",
-                              labels=list(info))
-        g.add_metric(list(info.values()), 1)
-        yield g
+        kv = GaugeMetricFamily("chatserve:kv_cache_memory_bytes", "Bytes of this model's KV cache (its share "
+                               "of --kv-cache-memory).", labels=["model_name"])
+        info = GaugeMetricFamily("chatserve:cache_config_info", "The KV cache's configuration (value 1).",
+                                 labels=["model_name", *_CACHE_INFO_LABELS])
+        for model, e, s in loaded:
+            rate.add_metric([model], s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+                            if s.spec_num_draft_tokens else 0.0)
+            for reason, count in sorted(s.requests_finished.items()):
+                fin.add_metric([model, reason], count)
+            kv.add_metric([model], float(getattr(e.runner, "bytes_per_block", 0) * e.num_blocks))
+            info.add_metric([model, *_cache_info(e)], 1)
+        yield from (rate, fin, kv, info)
+        in_memory = GaugeMetricFamily("chatserve:model_loaded", "1 while the model is loaded (every configured "
+                                   "model has a series).", labels=["model_name"])
+        loads = CounterMetricFamily("chatserve:model_loads", "Loads of the model started since the server "
+                                    "started (the first one included).", labels=["model_name"])
+        for m in self.models():
+            in_memory.add_metric([m.name], 1.0 if m.phase == "loaded" else 0.0)
+            loads.add_metric([m.name], m.loads)
+        yield from (in_memory, loads)
 
-    def _cache_info(self) -> dict[str, str]:
-        e, cache = self.engine, self.engine.config.cache
-        # the runner's setting (before the engine has loaded a runner: the configured one)
-        dtype = e.runner.kv_cache_dtype if e.runner is not None else cache.kv_cache_dtype
-        return {"block_size": str(e.block_size), "num_gpu_blocks": str(e.num_blocks), "cache_dtype": str(dtype),
-                "enable_prefix_caching": str(bool(cache.enable_prefix_caching)),
-                "max_model_len": str(e.max_model_len)}
+
+_CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "max_model_len")
+
+
+def _cache_info(e: AsyncEngine) -> list[str]:
+    cache = e.config.cache
+    # the runner's setting (before the engine has loaded a runner: the configured one)
+    dtype = e.runner.kv_cache_dtype if e.runner is not None else cache.kv_cache_dtype
+    return [str(e.block_size), str(e.num_blocks), str(dtype), str(bool(cache.enable_prefix_caching)),
+            str(e.max_model_len)]
 
 
 class Metrics:
-    """Owns the registry; `render()` gives the exposition text."""
+    """Owns the registry; `render()` gives the exposition text. `engines` lists the loaded models'
+    (name, engine) at scrape time; `attach` feeds a newly loaded one's observations to the histograms."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engines: EngineSource, models: Callable[[], list[ModelInfo]] = list) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engines, models))
         r, lab = self.registry, ["model_name"]
-        self._model = model_name
         self.hist = {key: Histogram(f"chatserve:{name}", doc, lab, buckets=buckets, registry=r)
                      for key, (name, doc, buckets) in _ENGINE_HISTOGRAMS.items()}
         self.http = Counter("chatserve:http_responses", "HTTP responses by status code and route.",
@@ -120,13 +136,15 @@ class Metrics:
         self.http_duration = Histogram("chatserve:http_request_duration_seconds",
                                        "Request start to the end of the response (whole stream).",
                                        ["handler", "method"], buckets=_HTTP_BUCKETS, registry=r)
-        engine.observers.append(self.observe)
 
-    def observe(self, name: str, value: float) -> None:
+    def attach(self, model_name: str, engine: AsyncEngine) -> None:
+        """Observe `engine`'s per-request and per-step figures under `model_name`."""
+        engine.observers.append(lambda name, value: self.observe(name, value, model_name))
+
+    def observe(self, name: str, value: float, model_name: str) -> None:
         h = self.hist.get(name)
         if h is not None:
-            h.labels(self._model).observe(max(0.0, value))
-
+            h.labels(model_name).observe(max(0.0, value))
     def count_response(self, status: int, handler: str = "other", method: str = "GET",
                        seconds: float | None = None) -> None:
         """One finished HTTP response. `handler`: the matched route's path template (bounded)."""

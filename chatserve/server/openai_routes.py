@@ -13,15 +13,16 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from chatserve.engine.model_pool import ModelInfo
 from chatserve.reasoning.select import template_has_thinking_switch
 from chatserve.server.body import read_json_object
-from chatserve.server.chat_service import precheck, stream_chat, stream_completion
+from chatserve.server.chat_service import stream_chat, stream_completion
 from chatserve.server.collect import collect_chat, collect_completion
 from chatserve.server.errors import APIError, invalid
 from chatserve.server.identity import api_owner_of, rate_key_of
 from chatserve.server.metrics import CONTENT_TYPE
 from chatserve.server.openapi import docs_page
-from chatserve.server.prompt_guard import admit, check_text_size
+from chatserve.server.admission import admit, check_text_size, requested_model
 from chatserve.server.protocol import (check_token_ids, normalize_messages, parse_chat_body,
                                        parse_completion_body, render_prompt, template_options, validate)
 from chatserve.server.schemas import openai as s
@@ -36,12 +37,6 @@ def state_of(request: Request) -> ServerState:
 async def _body(request: Request) -> dict:
     st = state_of(request)
     return await read_json_object(request, st.config.server.max_body_bytes)
-
-
-async def _generation_body(request: Request) -> dict:
-    body = await _body(request)
-    precheck(state_of(request))          # overloaded: refuse before tokenizing
-    return body
 
 
 async def _drop_usage(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -81,7 +76,7 @@ async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], co
 async def _generation(request: Request, parse, stream, collect) -> Response:
     """Parse the body, then stream SSE chunks or answer once with the folded chunks."""
     st = state_of(request)
-    req = await admit(st, await _generation_body(request), parse, rate_key=rate_key_of(request))
+    req = await admit(st, await _body(request), parse, rate_key=rate_key_of(request))
     chunks = stream(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
         return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
@@ -96,27 +91,35 @@ async def completions(request: Request) -> Response:
     return await _generation(request, parse_completion_body, stream_completion, collect_completion)
 
 
-def _model_card(st: ServerState) -> dict:
-    return {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "chatserve",
-            "root": st.config.model.model or st.model_name, "parent": None, "max_model_len": st.max_model_len,
-            "max_tokens_default": st.default_max_tokens,
-            # the model's recommended sampling (--generation-config), for clients that show defaults
-            "sampling_defaults": {k: v for k, v in st.sampling_defaults.items() if k != "max_tokens"},
-            "thinking_switch": template_has_thinking_switch(getattr(st.tokenizer, "chat_template", None))}
+def _model_card(st: ServerState, info: ModelInfo) -> dict:
+    """A configured model as /v1/models lists it; what only a loaded model knows (its context, defaults,
+    template) is filled in while it is loaded."""
+    spec = st.models.spec(info.name)
+    card: dict = {"id": info.name, "object": "model", "created": int(st.started_at), "owned_by": "chatserve",
+                  "root": spec.config.model.model or info.name, "parent": None, "status": info.phase,
+                  "size_bytes": info.size}
+    served = st.models.pool.peek(info.name)
+    if served is not None:
+        card.update({"max_model_len": served.max_model_len, "max_tokens_default": served.default_max_tokens,
+                     # the model's recommended sampling (--generation-config), for clients that show defaults
+                     "sampling_defaults": {k: v for k, v in served.sampling_defaults.items() if k != "max_tokens"},
+                     "thinking_switch": template_has_thinking_switch(served.chat_template)})
+    return card
 
 
 async def models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(state_of(request))]})
+    """Every configured model, loaded or not (status says which)."""
+    st = state_of(request)
+    return JSONResponse({"object": "list", "data": [_model_card(st, i) for i in st.models.info()]})
 
 
 async def model(request: Request) -> Response:
     """GET /v1/models/{id} (the SDKs' models.retrieve); any served name (aliases too) answers."""
     st = state_of(request)
     mid = request.path_params["model_id"]
-    if mid not in st.model_names():
-        raise APIError(404, f"the model '{mid[:200]}' does not exist; this server serves '{st.model_name}'",
-                       param="model", code="model_not_found")
-    return JSONResponse({**_model_card(st), "id": mid})
+    name = st.models.resolve(mid)                     # 404 listing the names
+    info = next(i for i in st.models.info() if i.name == name)
+    return JSONResponse({**_model_card(st, info), "id": mid})
 
 
 async def health(request: Request) -> Response:
@@ -125,48 +128,61 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     st = state_of(request)
-    if st.engine.ready:
+    if st.models.ready:
         # Redis down or refusing our password: still serving (sessions kept in process, rate limits
         # per process), so 200, but the body says what is degraded and why (no host or password).
         if st.redis_check is not None and not st.redis_check.ok:
             return JSONResponse({"status": "degraded", "model": st.model_name, **st.redis_check.ready_info()})
         return JSONResponse({"status": "ready", "model": st.model_name})
-    why = "draining" if not st.engine.accepting else "loading"
+    why = "draining" if not st.models.accepting else "loading"
     return JSONResponse({"status": why}, status_code=503, headers={"Retry-After": "5"})
 
 
 async def tokenize(request: Request) -> Response:
     st = state_of(request)
     body = await _body(request)
-    check_text_size(st, body)
-    r = validate(s.TokenizeRequest, body)
-    if r.messages is not None:
-        msgs = normalize_messages(r.messages)
-        ids = await asyncio.to_thread(render_prompt, st, msgs, template_options(r))
-    elif r.prompt is not None:
-        extra = {"add_special_tokens": True} if r.add_special_tokens else {}
-        ids = await asyncio.to_thread(st.tokenizer.encode, r.prompt, **extra)
-    else:
-        raise invalid("send 'prompt' (a string) or 'messages'", "prompt", "missing_required_parameter")
-    ids = list(ids)
-    out = {"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len}
-    if r.return_token_strs:
-        out["token_strs"] = [st.tokenizer.token_str(i) for i in ids]
+    name, keep_alive = requested_model(body)
+    lease = await st.models.lease(name, keep_alive)
+    try:
+        served = lease.value
+        check_text_size(served, body)
+        r = validate(s.TokenizeRequest, body)
+        if r.messages is not None:
+            msgs = normalize_messages(r.messages)
+            ids = await asyncio.to_thread(render_prompt, served, msgs, template_options(r))
+        elif r.prompt is not None:
+            extra = {"add_special_tokens": True} if r.add_special_tokens else {}
+            ids = await asyncio.to_thread(served.tokenizer.encode, r.prompt, **extra)
+        else:
+            raise invalid("send 'prompt' (a string) or 'messages'", "prompt", "missing_required_parameter")
+        ids = list(ids)
+        out = {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
+        if r.return_token_strs:
+            out["token_strs"] = [served.tokenizer.token_str(i) for i in ids]
+    finally:
+        lease.release()
     return JSONResponse(out)
 
 
 async def detokenize(request: Request) -> Response:
     st = state_of(request)
-    r = validate(s.DetokenizeRequest, await _body(request))
-    ids = check_token_ids(r.tokens, "tokens", st.vocab_size)
-    text = await asyncio.to_thread(st.tokenizer.decode, ids)
+    body = await _body(request)
+    r = validate(s.DetokenizeRequest, body)
+    lease = await st.models.lease(*requested_model(body))
+    try:
+        ids = check_token_ids(r.tokens, "tokens", lease.value.vocab_size)
+        text = await asyncio.to_thread(lease.value.tokenizer.decode, ids)
+    finally:
+        lease.release()
     return JSONResponse({"prompt": text})
 
 
 async def reset_prefix_cache(request: Request) -> Response:
-    """Forget every cached prefix no running request holds ({"reset": false} while some do)."""
+    """Forget every cached prefix no running request holds in every loaded model ({"reset": false} while
+    some do)."""
     st = state_of(request)
-    return JSONResponse({"reset": st.engine.reset_prefix_cache()})
+    results = [m.engine.reset_prefix_cache() for m in st.models.loaded()]
+    return JSONResponse({"reset": all(results)})
 
 
 async def metrics(request: Request) -> Response:

@@ -1,24 +1,17 @@
-"""The one admission path from client text to prompt ids: a byte bound, rate limits, then tokenizing
-where it cannot stall the event loop.
+"""A model's bound on client text (bytes that cannot fit its context are refused before tokenizing) and
+its tokenizer process, where big texts are encoded without stalling the event loop.
 
-Every route that tokenizes client text calls `admit()` (HTTP chat and completions, the WebSocket, session
-turns). Not the validation rules (protocol.py) and not the engine queue (chat_service.submit).
+The admission path that applies them is admission.py. Not the validation rules (protocol.py).
 """
 from __future__ import annotations
 
-import asyncio
 import multiprocessing
 import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any
 
 from chatserve.server.errors import APIError
-
-if TYPE_CHECKING:
-    from chatserve.server.state import ServerState
-
-T = TypeVar("T")
 
 # Above this many bytes of client text, parsing runs in a worker thread and the encode itself in the
 # tokenizer process: the `tokenizers` encode holds the GIL for its whole run (measured in
@@ -169,7 +162,8 @@ class PromptGuard:
             self.process.close()
 
 
-def _param_of(body: dict) -> str | None:
+def param_of(body: dict) -> str | None:
+    """The body's prompt-bearing field (the `param` of a too-long error)."""
     for k in PROMPT_FIELDS:
         if k in body:
             return k
@@ -179,32 +173,3 @@ def _param_of(body: dict) -> str | None:
 def prompt_bytes(body: dict) -> int:
     """UTF-8 bytes of the prompt-bearing fields of a request body (PROMPT_FIELDS): what tokenizing reads."""
     return sum(text_bytes(body[k]) for k in PROMPT_FIELDS if k in body)
-
-
-def check_text_size(state: ServerState, body: dict) -> int:
-    """Raise 400 context_length_exceeded when the body's prompt text cannot fit the context; its bytes."""
-    nbytes = prompt_bytes(body)
-    guard = state.prompt_guard
-    if guard is not None:
-        guard.check_size(nbytes, _param_of(body))
-    return nbytes
-
-
-async def admit(state: ServerState, body: dict, build: Callable[[dict, Any], T], *, rate_key: str) -> T:
-    """Size bound → rate-limit precheck → `build(body, state)` (validation + tokenizing; in a worker
-    thread when the text is big) → charge the rate limiter with the request's real token cost.
-
-    `build` returns a request with `prompt_ids` and `params` (max_tokens, n). Raises APIError
-    (400 too long, 429 rate limited, or whatever `build` raises)."""
-    nbytes = check_text_size(state, body)
-    limiter = state.rate_limiter
-    if limiter is not None:
-        await limiter.check(rate_key)
-    if nbytes > BIG_INPUT_BYTES or body.get("response_format") or body.get("tools"):
-        req = await asyncio.to_thread(build, body, state)     # big text, or a grammar to compile
-    else:
-        req = build(body, state)
-    if limiter is not None:
-        params = req.params           # type: ignore[attr-defined]  # T is a GenerationRequest (every build returns one)
-        await limiter.charge(rate_key, len(req.prompt_ids) + params.max_tokens * params.n)  # type: ignore[attr-defined]  # same
-    return req

@@ -28,7 +28,8 @@ M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
 
 if TYPE_CHECKING:
-    from chatserve.server.state import ServerState
+    from chatserve.server.model_registry import ModelLease
+    from chatserve.server.served_model import ServedModel
 
 
 @dataclass
@@ -40,6 +41,20 @@ class GenerationRequest:
     include_usage: bool = False
     request_id: str = ""
     user: str | None = None
+    served: ServedModel | None = None     # the model it was parsed for (tokenizer, engine)
+    lease: ModelLease | None = None       # the hold on that model until the engine has it (prompt_guard.admit)
+
+    @property
+    def served_model(self) -> ServedModel:
+        """The served model (every parsed request has one)."""
+        assert self.served is not None
+        return self.served
+
+    def release(self) -> None:
+        """Give the model lease back (idempotent): once submitted, the engine's live request keeps the
+        model loaded."""
+        if self.lease is not None:
+            self.lease.release()
 
 
 @dataclass
@@ -120,15 +135,6 @@ def new_id(prefix: str) -> str:
 
 
 # ---- shared parts ---------------------------------------------------------------------------------
-def check_model(name: str | None, state: ServerState) -> str:
-    if name is None:
-        return state.model_name
-    if name not in state.model_names():
-        raise APIError(404, f"the model '{name[:200]}' does not exist; this server serves "
-                       f"'{state.model_name}'", param="model", code="model_not_found")
-    return name
-
-
 def check_token_ids(ids: list[int], param: str, vocab_size: int | None) -> list[int]:
     for t in ids:
         if t < 0 or (vocab_size is not None and t >= vocab_size):
@@ -150,15 +156,15 @@ def _logit_bias(v: dict[str, float] | None, vocab_size: int | None) -> dict[int,
 _MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def sampling_params(r: s.SamplingFields, state: ServerState, *, n: int,
+def sampling_params(r: s.SamplingFields, served: ServedModel, *, n: int,
                     logprobs: int | None) -> SamplingParams:
     """The sampling fields shared by chat and completions (max_tokens is set by the caller). A field the
     client did not send takes the model's generation-config value when it ships one (--generation-config)."""
-    defaults = {k: v for k, v in state.sampling_defaults.items()
+    defaults = {k: v for k, v in served.sampling_defaults.items()
                 if k in _MODEL_DEFAULTED and k not in r.model_fields_set}
     if defaults:
         r = r.model_copy(update=defaults)
-    vocab = state.vocab_size
+    vocab = served.vocab_size
     temperature = 0.0 if r.temperature < GREEDY_BELOW else r.temperature
     top_k = 0 if r.top_k == -1 else r.top_k
     if vocab and top_k > vocab:
@@ -172,15 +178,15 @@ def sampling_params(r: s.SamplingFields, state: ServerState, *, n: int,
         stop_token_ids=check_token_ids(r.stop_token_ids or [], "stop_token_ids", vocab),
         ignore_eos=r.ignore_eos, include_stop_str_in_output=r.include_stop_str_in_output,
         min_tokens=r.min_tokens, skip_special_tokens=r.skip_special_tokens,
-        min_tokens_banned_ids=_min_tokens_banned(r, state),
+        min_tokens_banned_ids=_min_tokens_banned(r, served),
     )
 
 
-def _min_tokens_banned(r: s.SamplingFields, state: ServerState) -> list[int]:
+def _min_tokens_banned(r: s.SamplingFields, served: ServedModel) -> list[int]:
     """The ids min_tokens holds back: the stop token ids and (unless ignore_eos) the model's EOS ids."""
     if not r.min_tokens:
         return []
-    eos = [] if r.ignore_eos else list(state.tokenizer.eos_token_ids)
+    eos = [] if r.ignore_eos else list(served.tokenizer.eos_token_ids)
     return sorted(set(r.stop_token_ids or []) | set(eos))
 
 
@@ -268,14 +274,14 @@ def template_options(r: s.ChatCompletionRequest | s.TokenizeRequest,
     return kw
 
 
-def render_prompt(state: ServerState, messages: list[dict], options: dict[str, Any]) -> list[int]:
+def render_prompt(served: ServedModel, messages: list[dict], options: dict[str, Any]) -> list[int]:
     if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise invalid("'continue_final_message' needs an assistant message last", "continue_final_message")
-    template = options.get("chat_template") or getattr(state.tokenizer, "chat_template", None)
+    template = options.get("chat_template") or served.chat_template
     messages = with_object_arguments(messages, template)     # a template that tojson's them: no double quoting
     messages = with_thinking_field(messages, template)
     try:
-        ids = list(state.tokenizer.apply_chat_template(messages, **options))
+        ids = list(served.tokenizer.apply_chat_template(messages, **options))
     except TypeError as e:
         raise invalid(f"this server's tokenizer does not take that option yet: {e}"[:500],
                       "chat_template_kwargs") from None
@@ -286,50 +292,50 @@ def render_prompt(state: ServerState, messages: list[dict], options: dict[str, A
     return ids
 
 
-def _parse_body(model: type[M], body: dict, state: ServerState,
-                parse: Callable[[M, ServerState], R]) -> R:
-    """`body` validated as `model` (once: `parse` reads only the model), then `parse(r, state)`; an APIError
+def _parse_body(model: type[M], body: dict, served: ServedModel,
+                parse: Callable[[M, ServedModel], R]) -> R:
+    """`body` validated as `model` (once: `parse` reads only the model), then `parse(r, served)`; an APIError
     passes through, anything else it raises becomes a 400 (whatever unforeseen thing user input trips is
     still the input's fault)."""
     r = validate(model, body)
     try:
-        return parse(r, state)
+        return parse(r, served)
     except APIError:
         raise
     except Exception as e:
         raise invalid(f"invalid request: {type(e).__name__}: {e}"[:500], None, "invalid_request") from e
 
 
-def parse_chat_body(body: dict, state: ServerState) -> ChatRequest:
+def parse_chat_body(body: dict, served: ServedModel) -> ChatRequest:
     """Validate a /v1/chat/completions body and tokenize it with the chat template."""
-    return _parse_body(s.ChatCompletionRequest, body, state, _parse_chat)
+    return _parse_body(s.ChatCompletionRequest, body, served, _parse_chat)
 
 
-def _parse_chat(r: s.ChatCompletionRequest, state: ServerState) -> ChatRequest:
-    model = check_model(r.model, state)
+def _parse_chat(r: s.ChatCompletionRequest, served: ServedModel) -> ChatRequest:
+    model = r.model if r.model is not None else served.name
     messages = normalize_messages(r.messages)
     stream, include_usage = _stream_flags(r)
     _check_prompt_logprobs(r.prompt_logprobs, stream)
     if r.top_logprobs is not None and not r.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    params = sampling_params(r, state, n=r.n, logprobs=(r.top_logprobs or 0) if r.logprobs else None)
-    constraints = chat_constraints(r, messages, state)      # response_format, tools: 400s first
-    options = template_options(r, getattr(state.tokenizer, "chat_template", None))
+    params = sampling_params(r, served, n=r.n, logprobs=(r.top_logprobs or 0) if r.logprobs else None)
+    constraints = chat_constraints(r, messages, served)      # response_format, tools: 400s first
+    options = template_options(r, served.chat_template)
     if constraints.template_tools:
         options["tools"] = constraints.template_tools
-    prompt_ids = render_prompt(state, constraints.messages, options)
-    plan = reasoning_plan(state, r.chat_template, prompt_ids)
+    prompt_ids = render_prompt(served, constraints.messages, options)
+    plan = reasoning_plan(served, r.chat_template, prompt_ids)
     requested = (("max_completion_tokens", r.max_completion_tokens) if r.max_completion_tokens is not None
                  else ("max_tokens", r.max_tokens))
-    params.max_tokens = max_tokens_for(requested, "messages", len(prompt_ids), state.max_model_len,
-                                       state.kv_tokens, state.default_max_tokens)
+    params.max_tokens = max_tokens_for(requested, "messages", len(prompt_ids), served.max_model_len,
+                                       served.kv_tokens, served.default_max_tokens)
     _check_min_tokens(params)
     params.structured = plan.gate(constraints.spec) if plan is not None else constraints.spec
     if ((plan is not None and needs_special_tokens(plan.parser_name))
             or (constraints.tools is not None and constraints.tools.parser_name == "gpt_oss")):
         params.skip_special_tokens = False      # harmony's channels are special tokens: the parsers read them
     params.prompt_logprobs = r.prompt_logprobs
-    return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream,
+    return ChatRequest(model=model, prompt_ids=prompt_ids, params=params, stream=stream, served=served,
                        include_usage=include_usage, request_id=new_id("chatcmpl"), messages=messages,
                        logprobs=r.logprobs, top_logprobs=r.top_logprobs or 0, user=r.user or r.safety_identifier,
                        tools=constraints.tools, prompt_logprobs=r.prompt_logprobs, reasoning=plan,
@@ -348,12 +354,12 @@ def _check_min_tokens(params: SamplingParams) -> None:
 
 
 # ---- completions ----------------------------------------------------------------------------------
-def parse_completion_body(body: dict, state: ServerState) -> CompletionRequest:
+def parse_completion_body(body: dict, served: ServedModel) -> CompletionRequest:
     """Validate a /v1/completions body and tokenize its prompt(s)."""
-    return _parse_body(s.CompletionRequest, body, state, _parse_completion)
+    return _parse_body(s.CompletionRequest, body, served, _parse_completion)
 
 
-def _prompts(r: s.CompletionRequest, state: ServerState) -> list[tuple[list[int], str | None]]:
+def _prompts(r: s.CompletionRequest, served: ServedModel) -> list[tuple[list[int], str | None]]:
     p = r.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
         items: list = [p]
@@ -362,18 +368,18 @@ def _prompts(r: s.CompletionRequest, state: ServerState) -> list[tuple[list[int]
     out: list[tuple[list[int], str | None]] = []
     for item in items:
         if isinstance(item, str):
-            ids = list(state.tokenizer.encode(item))
+            ids = list(served.tokenizer.encode(item))
             if not ids:
                 raise invalid("'prompt' produces no tokens", "prompt")
             out.append((ids, item))
         else:
-            out.append((check_token_ids(item, "prompt", state.vocab_size), None))
+            out.append((check_token_ids(item, "prompt", served.vocab_size), None))
     return out
 
 
-def _parse_completion(r: s.CompletionRequest, state: ServerState) -> CompletionRequest:
-    model = check_model(r.model, state)
-    prompts = _prompts(r, state)
+def _parse_completion(r: s.CompletionRequest, served: ServedModel) -> CompletionRequest:
+    model = r.model if r.model is not None else served.name
+    prompts = _prompts(r, served)
     stream, include_usage = _stream_flags(r)
     _check_prompt_logprobs(r.prompt_logprobs, stream)
     n = r.n
@@ -386,7 +392,7 @@ def _parse_completion(r: s.CompletionRequest, state: ServerState) -> CompletionR
     if len(prompts) * (best_of or n) > s.MAX_BATCH_SAMPLES:
         raise invalid(f"{len(prompts)} prompts × {best_of or n} samples is more than the "
                       f"{s.MAX_BATCH_SAMPLES} one request may ask for", "prompt")
-    params = sampling_params(r, state, n=best_of or n, logprobs=r.logprobs)
+    params = sampling_params(r, served, n=best_of or n, logprobs=r.logprobs)
     if best_of is not None and best_of > n and params.logprobs is None:
         params.logprobs = 0                 # ranking needs each sampled token's logprob
     longest = max(len(ids) for ids, _ in prompts)
@@ -396,15 +402,15 @@ def _parse_completion(r: s.CompletionRequest, state: ServerState) -> CompletionR
     mt = r.max_tokens
     if mt is None:
         # OpenAI's default is 16; an operator's or the model's default (--max-tokens-default) wins
-        mt = min(state.default_max_tokens or 16, max(1, state.max_model_len - longest))
-    params.max_tokens = max_tokens_for(("max_tokens", mt), "prompt", longest, state.max_model_len,
-                                       state.kv_tokens, state.default_max_tokens) if mt != 0 else 0
+        mt = min(served.default_max_tokens or 16, max(1, served.max_model_len - longest))
+    params.max_tokens = max_tokens_for(("max_tokens", mt), "prompt", longest, served.max_model_len,
+                                       served.kv_tokens, served.default_max_tokens) if mt != 0 else 0
     _check_min_tokens(params)
     # the prompt's logprobs, for vLLM's prompt_logprobs and for echo with logprobs (OpenAI's legacy way)
     wanted = [k for k in (r.prompt_logprobs, r.logprobs if r.echo else None) if k is not None]
     params.prompt_logprobs = max(wanted) if wanted else None
     ids, text = prompts[0]
-    return CompletionRequest(model=model, prompt_ids=ids, params=params, stream=stream,
+    return CompletionRequest(model=model, prompt_ids=ids, params=params, stream=stream, served=served,
                              include_usage=include_usage, request_id=new_id("cmpl"), prompt_text=text,
                              logprobs=r.logprobs, prompts=prompts, echo=r.echo,
                              best_of=best_of if best_of and best_of > n else None, n=n,

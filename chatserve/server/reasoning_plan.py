@@ -16,7 +16,7 @@ from chatserve.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:
     from chatserve.server.schemas.openai import ChatMessage
-    from chatserve.server.state import ServerState
+    from chatserve.server.served_model import ServedModel
 
 log = logging.getLogger("chatserve.server")
 PROMPT_TAIL_TOKENS = 32          # enough of the prompt's end to see a template-opened or -closed block
@@ -45,25 +45,25 @@ class ReasoningPlan:
         return dataclasses.replace(spec, think=(self.start_id if phase == "undecided" else None, self.end_id))
 
 
-def _single_token(state: ServerState, text: str) -> int | None:
-    ids = list(state.tokenizer.encode(text))
+def _single_token(served: ServedModel, text: str) -> int | None:
+    ids = list(served.tokenizer.encode(text))
     return ids[0] if len(ids) == 1 else None
 
 
-def _family_hint(state: ServerState) -> str:
-    return " ".join(x for x in (state.config.model.model or "", state.model_name) if x)
+def _family_hint(served: ServedModel) -> str:
+    return " ".join(x for x in (served.config.model.model or "", served.name) if x)
 
 
-def reasoning_plan(state: ServerState, chat_template: str | None, prompt_ids: list[int]) -> ReasoningPlan | None:
+def reasoning_plan(served: ServedModel, chat_template: str | None, prompt_ids: list[int]) -> ReasoningPlan | None:
     """The plan for a chat request, or None when the model's template has no think blocks (or
     --reasoning-parser off)."""
-    template = chat_template or getattr(state.tokenizer, "chat_template", None)
-    name = resolve_parser_name(state.config.server.reasoning_parser, template, _family_hint(state))
+    template = chat_template or served.chat_template
+    name = resolve_parser_name(served.config.server.reasoning_parser, template, _family_hint(served))
     if name is None:
         return None
-    tail = state.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    tail = served.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     cls = parser_for(name)
-    return ReasoningPlan(name, tail, _single_token(state, cls.start), _single_token(state, cls.end))
+    return ReasoningPlan(name, tail, _single_token(served, cls.start), _single_token(served, cls.end))
 
 
 def replayed_reasoning(m: ChatMessage, where: str) -> dict[str, Any]:

@@ -13,7 +13,8 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 from chatserve import version
 from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments
@@ -21,17 +22,27 @@ from chatserve.config import parse_bytes  # noqa: F401  (re-exported: tests/serv
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
 from chatserve.model_source import prepare_model
+from chatserve.model_source.check import human_size
+from chatserve.server.model_specs import ModelSpec, check_unique, model_specs, parse_named, split_model_args
 from chatserve.server.redis_check import redact_url
 
 if TYPE_CHECKING:
+    from chatserve.engine.deltas import EngineStats
     from chatserve.runtime.model_runner import ModelRunner
+    from chatserve.server.model_registry import ModelRegistry
+    from chatserve.server.served_model import ServedModel
     from chatserve.server.state import ServerState
 
 log = logging.getLogger("chatserve.serve")
 
+
+class Drainable(Protocol):
+    async def shutdown(self, drain_timeout: float) -> None: ...
+
 SOCKET_SEND_BUFFER = ServerConfig().socket_send_buffer   # the declared default (config.py)
-DESCRIPTION = ("Serve a model over an OpenAI-compatible API and the web chat UI. Every option can also be "
-               "set by its CHATSERVE_* environment variable; a flag wins over the variable.")
+DESCRIPTION = ("Serve a model over an OpenAI-compatible API and the web chat UI. Several models: "
+               "--model NAME=PATH, repeated (loaded on first use; docs/multi-model.md). Every option can also "
+               "be set by its CHATSERVE_* environment variable; a flag wins over the variable.")
 
 
 def build_parser(env: EngineConfig | None = None) -> argparse.ArgumentParser:
@@ -74,26 +85,20 @@ def weights_text(runner) -> str:
     return f"{'/'.join(formats)} in place, backend: {runner.block_backend.name}"
 
 
-def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
-    """The startup summary: what was loaded, how the KV cache is sized, where to connect."""
-    engine = state.engine
+def model_lines(served: ServedModel, load_s: float) -> list[str]:
+    """What one loaded model is: file, dtype and weights, backends, its KV cache (its share of the
+    budget), context and max_tokens default."""
+    engine, cfg = served.engine, served.config
     runner: ModelRunner = engine.runner     # type: ignore[assignment]  # serve always builds a real one
     dtype = str(runner.dtype).replace("torch.", "")
     kv_dtype = dtype if runner.kv_cache_dtype == "auto" else runner.kv_cache_dtype
     blocks, bs, ctx = engine.num_blocks, engine.block_size, engine.max_model_len
     tokens = blocks * bs
     mem = runner.bytes_per_block * blocks
-    host = cfg.server.host
-    shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
-    base = f"http://{shown}:{cfg.server.port}"
-    sessions = (f"Redis at {redact_url(cfg.server.redis_url)}" if cfg.server.redis_url
-                else "in-process memory (NOT persisted; set --redis-url)")
-    max_tokens = state.default_max_tokens
-    max_tokens_text = (f"{max_tokens:,} tokens ({state.default_max_tokens_source})" if max_tokens
+    max_tokens = served.default_max_tokens
+    max_tokens_text = (f"{max_tokens:,} tokens ({served.default_max_tokens_source})" if max_tokens
                        else "the rest of the context (set --max-tokens-default)")
-    lines = [
-        "",
-        f"  chatserve · {state.model_name}",
+    return [
         f"  model      {cfg.model.resolved_model()}",
         f"  dtype      {dtype} on {runner.device}, weights {weights_text(runner)}, KV {kv_dtype}"
         f"   (loaded in {load_s:.1f} s)",
@@ -104,6 +109,39 @@ def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
         f"  context    {ctx:,} tokens; {tokens / max(1, ctx):.1f} sequences fit at full context; "
         f"max {cfg.scheduler.max_num_seqs} running, {cfg.scheduler.max_waiting_requests} waiting",
         f"  max_tokens default {max_tokens_text}",
+    ]
+
+
+def models_lines(state: ServerState) -> list[str]:
+    """With several models: each one's name, path, status and KV share, and the loading rules."""
+    reg, sc = state.models, state.config.server
+    if len(reg.specs) < 2:
+        return []
+    keep = ("never unloaded when idle" if sc.keep_alive < 0 else f"unloaded after {sc.keep_alive:g} s idle")
+    budget = f", model memory budget {human_size(sc.model_memory_budget)}" if sc.model_memory_budget else ""
+    out = [f"  models     {len(reg.specs)} served, at most {sc.max_loaded_models} loaded at once{budget}; "
+           f"{keep} (--keep-alive)"]
+    for info in reg.info():
+        spec = reg.spec(info.name)
+        kv = spec.config.cache.kv_cache_memory
+        out.append(f"    {info.name:<20} {info.phase:<9} {spec.config.model.resolved_model()}  "
+                   f"(~{human_size(info.size)} with its KV cache share of {human_size(kv)})")
+    return out
+
+
+def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
+    """The startup summary: what was loaded, how the KV cache is sized, where to connect."""
+    host = cfg.server.host
+    shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
+    base = f"http://{shown}:{cfg.server.port}"
+    sessions = (f"Redis at {redact_url(cfg.server.redis_url)}" if cfg.server.redis_url
+                else "in-process memory (NOT persisted; set --redis-url)")
+    default = state.models.peek(None)
+    lines = [
+        "",
+        f"  chatserve · {state.model_name}",
+        *(model_lines(default, load_s) if default is not None else []),
+        *models_lines(state),
         f"  API        {base}/v1  (OpenAI-compatible; WebSocket {base.replace('http', 'ws')}/v1/ws)",
         f"  UI         {base}/",
         f"  metrics    {base}/metrics",
@@ -116,10 +154,11 @@ def banner(cfg: EngineConfig, state: ServerState, load_s: float) -> str:
 
 
 class StatsLine:
-    """Prints throughput, queue, KV usage and prefix hit rate every `interval` s while busy."""
+    """Prints throughput, queue, KV usage and prefix hit rate of each loaded model every `interval` s
+    while it is busy."""
 
-    def __init__(self, engine, interval: float) -> None:
-        self.engine, self.interval = engine, interval
+    def __init__(self, models: ModelRegistry, interval: float) -> None:
+        self.models, self.interval = models, interval
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -131,25 +170,29 @@ class StatsLine:
             self.task.cancel()
 
     async def _run(self) -> None:
-        prev, t_prev = self.engine.stats(), time.monotonic()
+        prev: dict[int, tuple[EngineStats, float]] = {}
+        several = len(self.models.specs) > 1
         while True:
             await asyncio.sleep(self.interval)
-            s, now = self.engine.stats(), time.monotonic()
-            dt = max(1e-6, now - t_prev)
-            busy = s.running or s.waiting or s.generation_tokens != prev.generation_tokens
-            if busy:
-                dq = s.prefix_queries - prev.prefix_queries
-                hit = (s.prefix_hits - prev.prefix_hits) / dq if dq else 0.0
-                print(f"[stats] gen {(s.generation_tokens - prev.generation_tokens) / dt:7.1f} tok/s · "
-                      f"prompt {(s.prompt_tokens - prev.prompt_tokens) / dt:7.1f} tok/s · "
-                      f"running {s.running} waiting {s.waiting} · KV {s.kv_usage:5.1%} · "
-                      f"prefix hit {hit:5.1%} · preemptions {s.preemptions}", flush=True)
-            prev, t_prev = s, now
+            for served in self.models.loaded():
+                s, now = served.engine.stats(), time.monotonic()
+                key = id(served.engine)
+                p, t_prev = prev.get(key, (s, now - self.interval))
+                prev[key] = (s, now)
+                dt = max(1e-6, now - t_prev)
+                if s.running or s.waiting or s.generation_tokens != p.generation_tokens:
+                    dq = s.prefix_queries - p.prefix_queries
+                    hit = (s.prefix_hits - p.prefix_hits) / dq if dq else 0.0
+                    who = f" {served.name}:" if several else ""
+                    print(f"[stats]{who} gen {(s.generation_tokens - p.generation_tokens) / dt:7.1f} tok/s · "
+                          f"prompt {(s.prompt_tokens - p.prompt_tokens) / dt:7.1f} tok/s · "
+                          f"running {s.running} waiting {s.waiting} · KV {s.kv_usage:5.1%} · "
+                          f"prefix hit {hit:5.1%} · preemptions {s.preemptions}", flush=True)
 
 
-async def warm_tokenizer_process(state: ServerState) -> None:
-    """Spawn the prompt guard's tokenizer process in the background, not at the first big prompt."""
-    proc = state.prompt_guard.process if state.prompt_guard is not None else None
+def warm_tokenizer_process(served: ServedModel) -> None:
+    """Spawn a loaded model's tokenizer process in the background, not at its first big prompt."""
+    proc = served.prompt_guard.process
     if proc is not None:
         asyncio.get_running_loop().run_in_executor(None, proc.start)
 
@@ -185,11 +228,13 @@ def nodelay_http_protocol():
     return NoDelayHTTPProtocol
 
 
-def make_server(app, cfg: EngineConfig, engine):
+def make_server(app, cfg: EngineConfig, models: Drainable):
+    """uvicorn's server whose first SIGTERM/SIGINT drains `models` (the registry: every loaded model;
+    or one engine) before it exits."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """First SIGTERM/SIGINT drains the engine, then exits; a second one forces exit."""
+        """First SIGTERM/SIGINT drains every model, then exits; a second one forces exit."""
 
         draining = False
 
@@ -213,7 +258,7 @@ def make_server(app, cfg: EngineConfig, engine):
                 # streams get the drain timeout less a small reserve for closing, so the whole
                 # process is gone within --drain-timeout (main() skips the slow interpreter teardown)
                 drain = cfg.server.drain_timeout
-                await engine.shutdown(max(0.0, drain - exit_reserve(drain)))
+                await models.shutdown(max(0.0, drain - exit_reserve(drain)))
                 await asyncio.sleep(0.3)          # let the last events reach their clients
             finally:
                 self.should_exit = True
@@ -243,13 +288,34 @@ def listener(config, send_buffer: int):
     return sock
 
 
+def configured(argv: list[str] | None) -> tuple[EngineConfig, list[ModelSpec]]:
+    """The flags and environment → the server's config and its models (each resolved to a local path and
+    checked; ConfigError, FileNotFoundError or ValueError name what is wrong). --help and --version exit
+    here, before the environment is read."""
+    rest, named = split_model_args(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(rest)
+    base = config_from_args(args, env_config())
+    specs = []
+    for spec in model_specs(base, [*parse_named(base.server.models), *named]):
+        cfg = prepare_model(spec.config)               # a name → a local path, files checked
+        specs.append(replace(spec, name=spec.name or served_name(cfg), config=cfg))
+    return base, check_unique(specs)
+
+
+def model_size(cfg: EngineConfig) -> int:
+    """Bytes a model takes loaded, as far as its files tell: weights as stored + its KV cache share."""
+    from chatserve.model_source.check import check_files, kv_cache_bytes
+    checked = check_files(cfg.model.resolved_model())
+    return checked.weight_bytes + kv_cache_bytes(checked.config, cfg.cache, cfg.model.dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)    # --help and --version exit here, before the environment is read
     try:
-        cfg = prepare_model(config_from_args(args, env_config()))   # a name → a local path, files checked
-        model_path = cfg.model.resolved_model()
+        cfg, specs = configured(argv)
+        sizes = {sp.name: model_size(sp.config) for sp in specs}
+        first = specs[0].config
         from chatserve.runtime.weights import gguf_reader
-        generation_defaults = load_generation_defaults(cfg.model, gguf_reader)
+        generation_defaults = load_generation_defaults(first.model, gguf_reader)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"chatserve serve: {e}", file=sys.stderr)
         return 2
@@ -261,11 +327,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from chatserve.engine import AsyncEngine
     from chatserve.server.app import build_app
+    from chatserve.server.model_registry import ModelRegistry, PrebuiltParts
     from chatserve.server.state import ServerState
 
-    print(f"[chatserve] loading {model_path} ({cfg.model.dtype}) ...", flush=True)
+    print(f"[chatserve] loading {first.model.resolved_model()} ({first.model.dtype}) ...", flush=True)
     t0 = time.perf_counter()
-    engine = AsyncEngine(cfg)
+    engine = AsyncEngine(first)
     try:
         engine.load(progress=True)
     except Exception as e:
@@ -274,25 +341,29 @@ def main(argv: list[str] | None = None) -> int:
     if engine.warm_up_seconds is not None:
         print(f"[chatserve] warm-up: kernels compiled, one dummy prefill + decode ran in "
               f"{engine.warm_up_seconds:.2f} s; ready for requests", flush=True)
-    name = served_name(cfg)
-    state = ServerState(config=cfg, engine=engine, tokenizer=engine.tokenizer, model_name=name,
-                        sampling_defaults=generation_defaults)
-    stats = StatsLine(engine, sc.stats_interval)
+    registry = ModelRegistry(specs, sizes=sizes, prebuilt={
+        specs[0].name: PrebuiltParts(engine, sampling_defaults=generation_defaults)})
+    registry.on_load.append(warm_tokenizer_process)
+    state = ServerState(config=cfg, models=registry)
+    stats = StatsLine(registry, sc.stats_interval)
     state.startup_hooks.append(stats.start)
     state.shutdown_hooks.append(stats.stop)
-    state.startup_hooks.append(lambda: warm_tokenizer_process(state))
     if cfg.server.redis_url:
         from chatserve.server.redis_check import RedisCheck
         state.redis_check = RedisCheck(cfg.server.redis_url)
         state.redis_check.check_sync()      # a wrong password shows here, not at the first chat
     app = build_app(state)
-    print(banner(cfg, state, time.perf_counter() - t0), flush=True)
-    server = make_server(app, cfg, engine)
+    load_s = time.perf_counter() - t0
+
+    async def show_banner() -> None:        # after the lifespan started the default model
+        print(banner(cfg, state, load_s), flush=True)
+    state.startup_hooks.append(show_banner)
+    server = make_server(app, cfg, registry)
     server.run(sockets=[listener(server.config, sc.socket_send_buffer)])
     print("[chatserve] stopped", flush=True)
     if server.draining:
-        # a signal ended a clean shutdown (engine drained, shutdown hooks run): skip the second or so
-        # of interpreter teardown (torch, thread pools) so the process exits within --drain-timeout
+        # a signal ended a clean shutdown (every model drained, shutdown hooks run): skip the second or
+        # so of interpreter teardown (torch, thread pools) so the process exits within --drain-timeout
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

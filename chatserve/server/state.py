@@ -1,6 +1,7 @@
 """ServerState: everything the routes share, hung on `app.state.chatserve`.
 
-A plain dataclass built once by the CLI (or a test); no I/O here.
+Built once by the CLI (or a test: `single_model_state`); no I/O here. What belongs to one model (engine,
+tokenizer, sampling defaults) is on its ServedModel (served_model.py), reached through `models`.
 """
 from __future__ import annotations
 
@@ -9,18 +10,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
-from chatserve.config import DEFAULT_MODEL_ALIASES, EngineConfig
+from chatserve.config import EngineConfig
 from chatserve.core.protocols import TokenizerLike
 
 if TYPE_CHECKING:
     from chatserve.engine import AsyncEngine
     from chatserve.server.metrics import Metrics
-    from chatserve.server.prompt_guard import PromptGuard
+    from chatserve.server.model_registry import ModelRegistry
     from chatserve.server.ratelimit import RateLimiter
     from chatserve.server.redis_check import RedisCheck
     from chatserve.server.responses.store import ResponseStore
     from chatserve.server.sessions.store import SessionStore
-    from chatserve.server.shared_prompts import SharedPrompts
 
 # an extra WebSocket message type's handler: (state, message, owner, request_id) → frames to send
 WSHandler = Callable[["ServerState", dict, str, str], AsyncIterator[dict]]
@@ -28,61 +28,49 @@ WSHandler = Callable[["ServerState", dict, str, str], AsyncIterator[dict]]
 
 @dataclass
 class ServerState:
-    config: EngineConfig
-    engine: AsyncEngine                   # with real or scripted parts (tests)
-    tokenizer: TokenizerLike | None
-    model_name: str
+    config: EngineConfig                  # the server's settings (each model's own: models.spec(name).config)
+    models: ModelRegistry                 # the served models, loaded on demand
     sessions: SessionStore | None = None  # set by the sessions module's install()
     responses: ResponseStore | None = None  # stored /v1/responses; set by the responses module's install()
     metrics: Metrics | None = None
     session_secret: bytes = b""           # HMAC key for cache salts; random per process when unset
-    vocab_size: int | None = None
     rate_limiter: RateLimiter | None = None      # None = off
-    shared_prompts: SharedPrompts | None = None  # None = off
-    prompt_guard: PromptGuard | None = None      # set at startup
     redis_check: RedisCheck | None = None        # with --redis-url
-    # SamplingParams field → value from the model's generation config (--generation-config)
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     ws_handlers: dict[str, WSHandler] = field(default_factory=dict)
     startup_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     shutdown_hooks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    _frozen: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.session_secret:
             s = self.config.server.session_secret
             self.session_secret = s.encode() if s else secrets.token_bytes(32)
 
-    @property
-    def default_max_tokens(self) -> int | None:
-        """max_tokens of a request that sets none: --max-tokens-default, else the model's generation
-        config, else None (the rest of the context, as OpenAI does)."""
-        flag = self.config.server.max_tokens_default
-        return flag if flag is not None else self.sampling_defaults.get("max_tokens")
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"ServerState is complete once the app is built: {name} cannot change")
+        super().__setattr__(name, value)
+
+    def freeze(self) -> None:
+        """Called by build_app once every part is in place (stores, metrics, limiter): from then on no
+        field is reassigned (the per-model parts live on each ServedModel, themselves frozen)."""
+        object.__setattr__(self, "_frozen", True)
 
     @property
-    def default_max_tokens_source(self) -> str:
-        if self.config.server.max_tokens_default is not None:
-            return "--max-tokens-default"
-        return "the model's generation config" if "max_tokens" in self.sampling_defaults else "none"
+    def model_name(self) -> str:
+        """The default model's served name (a request without `model` gets it)."""
+        return self.models.default_name
 
-    @property
-    def max_model_len(self) -> int:
-        return int(self.engine.max_model_len)
 
-    @property
-    def kv_tokens(self) -> int:
-        """Token slots in the whole KV cache (0 = unknown): no one sequence can be longer."""
-        return self.engine.num_blocks * self.engine.block_size
-
-    def model_names(self) -> set[str]:
-        """Names a request may use for `model`: the served name, plus the file's own name, or for the
-        default model its short names ("smollm2", as in the README)."""
-        names = {self.model_name}
-        path = self.config.model.model
-        if path:
-            import os
-            names.update({path, os.path.basename(path.rstrip("/"))})
-        else:
-            names.update(DEFAULT_MODEL_ALIASES)
-        return names
+def single_model_state(config: EngineConfig, engine: AsyncEngine, tokenizer: TokenizerLike | None = None,
+                       model_name: str = "model", *, vocab_size: int | None = None,
+                       sampling_defaults: dict[str, Any] | None = None, **fields: Any) -> ServerState:
+    """A ServerState serving one model whose engine the caller built (tests, embedders); the lifespan
+    starts it. No sampling defaults unless given (OpenAI's). `fields`: the other ServerState fields."""
+    from chatserve.server.model_registry import ModelRegistry, PrebuiltParts
+    from chatserve.server.model_specs import ModelSpec
+    parts = PrebuiltParts(engine, tokenizer, sampling_defaults or {}, vocab_size)
+    registry = ModelRegistry([ModelSpec(model_name, config)], prebuilt={model_name: parts})
+    return ServerState(config=config, models=registry, **fields)

@@ -21,7 +21,7 @@ from chatserve.server.chat_service import stream_chat, stream_completion
 from chatserve.server.errors import APIError, status_for
 from chatserve.server.identity import cache_owner_of, owner_of, rate_key_of
 from chatserve.server.origin import origin_allowed
-from chatserve.server.prompt_guard import admit
+from chatserve.server.admission import admit
 from chatserve.server.protocol import new_id, parse_chat_body, parse_completion_body
 
 if TYPE_CHECKING:

@@ -308,7 +308,8 @@ function fillFoot(node, m, index, isLast) {
 
 function progressNode(p) {
   const span = el('span', 'stat progress');
-  if (p.phase === 'queued') span.textContent = `queued: position ${p.queue_position}`;
+  if (p.phase === 'loading-model') span.textContent = 'loading model…';
+  else if (p.phase === 'queued') span.textContent = `queued: position ${p.queue_position}`;
   else if (p.phase === 'prefill' && p.prefill_total) {
     const pct = Math.floor((100 * p.prefill_done) / p.prefill_total);
     span.textContent = `reading the prompt: ${p.prefill_done} / ${p.prefill_total} tokens (${pct}%)`;
@@ -444,7 +445,11 @@ async function sendTurn(body, sentText = null) {
       if (sentText !== null && $('input').value.trim() === sentText) { $('input').value = ''; growInput(); saveDraft(); }
     },
   };
-  state.startReply(session, body, control);
+  const reply = state.startReply(session, body, control);
+  if (!modelLoaded(session.model)) {               // its first token waits for the load: say so
+    reply.progress = { object: 'chatserve.turn.progress', phase: 'loading-model' };
+    renderMessages();
+  }
   stickToBottom = true;
   let failed = null;
   try {
@@ -457,6 +462,13 @@ async function sendTurn(body, sentText = null) {
     return;
   }
   await finishTurn(sid, failed);
+  if (!modelLoaded(session.model)) loadModelInfo();    // it is loaded now (or another one was unloaded)
+}
+
+// Whether the server has this model in memory (/v1/models `status`; a server that says nothing: yes).
+function modelLoaded(name) {
+  const m = models.list.find((x) => x.id === name) || (!name && models.list[0]);
+  return !m || !m.status || m.status === 'loaded';
 }
 
 async function finishTurn(sid, failed, { wait = true, follow = true } = {}) {
@@ -743,7 +755,11 @@ async function loadModelInfo() {
     }
   }
   const pick = $('model-picker');
-  pick.replaceChildren(...models.list.map((x) => { const o = el('option', '', x.id); o.value = x.id; return o; }));
+  pick.replaceChildren(...models.list.map((x) => {
+    const o = el('option', '', x.status && x.status !== 'loaded' ? `${x.id} (not loaded)` : x.id);
+    o.value = x.id;
+    return o;
+  }));
   renderHeader();
   if (!state.current) renderSettings();             // a new chat starts from the model's defaults
   else renderThinkingToggle();

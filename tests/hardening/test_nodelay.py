@@ -18,7 +18,7 @@ from websockets.sync.client import connect as ws_connect
 from chatserve.config import EngineConfig, ServerConfig
 from chatserve.server.app import build_app
 from chatserve.server.serve import SOCKET_SEND_BUFFER, listener, make_server
-from chatserve.server.state import ServerState
+from chatserve.server.state import single_model_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,9 +27,8 @@ pytestmark = pytest.mark.timeout(120)
 def served():
     cfg = EngineConfig(server=replace(ServerConfig(), host="127.0.0.1", port=free_port()))
     eng = fake_engine(cfg)
-    state = ServerState(config=cfg, engine=eng, tokenizer=FakeTokenizer(), model_name="fake-model",
-                        vocab_size=VOCAB)
-    server = make_server(build_app(state), cfg, eng)
+    state = single_model_state(cfg, eng, FakeTokenizer(), "fake-model", vocab_size=VOCAB)
+    server = make_server(build_app(state), cfg, state.models)
     # the listening socket as `chatserve serve` binds it (uvicorn's bind_socket: proto 0, so asyncio
     # never sets TCP_NODELAY on what it accepts)
     sock = listener(server.config, SOCKET_SEND_BUFFER)

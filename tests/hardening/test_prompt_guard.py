@@ -15,7 +15,8 @@ import pytest
 from websockets.sync.client import connect as ws_connect
 
 from chatserve.server.errors import APIError
-from chatserve.server.prompt_guard import (OffloadingTokenizer, PromptGuard, TokenizerProcess, admit,
+from chatserve.server.admission import admit
+from chatserve.server.prompt_guard import (OffloadingTokenizer, PromptGuard, TokenizerProcess,
                                            max_token_bytes, prompt_bytes, text_bytes)
 from chatserve.server.ratelimit import RateLimiter
 
@@ -65,6 +66,15 @@ def test_offloaded_tokenizing_gives_the_same_ids():
         proc.close()
 
 
+class _OneModel:
+    """A registry whose one model takes any text and is never overloaded (admit's other checks)."""
+
+    async def lease(self, name, keep_alive):
+        guard = SimpleNamespace(check_size=lambda nbytes, param: None)
+        served = SimpleNamespace(engine=SimpleNamespace(check_capacity=lambda: None), prompt_guard=guard)
+        return SimpleNamespace(value=served, release=lambda: None)
+
+
 async def test_rate_limit_refuses_before_tokenizing():
     calls = []
 
@@ -72,12 +82,12 @@ async def test_rate_limit_refuses_before_tokenizing():
         calls.append(body)
         return SimpleNamespace(prompt_ids=[1, 2, 3], params=SimpleNamespace(max_tokens=2, n=1))
 
-    state = SimpleNamespace(prompt_guard=None, rate_limiter=RateLimiter(rpm=1))
+    state = SimpleNamespace(models=_OneModel(), rate_limiter=RateLimiter(rpm=1))
     await admit(state, {"prompt": "x"}, build, rate_key="ip:a")
     with pytest.raises(APIError) as e:
         await admit(state, {"prompt": "x" * 100_000}, build, rate_key="ip:a")
     assert e.value.status == 429 and len(calls) == 1           # the second body was never tokenized
-    tpm = SimpleNamespace(prompt_guard=None, rate_limiter=RateLimiter(tpm=10))
+    tpm = SimpleNamespace(models=_OneModel(), rate_limiter=RateLimiter(tpm=10))
     await admit(tpm, {"prompt": "x"}, build, rate_key="ip:a")     # 5 tokens
     await admit(tpm, {"prompt": "x"}, build, rate_key="ip:a")     # 10: the window is full
     with pytest.raises(APIError):
@@ -124,7 +134,9 @@ def test_health_stays_fast_while_2mb_prompts_arrive(tiny_server):
             for _ in range(3):
                 for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),
                                    ("/v1/completions", {"prompt": big})):
-                    r = c.post(path, json={"model": "tiny", **body, "max_tokens": 4})
+                    # no `model`: the default one ("tiny" was never a served name; the name is resolved
+                    # first now that a server may serve several, so it would be a 404)
+                    r = c.post(path, json={**body, "max_tokens": 4})
                     refused.append((path, r.status_code, r.json()["error"]["code"]))
         with ws_connect(tiny_server.url.replace("http", "ws") + "/v1/ws", max_size=None) as ws:
             for i in range(3):

@@ -38,13 +38,13 @@ class ThreadServer:
 
 
 def start_fake_server(*, delay: float = 0.002, max_waiting: int = 64, max_running: int = 8,
-                      **server_cfg) -> ThreadServer:
+                      sampling_defaults: dict | None = None, **server_cfg) -> ThreadServer:
     from chatserve.server.app import build_app
-    from chatserve.server.state import ServerState
+    from chatserve.server.state import single_model_state
     cfg = EngineConfig(server=replace(ServerConfig(), **server_cfg))
     eng = fake_engine(cfg, delay=delay, max_waiting=max_waiting, max_running=max_running)
-    state = ServerState(config=cfg, engine=eng, tokenizer=FakeTokenizer(), model_name="fake-model",
-                        vocab_size=VOCAB)
+    state = single_model_state(cfg, eng, FakeTokenizer(), "fake-model", vocab_size=VOCAB,
+                               sampling_defaults=sampling_defaults or {})
     app = build_app(state)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

@@ -208,7 +208,7 @@ def test_echo_and_prompt_logprobs_shapes_on_the_fake_engine(keyed_server):
 
 def test_chat_template_options_reach_the_tokenizer(keyed_server):
     seen: list[dict] = []
-    tok = keyed_server.state.tokenizer
+    tok = keyed_server.state.models.peek(None).tokenizer
     real = tok.apply_chat_template
 
     def spy(messages, add_generation_prompt=True, **kw):

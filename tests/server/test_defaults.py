@@ -3,6 +3,8 @@ sets no max_tokens and shows in /v1/models; the model's generation-config sampli
 fields a client left unset, never the ones it sent."""
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 
@@ -38,12 +40,12 @@ def test_without_a_default_the_model_card_says_null():
 def test_generation_config_fills_only_unset_sampling_fields():
     srv = start_fake_server()
     try:
-        state = srv.state
-        state.sampling_defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 7}
-        unset = protocol.parse_completion_body({"prompt": "hi"}, state)
+        served = dataclasses.replace(srv.state.models.peek(None), sampling_defaults={
+            "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 7})
+        unset = protocol.parse_completion_body({"prompt": "hi"}, served)
         assert (unset.params.temperature, unset.params.top_p, unset.params.top_k) == (0.6, 0.9, 20)
         assert unset.params.max_tokens == 7
-        sent = protocol.parse_completion_body({"prompt": "hi", "temperature": 0, "top_p": 1.0}, state)
+        sent = protocol.parse_completion_body({"prompt": "hi", "temperature": 0, "top_p": 1.0}, served)
         assert (sent.params.temperature, sent.params.top_p, sent.params.top_k) == (0.0, 1.0, 20)
     finally:
         srv.stop()
@@ -76,9 +78,8 @@ def test_a_gguf_files_sampling_keys_are_its_defaults_and_the_model_card_shows_th
         assert load_generation_defaults(ModelConfig(model=str(path), generation_config=choice)) == {}
     assert load_generation_defaults(ModelConfig(model=default_model_path())) == {}     # ships none
 
-    srv = start_fake_server()
+    srv = start_fake_server(sampling_defaults={**got, "max_tokens": 9})
     try:
-        srv.state.sampling_defaults = {**got, "max_tokens": 9}
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             card = c.get("/v1/models").json()["data"][0]
         assert card["sampling_defaults"] == {k: pytest.approx(v) for k, v in got.items()}

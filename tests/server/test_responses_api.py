@@ -152,7 +152,7 @@ def test_official_sdk(srv):
 def failing_srv():
     """A server whose runner fails on its 4th step: a stream gets a few deltas, then the failure."""
     s = start_fake_server()
-    runner = s.state.engine.runner
+    runner = s.state.models.peek(None).engine.runner       # the one (fake) model, loaded
     execute = runner.execute
 
     def fail_later(out):
@@ -176,7 +176,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(failing_srv):
     err = ev[-1][1]
     assert err["type"] == "error" and err["code"] and "boom" in err["message"]
     assert [d["sequence_number"] for _, d in ev] == list(range(len(ev)))
-    failing_srv.state.engine.runner.calls = 0           # three good steps again
+    failing_srv.state.models.peek(None).engine.runner.calls = 0           # three good steps again
     client = openai.OpenAI(base_url=failing_srv.url + "/v1", api_key="none", max_retries=0)
     events = list(client.responses.create(model="fake-model", input="hello", max_output_tokens=50, stream=True))
     assert events[-1].type == "error" and "boom" in events[-1].message

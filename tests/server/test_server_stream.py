@@ -11,16 +11,20 @@ from fakes import FakeTokenizer, fake_engine
 
 from chatserve.config import EngineConfig
 from chatserve.server.chat_service import ChunkStreamResponse, parse_chat_body, stream_chat
-from chatserve.server.state import ServerState
+from chatserve.server.state import single_model_state
 
 MSG = [{"role": "user", "content": "abc"}]
 
 
 async def make_state(**kw):
     eng = fake_engine(EngineConfig(), **kw)
-    await eng.start()
-    return ServerState(config=EngineConfig(), engine=eng, tokenizer=FakeTokenizer(),
-                       model_name="fake-model", vocab_size=VOCAB)
+    state = single_model_state(EngineConfig(), eng, FakeTokenizer(), "fake-model", vocab_size=VOCAB)
+    await state.models.start()                 # what the app's lifespan does
+    return state
+
+
+def parse(body: dict, st):
+    return parse_chat_body(body, st.models.peek(None))
 
 
 def scope():
@@ -35,7 +39,7 @@ async def never_disconnect():
 
 async def test_stalled_reader_is_ended_and_its_request_aborted():
     st = await make_state(delay=0.005)
-    req = parse_chat_body({"messages": MSG, "max_tokens": 240, "ignore_eos": True, "stream": True}, st)
+    req = parse({"messages": MSG, "max_tokens": 240, "ignore_eos": True, "stream": True}, st)
     sent: list[dict] = []
 
     async def send(m):
@@ -50,15 +54,15 @@ async def test_stalled_reader_is_ended_and_its_request_aborted():
     assert err is None or "Timeout" in type(err).__name__, err
     assert len(sent) == 4                     # the send that stalled was the last one tried
     await asyncio.sleep(0.05)
-    s = st.engine.stats()
+    s = st.models.peek(None).engine.stats()
     assert s.kv_used_blocks == 0 and s.running == 0 and s.requests_finished.get("abort") == 1
-    await st.engine.shutdown(0)
+    await st.models.shutdown(0)
 
 
 async def test_admission_error_before_first_chunk_is_a_json_response():
     st = await make_state(max_waiting=1, max_running=1, delay=0.05)
     body = {"messages": MSG, "max_tokens": 50, "ignore_eos": True, "stream": True}
-    keep = [stream_chat(st, parse_chat_body(body, st), owner="o") for _ in range(2)]
+    keep = [stream_chat(st, parse(body, st), owner="o") for _ in range(2)]
     waiting = []
     for k in keep:                            # one running, then one waiting: the queue (1) is full
         waiting.append(asyncio.ensure_future(k.__anext__()))
@@ -67,7 +71,7 @@ async def test_admission_error_before_first_chunk_is_a_json_response():
 
     async def send(m):
         sent.append(m)
-    resp = ChunkStreamResponse(stream_chat(st, parse_chat_body(body, st), owner="o"), send_timeout=1)
+    resp = ChunkStreamResponse(stream_chat(st, parse(body, st), owner="o"), send_timeout=1)
     await resp(scope(), never_disconnect, send)
     assert sent[0]["status"] == 503
     assert any(k == b"retry-after" and int(v) >= 1 for k, v in sent[0]["headers"])
@@ -77,12 +81,12 @@ async def test_admission_error_before_first_chunk_is_a_json_response():
     await asyncio.gather(*waiting, return_exceptions=True)
     for k in keep:
         await k.aclose()
-    await st.engine.shutdown(0)
+    await st.models.shutdown(0)
 
 
 async def test_pings_keep_an_idle_stream_alive():
     st = await make_state(delay=0.4)          # the first token takes a while
-    req = parse_chat_body({"messages": MSG, "max_tokens": 2, "stream": True}, st)
+    req = parse({"messages": MSG, "max_tokens": 2, "stream": True}, st)
     sent: list[dict] = []
 
     async def send(m):
@@ -91,4 +95,4 @@ async def test_pings_keep_an_idle_stream_alive():
     await asyncio.wait_for(resp(scope(), never_disconnect, send), 10)
     bodies = b"".join(m.get("body", b"") for m in sent)
     assert bodies.startswith(b"\n\n") and bodies.rstrip().endswith(b"data: [DONE]")   # keep-alive first
-    await st.engine.shutdown(0)
+    await st.models.shutdown(0)

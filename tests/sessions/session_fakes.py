@@ -23,7 +23,7 @@ from chatserve.config import EngineConfig, ServerConfig
 from chatserve.server import sessions, ws
 from chatserve.server.errors import APIError
 from chatserve.server.shared_prompts import common_prefix_len
-from chatserve.server.state import ServerState
+from chatserve.server.state import single_model_state
 
 
 class ScriptedChat:
@@ -95,7 +95,8 @@ class ScriptedChat:
                 self.aborted += 1
 
 
-    async def rewarm(self, state: Any, messages: list[dict], *, owner: str, request_id: str) -> int:
+    async def rewarm(self, state: Any, messages: list[dict], *, owner: str, request_id: str,
+                     model: str | None = None) -> int:
         self.rewarms.append({"messages": messages, "owner": owner, "request_id": request_id})
         return 0
 
@@ -113,8 +114,8 @@ def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = N
     usage gauge (the fake's running generations); no engine but an IdleEngine for progress. With
     `model_card`, GET /v1/models lists that one card (what the UI reads the thinking switch from)."""
     cfg = EngineConfig(server=ServerConfig(redis_url=redis_url, api_keys=api_keys))
-    state = ServerState(config=cfg, engine=IdleEngine(), tokenizer=None,  # type: ignore[arg-type]  # IdleEngine: a fake
-                        model_name="fake-model", sessions=store)
+    # never started: no model is loaded, so turns ask no engine for progress
+    state = single_model_state(cfg, IdleEngine(), None, "fake-model", sessions=store)  # type: ignore[arg-type]  # IdleEngine: a fake
 
     async def metrics(request: Any) -> PlainTextResponse:
         usage = 0.25 * backend.active

@@ -3,6 +3,8 @@ server side; docs/sessions-api.md). Through the ASGI app and the real /v1/ws; Re
 data matters."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import asyncio
 import json
 import time
@@ -275,7 +277,8 @@ async def test_progress_events_come_before_the_first_token():
     chat.stream = slow_start
     app = make_app(chat)
     engine = ProgressEngine()
-    app.state.chatserve.engine = engine
+    # the turn's model, loaded, with this engine (the registry's peek is what turns read progress from)
+    app.state.chatserve.models.peek = lambda name: SimpleNamespace(engine=engine) if name == "fake-model" else None
     async with client(app) as c:
         sid = (await c.post("/v1/sessions", json={})).json()["id"]
 

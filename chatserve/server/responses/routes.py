@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from chatserve.server.errors import APIError
 from chatserve.server.identity import api_owner_of, rate_key_of
-from chatserve.server.openai_routes import _collect_unless_gone, _generation_body, state_of
+from chatserve.server.openai_routes import _body, _collect_unless_gone, state_of
 from chatserve.server.protocol import validate
 from chatserve.server.responses import service
 from chatserve.server.responses.store import make_response_store
@@ -22,7 +22,7 @@ from chatserve.server.state import ServerState
 
 async def create(request: Request) -> Response:
     st = state_of(request)
-    r = validate(ResponsesRequest, await _generation_body(request))
+    r = validate(ResponsesRequest, await _body(request))
     p = await service.prepare(st, r, owner=api_owner_of(request), rate_key=rate_key_of(request))
     stream = service.events(st, p)
     if r.stream:

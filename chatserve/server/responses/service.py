@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from chatserve.server.chat_service import stream_chat
 from chatserve.server.errors import APIError, status_for
-from chatserve.server.prompt_guard import admit
+from chatserve.server.admission import admit
 from chatserve.server.protocol import ChatRequest, parse_chat_body
 from chatserve.server.responses.events import Event, ResponseBuilder
 from chatserve.server.responses.inputs import (chat_body, input_messages, items_to_messages, response_message,

@@ -87,6 +87,9 @@ class StreamOptions(Strict):
 # ── the fields chat and completions share ─────────────────────────────────────────────────────────
 class SamplingFields(Strict):
     model: str | None = None
+    # Ollama's keep_alive: how long the model stays loaded after this request ("5m", seconds, 0 = unload
+    # at once, negative = keep); checked by prompt_guard.requested_model
+    keep_alive: str | float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     n: ChoiceCount = 1
@@ -318,6 +321,10 @@ class Model(Open):
     sampling_defaults: dict[str, float] = {}
     # the chat template has a thinking switch (enable_thinking; reasoning_effort "none" turns it off)
     thinking_switch: bool = False
+    # whether it is in memory now: loaded, loading, unloading or unloaded (a request loads it)
+    status: Literal["loaded", "loading", "unloading", "unloaded"] = "loaded"
+    # bytes it takes loaded (weights as stored + its KV cache share); 0 = unknown
+    size_bytes: int = 0
 
 
 class ModelList(Open):

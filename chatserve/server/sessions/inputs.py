@@ -43,7 +43,10 @@ def clean_params(raw: Any, state: Any, param: str = "params") -> dict[str, Any]:
     if out.get("reasoning_effort", "none") not in REASONING_EFFORTS:
         raise invalid(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
     sampling = {k: v for k, v in out.items() if k in SAMPLING_KEYS}
-    sampling_params(validate(SamplingFields, sampling), state, n=1, logprobs=None)   # the routes' own 400s
+    fields = validate(SamplingFields, sampling)                  # the routes' own 400s
+    served = state.models.peek(None)
+    if served is not None:                                       # and the default model's (vocabulary, EOS)
+        sampling_params(fields, served, n=1, logprobs=None)
     if isinstance(out.get("stop"), str):
         out["stop"] = [out["stop"]]
     return out

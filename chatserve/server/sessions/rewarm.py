@@ -42,15 +42,19 @@ def next_prompt_prefix(tokenizer: Any, messages: list[dict[str, Any]]) -> list[i
     return ids
 
 
-async def rewarm(state: Any, messages: list[dict[str, Any]], *, owner: str, request_id: str) -> int:
-    """Prefill the next prompt's prefix for `owner` (keep_warm; the sampled token is dropped).
-    Returns the prefix length in tokens (0: nothing to do). Never raises: a failure only costs the
-    next turn its cache hit."""
+async def rewarm(state: Any, messages: list[dict[str, Any]], *, owner: str, request_id: str,
+                 model: str | None = None) -> int:
+    """Prefill the next prompt's prefix for `owner` on `model` (None: the default) while it is loaded
+    (keep_warm; the sampled token is dropped). Returns the prefix length in tokens (0: nothing to do).
+    Never raises: a failure only costs the next turn its cache hit."""
     try:
-        ids = next_prompt_prefix(state.tokenizer, messages)
-        if not ids or len(ids) >= state.max_model_len:
+        served = state.models.peek(model)
+        if served is None:                 # unloaded meanwhile: its prefix cache is gone anyway
             return 0
-        stream = state.engine.submit(ids, SamplingParams(max_tokens=1, ignore_eos=True), request_id=request_id,
+        ids = next_prompt_prefix(served.tokenizer, messages)
+        if not ids or len(ids) >= served.max_model_len:
+            return 0
+        stream = served.engine.submit(ids, SamplingParams(max_tokens=1, ignore_eos=True), request_id=request_id,
                                      cache_salt=cache_salt(state, owner), keep_warm=True)
         async for _ in stream:
             pass

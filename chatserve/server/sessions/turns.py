@@ -43,7 +43,7 @@ class ChatBackend(Protocol):
     def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
                rate_key: str | None = None) -> AsyncIterator[dict[str, Any]]: ...
     def rewarm(self, state: ServerState, messages: list[dict[str, Any]], *, owner: str,
-               request_id: str) -> Coroutine[Any, Any, int]: ...
+               request_id: str, model: str | None = None) -> Coroutine[Any, Any, int]: ...
 
 
 class ChatServiceBackend:
@@ -51,8 +51,8 @@ class ChatServiceBackend:
     server's prompt guard: size bound, rate limits, then tokenizing where it cannot stall the loop."""
 
     async def parse(self, body: dict[str, Any], state: ServerState, rate_key: str | None = None) -> ChatRequest:
-        from chatserve.server import chat_service, prompt_guard
-        return await prompt_guard.admit(state, body, chat_service.parse_chat_body,
+        from chatserve.server import admission, chat_service
+        return await admission.admit(state, body, chat_service.parse_chat_body,
                                         rate_key=rate_key or "anonymous")   # set by start()
 
     def stream(self, state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool, request_id: str | None,
@@ -62,9 +62,17 @@ class ChatServiceBackend:
                                         request_id=request_id, rate_key=rate_key)
 
     def rewarm(self, state: ServerState, messages: list[dict[str, Any]], *, owner: str,
-               request_id: str) -> Coroutine[Any, Any, int]:
+               request_id: str, model: str | None = None) -> Coroutine[Any, Any, int]:
         from chatserve.server.sessions import rewarm
-        return rewarm.rewarm(state, messages, owner=owner, request_id=request_id)
+        return rewarm.rewarm(state, messages, owner=owner, request_id=request_id, model=model)
+
+
+def _release(req: Any) -> None:
+    """Give back the model lease of a parsed request that will not run (a test's backend parses to a
+    plain dict, which holds none)."""
+    from chatserve.server.protocol import ChatRequest
+    if isinstance(req, ChatRequest):
+        req.release()
 
 
 def not_found() -> APIError:
@@ -261,6 +269,7 @@ class TurnService:
                         cache_owner=cache_owner or owner, message_id=reply_id, parent_id="", user_message_id=user_id,
                         request_id=f"sess-{sid[:8]}-{secrets.token_hex(4)}")
         self.by_session[sid] = turn                          # claimed before any await
+        req: ChatRequest | None = None
         try:
             history: list[list[dict[str, Any]]] = []
 
@@ -279,11 +288,13 @@ class TurnService:
             if s is None:
                 raise not_found()
             if _chat_key(s, history[0]) != _chat_key(cur, preview):
+                _release(req)
                 req = await self._parse(s, history[0], treq.overrides, None)   # changed meanwhile
             turn.messages = chat_messages(s, history[0])
             turn.model = s.model or self.state.model_name or ""
         except BaseException:
             self.by_session.pop(sid, None)
+            _release(req)                                     # its model's lease (admission.admit)
             raise
         q = turn.follow(replay=False)
         turn.admitted = asyncio.get_running_loop().create_future()
@@ -379,7 +390,8 @@ class TurnService:
         """In the background: prefill the history as the next prompt will start (rewarm.py)."""
         msgs = [*turn.messages, history_message({"role": "assistant", **reply})]
         task = asyncio.get_running_loop().create_task(
-            self.backend.rewarm(self.state, msgs, owner=turn.cache_owner, request_id=turn.request_id + "-rewarm"))
+            self.backend.rewarm(self.state, msgs, owner=turn.cache_owner, request_id=turn.request_id + "-rewarm",
+                                model=turn.model or None))
         self.rewarming.add(task)
         task.add_done_callback(self.rewarming.discard)
 
@@ -406,12 +418,12 @@ class TurnService:
 
     async def _tick(self, turn: LiveTurn) -> None:
         """Progress events until the first token; the partial reply and heartbeat saved periodically."""
-        engine = self.state.engine
         saved_len, saved_at = 0, time.monotonic()
         while True:
             await asyncio.sleep(TICK_S)
-            if not turn.text and not turn.reasoning:
-                p = engine.progress(turn.request_id)
+            served = self.state.models.peek(turn.model or None)
+            if not turn.text and not turn.reasoning and served is not None:
+                p = served.engine.progress(turn.request_id)
                 if p is not None:
                     ev = {"object": "chatserve.turn.progress", "turn_id": turn.id, **p}
                     if ev != turn.progress:

@@ -1,0 +1,90 @@
+"""The models a server is asked to serve: `--model NAME=PATH` (repeatable) beside a plain `--model PATH`,
+and the KV cache budget split among the models loaded at once.
+
+Parsing only: no files are read here (prepare_model checks them) and nothing is loaded.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from chatserve.config import EngineConfig, parse_duration
+
+__all__ = ["ModelSpec", "check_unique", "model_specs", "parse_duration", "parse_named", "split_model_args"]
+
+_SPEC_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})=(.+)")   # no '/' in NAME: a path may hold '='
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model: the name requests use, its own config (model path, KV share), more names."""
+
+    name: str
+    config: EngineConfig
+    aliases: tuple[str, ...] = ()
+
+
+def split_model_args(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """argv without its `--model NAME=PATH` (or `--model=NAME=PATH`) arguments, and those (NAME, PATH)
+    pairs in order. A plain `--model PATH` stays in argv: it keeps its one-model meaning."""
+    rest: list[str] = []
+    named: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        value = None
+        if arg == "--model" and i + 1 < len(argv):
+            value, step = argv[i + 1], 2
+        elif arg.startswith("--model="):
+            value, step = arg[len("--model="):], 1
+        m = _SPEC_RE.fullmatch(value) if value is not None else None
+        if m is not None:
+            named.append((m.group(1), m.group(2)))
+            i += step
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, named
+
+
+def parse_named(texts: tuple[str, ...]) -> list[tuple[str, str]]:
+    """NAME=PATH strings (CHATSERVE_MODELS, comma-separated) → pairs; ValueError names a bad one."""
+    out = []
+    for t in texts:
+        m = _SPEC_RE.fullmatch(t.strip())
+        if m is None:
+            raise ValueError(f"not NAME=PATH: {t!r}")
+        out.append((m.group(1), m.group(2)))
+    return out
+
+
+def kv_share(cfg: EngineConfig, n_models: int) -> EngineConfig:
+    """`cfg` with the KV cache budget split among the models that may be loaded at once."""
+    if n_models <= 1 or cfg.cache.num_blocks is not None:
+        return cfg
+    return cfg.replace_section("cache", kv_cache_memory=cfg.cache.kv_cache_memory // n_models)
+
+
+def model_specs(base: EngineConfig, named: list[tuple[str, str]]) -> list[ModelSpec]:
+    """The served models, each with `base`'s settings and its share of the KV cache budget: the plain
+    --model (or the default model) first, unnamed (""; the caller names it from its resolved path), when
+    no NAME=PATH was given or --model PATH was given too; then each NAME=PATH. The first is the default
+    a request without `model` gets."""
+    specs: list[ModelSpec] = []
+    if not named or base.model.model is not None:
+        specs.append(ModelSpec("", base))
+    for name, path in named:
+        model = replace(base.model, model=path, served_model_name=name)
+        specs.append(ModelSpec(name, replace(base, model=model)))
+    loaded_at_once = min(len(specs), max(1, base.server.max_loaded_models))
+    return [replace(s, config=kv_share(s.config, loaded_at_once)) for s in specs]
+
+
+def check_unique(specs: list[ModelSpec]) -> list[ModelSpec]:
+    """`specs`, or ValueError naming a name given twice."""
+    seen: set[str] = set()
+    for s in specs:
+        if s.name in seen:
+            raise ValueError(f"the model name {s.name!r} is given twice")
+        seen.add(s.name)
+    return specs

@@ -1,0 +1,50 @@
+"""`--model NAME=PATH` beside a plain `--model PATH`, Ollama's keep_alive durations, and the KV cache
+budget split among the models loaded at once (chatserve/server/model_specs.py, config.parse_duration)."""
+from __future__ import annotations
+
+import pytest
+
+from chatserve.config import EngineConfig, parse_duration
+from chatserve.server.model_specs import check_unique, model_specs, parse_named, split_model_args
+
+
+def test_named_models_leave_argv_and_a_plain_model_stays():
+    argv = ["--model", "a=/m/a.gguf", "--port", "9", "--model=b=/m/b", "--model", "/m/plain.gguf", "-v"]
+    rest, named = split_model_args(argv)
+    assert named == [("a", "/m/a.gguf"), ("b", "/m/b")]
+    assert rest == ["--port", "9", "--model", "/m/plain.gguf", "-v"]
+    assert split_model_args(["--model", "qwen3:4b"]) == (["--model", "qwen3:4b"], [])     # Ollama tag
+    assert split_model_args(["--model", "org/repo:Q4_K_M"])[1] == []                      # hub name
+    assert parse_named(("x=/p/x.gguf",)) == [("x", "/p/x.gguf")]
+    with pytest.raises(ValueError):
+        parse_named(("no-equals",))
+
+
+@pytest.mark.parametrize("text, seconds", [("5m", 300.0), ("1h30m", 5400.0), ("300ms", 0.3), ("0", 0.0),
+                                           ("-1", -1.0), ("-1m", -60.0), ("2.5", 2.5), (90, 90.0), (-1, -1.0)])
+def test_keep_alive_durations_follow_ollama(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["soon", "5 minutes", "", "m", True])
+def test_a_bad_duration_is_refused(bad):
+    with pytest.raises(ValueError):
+        parse_duration(bad)
+
+
+def test_the_kv_budget_is_split_among_the_models_loaded_at_once():
+    base = EngineConfig().replace_section("cache", kv_cache_memory=3 << 30).replace_section(
+        "server", max_loaded_models=2)
+    specs = model_specs(base, [("a", "/m/a"), ("b", "/m/b"), ("c", "/m/c")])
+    assert [s.name for s in specs] == ["a", "b", "c"]                 # no plain --model: a is the default
+    assert {s.config.cache.kv_cache_memory for s in specs} == {3 << 29}
+    assert [s.config.model.model for s in specs] == ["/m/a", "/m/b", "/m/c"]
+    plain = base.replace_section("model", model="/m/p.gguf")
+    specs = model_specs(plain, [("a", "/m/a")])
+    assert [s.name for s in specs] == ["", "a"] and specs[0].config.model.model == "/m/p.gguf"
+    one = model_specs(plain, [])
+    assert len(one) == 1 and one[0].config.cache.kv_cache_memory == 3 << 30   # one model keeps it all
+    exact = model_specs(base.replace_section("cache", num_blocks=64), [("a", "/m/a"), ("b", "/m/b")])
+    assert {s.config.cache.num_blocks for s in exact} == {64}               # --kv-blocks: each gets that many
+    with pytest.raises(ValueError, match="'a' is given twice"):
+        check_unique(model_specs(base, [("a", "/m/a"), ("a", "/m/b")]))
