@@ -171,14 +171,9 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
     responses.install(state)
     routes: list[Any] = [*openai_routes.routes, *responses.routes, *ws.routes,
                          Route("/openapi.json", _openapi, methods=["GET"]), *(extra_routes or [])]
-    install_sessions = None
-    try:
-        from chatserve.server.sessions import install as install_sessions
-        from chatserve.server.sessions import routes as session_routes
-        routes += list(session_routes)
-    except Exception as e:                                      # sessions not available: API only
-        log.warning("session routes unavailable: %s", e)
-        install_sessions = None
+    from chatserve.server.sessions import install as install_sessions
+    from chatserve.server.sessions import routes as session_routes
+    routes += list(session_routes)
 
     middleware = [Middleware(GuardMiddleware, state=state)]
     if cfg.cors_origins:
@@ -192,7 +187,6 @@ def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> S
     app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan(state),
                     exception_handlers={APIError: _api_error, HTTPException: _http_error})
     app.state.chatserve = state
-    if install_sessions is not None:
-        install_sessions(app, state)
+    install_sessions(app, state)
     state.freeze()
     return app

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from chatserve.core.request import SamplingParams
 from chatserve.engine.deltas import Delta
@@ -132,7 +132,7 @@ def _failure_chunk(d: Delta) -> dict:
 
 
 async def stream_chat(state: ServerState, req: ChatRequest, *, owner: str, keep_warm: bool = False,
-                      request_id: str | None = None, rate_key: str | None = None) -> AsyncIterator[dict]:
+                      request_id: str | None = None, rate_key: str | None = None) -> AsyncGenerator[dict, None]:
     """chat.completion.chunk dicts: a choice's first chunk carries the role with its first text (so
     time to first chunk is time to first token), then content deltas, one finish_reason per choice,
     then a usage chunk (choices == []) carrying usage["chatserve"] timings. An engine failure yields
@@ -241,7 +241,7 @@ def _submit_all(state: ServerState, req: CompletionRequest, prompts: list, *, ow
 
 
 async def stream_completion(state: ServerState, req: CompletionRequest, *, owner: str, request_id: str | None = None,
-                            rate_key: str | None = None) -> AsyncIterator[dict]:
+                            rate_key: str | None = None) -> AsyncGenerator[dict, None]:
     """text_completion chunk dicts (no role chunk), then a usage chunk; errors as in stream_chat.
     Prompt p's sample j is choice p * n + j; with echo, a choice's first text starts with its prompt."""
     rid = request_id or req.request_id
@@ -253,7 +253,7 @@ async def stream_completion(state: ServerState, req: CompletionRequest, *, owner
 
 
 async def _completion_chunks(state: ServerState, req: CompletionRequest, *, owner: str, rid: str,
-                             rate_key: str | None) -> AsyncIterator[dict]:
+                             rate_key: str | None) -> AsyncGenerator[dict, None]:
     tokenizer = req.served_model.tokenizer
     prompts = req.prompts or [(req.prompt_ids, req.prompt_text)]
     n = req.params.n

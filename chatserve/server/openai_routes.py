@@ -7,7 +7,7 @@ Not the WebSocket (ws.py), not sessions (session_routes.py), not the app wiring 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -39,7 +39,7 @@ async def _body(request: Request) -> dict:
     return await read_json_object(request, st.config.server.max_body_bytes)
 
 
-async def _drop_usage(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+async def _drop_usage(chunks: AsyncGenerator[dict, None]) -> AsyncGenerator[dict, None]:
     """Without stream_options.include_usage, clients get no usage chunk (as OpenAI)."""
     try:
         async for c in chunks:
@@ -55,7 +55,7 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_gone(request: Request, chunks: AsyncIterator[dict], collect, req) -> Response:
+async def _collect_unless_gone(request: Request, chunks: AsyncGenerator[dict, None], collect, req) -> Response:
     """A non-streaming answer; if the client hangs up first, the generation is aborted."""
     work = asyncio.ensure_future(collect(chunks, req))
     gone = asyncio.ensure_future(_until_disconnect(request))

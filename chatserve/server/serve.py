@@ -214,14 +214,14 @@ def set_nodelay(transport) -> None:
             pass
 
 
-def nodelay_http_protocol():
+def nodelay_http_protocol() -> type:
     """uvicorn's HTTP protocol with TCP_NODELAY set when a connection is accepted (a WebSocket
     upgrade keeps the connection, so it has it too). asyncio sets it itself only for sockets created
     with proto=IPPROTO_TCP, and uvicorn's bind_socket creates them with proto 0."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # uvicorn picks the class at runtime
-        def connection_made(self, transport) -> None:  # type: ignore[override]  # asyncio's BaseTransport, untyped in uvicorn
+        def connection_made(self, transport) -> None:
             set_nodelay(transport)
             super().connection_made(transport)
 

@@ -9,7 +9,7 @@ import asyncio
 import json
 import logging
 import math
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import orjson
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
@@ -73,7 +73,7 @@ class ChunkStreamResponse(Response):
     (an empty event) go out at once, so a long prefill never looks like a dead connection, and later errors
     arrive as an in-stream error event. Every event is framed with bare LF."""
 
-    def __init__(self, chunks: AsyncIterator[dict], *, send_timeout: float | None,
+    def __init__(self, chunks: AsyncGenerator[dict, None], *, send_timeout: float | None,
                  ping: float | None = None, typed: bool = False) -> None:
         self.chunks = chunks
         self.typed = typed               # Responses API: `event: <type>` lines, no [DONE], typed errors
@@ -146,7 +146,8 @@ class ChunkStreamResponse(Response):
         return {"data": dumps(c)}
 
 
-def sse_response(chunks: AsyncIterator[dict], request: Request | None = None, *, typed: bool = False) -> Response:
+def sse_response(chunks: AsyncGenerator[dict, None], request: Request | None = None, *,
+                 typed: bool = False) -> Response:
     """Stream chunk dicts as `data: {json}` events, `data: [DONE]` last, with keep-alive pings; every
     SSE stream of the server (chat, completions, session turns) goes through here.
     A reader that blocks a send for ServerConfig.stream_timeout is ended; a disconnect aborts."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 
 from chatserve.config import EngineConfig
 from chatserve.core.protocols import TokenizerLike
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from chatserve.server.sessions.store import SessionStore
 
 # an extra WebSocket message type's handler: (state, message, owner, request_id) → frames to send
-WSHandler = Callable[["ServerState", dict, str, str], AsyncIterator[dict]]
+WSHandler = Callable[["ServerState", dict, str, str], AsyncGenerator[dict, None]]
 
 
 @dataclass

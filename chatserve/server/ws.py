@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator
 
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -57,7 +57,7 @@ class _Socket:
     async def error(self, cid: Any, err: APIError) -> None:
         await self.send({"id": cid, "type": "error", "status": err.status, **err.to_dict()})
 
-    async def chunks_for(self, cid: str, kind: str, msg: dict) -> AsyncIterator[dict]:
+    async def chunks_for(self, cid: str, kind: str, msg: dict) -> AsyncGenerator[dict, None]:
         body = {k: v for k, v in msg.items() if k not in ("id", "type")}
         body.setdefault("stream", True)     # a socket always streams (so stream_options applies)
         rid = new_id("chatcmpl" if kind == "chat.completions" else "cmpl")

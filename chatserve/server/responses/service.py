@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
 
 from chatserve.server.chat_service import stream_chat
 from chatserve.server.errors import APIError, status_for
@@ -76,7 +76,7 @@ def _echo(p: Prepared) -> dict[str, Any]:
             "user": r.user, "service_tier": "default", "background": False}
 
 
-async def events(state: ServerState, p: Prepared) -> AsyncIterator[Event]:
+async def events(state: ServerState, p: Prepared) -> AsyncGenerator[Event, None]:
     """The response's stream events. The chat stream's first chunk is awaited before response.created, so
     an admission error (503) is still an HTTP error; later failures end with an `error` event."""
     b = ResponseBuilder(p.rid, int(time.time()), _echo(p))

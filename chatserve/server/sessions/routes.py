@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator
 
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -286,7 +286,7 @@ def ws_handlers(turns: TurnService) -> dict[str, Any]:
     A {"type": "cancel", "id"} of the first two stops the turn too; a closed socket only stops
     following (the turn goes on, to be re-attached)."""
     async def follow(owner: str, sid: str, chunks: AsyncGenerator[dict[str, Any], None]
-                     ) -> AsyncIterator[dict[str, Any]]:
+                     ) -> AsyncGenerator[dict[str, Any], None]:
         try:
             async for c in chunks:
                 yield c
@@ -297,7 +297,8 @@ def ws_handlers(turns: TurnService) -> dict[str, Any]:
         finally:                    # closed at once (not at GC)
             await chunks.aclose()
 
-    async def start(state: Any, body: dict[str, Any], owner: str, request_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def start(state: Any, body: dict[str, Any], owner: str,
+                    request_id: str) -> AsyncGenerator[dict[str, Any], None]:
         sid = str(body.get("session_id", ""))
         try:
             chunks = await turns.start(owner, sid, parse_turn(body, state))
@@ -306,11 +307,13 @@ def ws_handlers(turns: TurnService) -> dict[str, Any]:
         async for c in follow(owner, sid, chunks):
             yield c
 
-    def attach(state: Any, body: dict[str, Any], owner: str, request_id: str) -> AsyncIterator[dict[str, Any]]:
+    def attach(state: Any, body: dict[str, Any], owner: str,
+               request_id: str) -> AsyncGenerator[dict[str, Any], None]:
         sid = str(body.get("session_id", ""))
         return follow(owner, sid, turns.attach(owner, sid))
 
-    async def cancel(state: Any, body: dict[str, Any], owner: str, request_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def cancel(state: Any, body: dict[str, Any], owner: str,
+                     request_id: str) -> AsyncGenerator[dict[str, Any], None]:
         turns.cancel(owner, str(body.get("session_id", "")))
         return
         yield {}
