@@ -56,17 +56,49 @@ class PackedWeight:
 FP16_MAX = 65504.0
 
 
+# Grids a GGUF file's blocks lie on, as (K, Z): scale = max|w| / K (K < 0: negated), lo = -Z · scale, both exact
+# in fp16 when the block's d is. Q4_0 holds d·(q - 8), q in 0..15, with its extreme at q = 0, so max|w| = 8|d|:
+# (8, 8) or (-8, 8) by the sign of d, at 4 and at 8 bits. Q8_0's d·q (|q| ≤ 127) is (127, 128). Q4_1 (d·q + m,
+# q = 0 and 15 both used) is the min/max grid itself. A group keeps whichever of min/max and these rebuilds it
+# best. (lo stays near the group's values: the kernel's x codes err by up to |lo + code·scale| per weight.)
+GRIDS = {4: ((8.0, 8.0), (-8.0, 8.0)), 8: ((127.0, 128.0), (8.0, 8.0), (-8.0, 8.0))}
+QUANT_ROWS = 2048          # rows per slice: bounds the float32 temporaries of a vocabulary-sized matrix
+
+
+def _grid_codes(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, top: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g [n, G, 32] on the grid (scale, lo [n, G], rounded to fp16 as stored) → codes, scale, lo and the
+    largest rebuild error per group [n, G]."""
+    scale = torch.where(scale < 0, scale.clamp(-FP16_MAX, -2 ** -24), scale.clamp(2 ** -24, FP16_MAX))
+    scale, lo = scale.half().float(), lo.clamp(-FP16_MAX, FP16_MAX).half().float()
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top)
+    err = (lo[..., None] + codes * scale[..., None] - g).abs().amax(-1)
+    return codes, scale, lo, err
+
+
 def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Min/max asymmetric codes per group of 32 along K: w [N, K] → (codes [N, K] int32, scale, lo [N, G]),
-    scale and lo rounded to fp16 (as the kernel stores them) before the codes are chosen."""
+    """Asymmetric codes per group of 32 along K: w [N, K] → (codes [N, K] int32, scale, lo [N, G]), scale and
+    lo rounded to fp16 (as the kernel stores them) before the codes are chosen. Each group takes the grid that
+    rebuilds it best: min/max, or one of GRIDS, so weights dequantized from a GGUF Q4_0/Q4_1 (Q8_0 at 8 bits)
+    block come back exactly instead of being rounded a second time."""
     N, K = w.shape
-    g = w.float().reshape(N, K // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
     top = (1 << bits) - 1
-    scale = ((hi - lo) / top).clamp(2 ** -24, FP16_MAX).half().float()
-    lo = lo.clamp(-FP16_MAX, FP16_MAX).half().float()
-    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top).to(torch.int32)
-    return codes.reshape(N, K), scale, lo
+    out = [torch.empty(N, K, dtype=torch.int32), torch.empty(N, K // GROUP), torch.empty(N, K // GROUP)]
+    for a in range(0, N, QUANT_ROWS):
+        g = w[a:a + QUANT_ROWS].float().reshape(-1, K // GROUP, GROUP)             # [n, G, 32]
+        lo, hi = g.amin(-1), g.amax(-1)
+        best = _grid_codes(g, (hi - lo) / top, lo, top)
+        amax = g.abs().amax(-1)
+        for k, z in GRIDS[bits]:
+            step = (amax / k).clamp(-FP16_MAX, FP16_MAX).half().float()
+            cand = _grid_codes(g, step, -z * step, top)
+            better = cand[3] < best[3]                                              # [n, G]
+            best = tuple(torch.where(better[..., None] if c.dim() == 3 else better, c, b)
+                         for c, b in zip(cand, best))
+        codes, scale, lo, _ = best
+        out[0][a:a + QUANT_ROWS] = codes.reshape(-1, K).to(torch.int32)
+        out[1][a:a + QUANT_ROWS], out[2][a:a + QUANT_ROWS] = scale, lo
+    return out[0], out[1], out[2]
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) -> PackedWeight:
