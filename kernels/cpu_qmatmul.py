@@ -56,19 +56,23 @@ class PackedWeight:
 FP16_MAX = 65504.0
 
 
-# Grids a GGUF file's blocks lie on, as (K, Z): scale = max|w| / K (K < 0: negated), lo = -Z · scale, both exact
-# in fp16 when the block's d is. Q4_0 holds d·(q - 8), q in 0..15, with its extreme at q = 0, so max|w| = 8|d|:
-# (8, 8) or (-8, 8) by the sign of d, at 4 and at 8 bits. Q8_0's d·q (|q| ≤ 127) is (127, 128). Q4_1 (d·q + m,
-# q = 0 and 15 both used) is the min/max grid itself. A group keeps whichever of min/max and these rebuilds it
+# A group off the min/max grid (errs by more than w's own rounding, OFF_GRID × max|w|) tries the grids a GGUF
+# block of the file may lie on, value = lo + code · scale with scale and lo exact in fp16 when the block's d is:
+#   Q4_0 d·(q - 8), extreme at q = 0 (its quantizers put it there): lo = the extreme, scale = -extreme / 8;
+#   Q4_0 with no code at its extreme (random codes, importance-weighted quantizers): scale = ±min |w| ≠ 0
+#        (some |q - 8| = 1 among 32 codes), lo = -8 · scale;
+#   Q8_0 d·q, |q| ≤ 127 (8 bits): scale = max|w| / 127, lo = -128 · scale.
+# Q4_1 (d·q + m, q = 0 and 15 both used) is the min/max grid itself. Each group keeps the grid that rebuilds it
 # best. (lo stays near the group's values: the kernel's x codes err by up to |lo + code·scale| per weight.)
-GRIDS = {4: ((8.0, 8.0), (-8.0, 8.0)), 8: ((127.0, 128.0), (8.0, 8.0), (-8.0, 8.0))}
+OFF_GRID = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}   # × max|w|
 QUANT_ROWS = 2048          # rows per slice: bounds the float32 temporaries of a vocabulary-sized matrix
 
+Grid = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]     # codes, scale, lo, error
 
-def _grid_codes(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, top: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """g [n, G, 32] on the grid (scale, lo [n, G], rounded to fp16 as stored) → codes, scale, lo and the
-    largest rebuild error per group [n, G]."""
+
+def _grid_codes(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, top: int) -> Grid:
+    """g [..., 32] on the grid (scale, lo [...], rounded to fp16 as stored) → codes [..., 32], scale, lo and
+    the largest rebuild error per group [...]."""
     scale = torch.where(scale < 0, scale.clamp(-FP16_MAX, -2 ** -24), scale.clamp(2 ** -24, FP16_MAX))
     scale, lo = scale.half().float(), lo.clamp(-FP16_MAX, FP16_MAX).half().float()
     codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top)
@@ -76,11 +80,26 @@ def _grid_codes(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, top: int
     return codes, scale, lo, err
 
 
+def _file_grids(g: torch.Tensor, bits: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(scale, lo) [m] of the GGUF grids above for the groups g [m, 32]."""
+    lo, hi = g.amin(-1), g.amax(-1)
+    extreme = torch.where(-lo > hi, lo, hi)                                         # the signed max|w|
+    grids = [(-extreme / 8, extreme)]
+    if bits == 4:
+        a = g.abs()
+        small = a.masked_fill(a == 0, float("inf")).amin(-1).nan_to_num(0.0, posinf=0.0)
+        grids += [(small, -8 * small.half().float()), (-small, 8 * small.half().float())]
+    else:
+        step = (extreme.abs() / 127).half().float()
+        grids.append((step, -128 * step))
+    return grids
+
+
 def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric codes per group of 32 along K: w [N, K] → (codes [N, K] int32, scale, lo [N, G]), scale and
-    lo rounded to fp16 (as the kernel stores them) before the codes are chosen. Each group takes the grid that
-    rebuilds it best: min/max, or one of GRIDS, so weights dequantized from a GGUF Q4_0/Q4_1 (Q8_0 at 8 bits)
-    block come back exactly instead of being rounded a second time."""
+    lo rounded to fp16 (as the kernel stores them) before the codes are chosen. Min/max per group, or the grid
+    of a GGUF block where that rebuilds it better, so weights dequantized from a file's Q4_0 / Q4_1 (Q8_0 at 8
+    bits) blocks come back exactly instead of being rounded a second time."""
     N, K = w.shape
     top = (1 << bits) - 1
     out = [torch.empty(N, K, dtype=torch.int32), torch.empty(N, K // GROUP), torch.empty(N, K // GROUP)]
@@ -88,13 +107,16 @@ def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
         g = w[a:a + QUANT_ROWS].float().reshape(-1, K // GROUP, GROUP)             # [n, G, 32]
         lo, hi = g.amin(-1), g.amax(-1)
         best = _grid_codes(g, (hi - lo) / top, lo, top)
-        amax = g.abs().amax(-1)
-        for k, z in GRIDS[bits]:
-            step = (amax / k).clamp(-FP16_MAX, FP16_MAX).half().float()
-            cand = _grid_codes(g, step, -z * step, top)
-            better = cand[3] < best[3]                                              # [n, G]
-            best = tuple(torch.where(better[..., None] if c.dim() == 3 else better, c, b)
-                         for c, b in zip(cand, best))
+        off = best[3] > torch.maximum(hi, -lo) * OFF_GRID.get(w.dtype, 0.0)                          # [n, G]
+        if bool(off.any()):
+            sub = g[off]                                                            # [m, 32]
+            pick = [t[off] for t in best]
+            for scale, low in _file_grids(sub, bits):
+                cand = _grid_codes(sub, scale, low, top)
+                better = cand[3] < pick[3]                                          # [m]
+                pick = [torch.where(better.view(-1, *([1] * (c.dim() - 1))), c, p) for c, p in zip(cand, pick)]
+            for t, p in zip(best, pick):
+                t[off] = p
         codes, scale, lo, _ = best
         out[0][a:a + QUANT_ROWS] = codes.reshape(-1, K).to(torch.int32)
         out[1][a:a + QUANT_ROWS], out[2][a:a + QUANT_ROWS] = scale, lo
