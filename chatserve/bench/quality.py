@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,7 +40,8 @@ class Agreement:
 
 
 def hf_reference(path: str | Path):
-    """transformers' causal LM (float32, eval) built from the GGUF by transformers' own loader."""
+    """transformers' causal LM (float32, eval) built from the GGUF by transformers' own loader (built on the
+    meta device and given the loader's tensors: one float32 copy of the weights, not two)."""
     import gguf
     import torch
     import transformers
@@ -47,17 +49,25 @@ def hf_reference(path: str | Path):
 
     kw = dict(load_gguf_checkpoint(str(path))["config"])
     config = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    tied = "lm_head.weight" not in tensors
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    missing = [m for m in missing if not (m == "lm_head.weight" and tied)]
     if missing or unexpected:
         raise ValueError(f"transformers' GGUF load left out {missing} / did not place {unexpected}")
+    if tied:                                        # no output.weight in the file: the embedding is the head
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rot = model.model.rotary_emb
+    model.model.rotary_emb = rot = type(rot)(config=config)         # its buffers, off the meta device
     factors = next((t for t in gguf.GGUFReader(str(path)).tensors if t.name == "rope_freqs.weight"), None)
     if factors is not None:                        # llama3 RoPE as llama.cpp's converter stores it
-        rot = model.model.rotary_emb
         rot.inv_freq = rot.inv_freq / torch.from_numpy(factors.data.astype("float32").reshape(-1))
-    return model
+    on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise ValueError(f"transformers' GGUF load left {on_meta} unset")
+    return model.eval()
 
 
 def reference_run(model, prompt: list[int], n_decode: int) -> tuple[list[int], torch.Tensor]:
@@ -152,10 +162,13 @@ def measure(args: argparse.Namespace) -> dict:
     blocks = args.batch * -(-len(tokens) // bs)
     rows = []
     for dtype in args.dtypes.split(","):
+        t0 = time.perf_counter()
         runner = ModelRunner(ModelConfig(model=args.model, dtype=dtype, num_threads=threads),
                              CacheConfig(block_size=bs, num_blocks=blocks), progress=False)
+        load_s = time.perf_counter() - t0
         got = chatserve_logits(runner, [tokens] * args.batch, args.prompt)[0]
         row = asdict(compare(f"{dtype}, {runner.model.describe_backends()}", got, ref, args.prompt))
+        row["load_s"] = round(load_s, 1)
         if lc is not None:              # chatserve against llama.cpp directly, every position
             row["llama_cpp_max_abs"] = float((got - lc).abs().max())
         rows.append(row)
@@ -190,7 +203,8 @@ def format_report(r: dict) -> str:
         lines.append(f"  {a['variant']}\n    top-1 prefill {100 * a['prefill_top1']:.1f} % "
                      f"decode {100 * a['decode_top1']:.1f} %; max |Δlogit| prefill {a['prefill_max_abs']:.4f} "
                      f"decode {a['decode_max_abs']:.4f} (max |logit| {a['logit_scale']:.2f})"
-                     + (f"; vs llama.cpp {a['llama_cpp_max_abs']:.4f}" if "llama_cpp_max_abs" in a else ""))
+                     + (f"; vs llama.cpp {a['llama_cpp_max_abs']:.4f}" if "llama_cpp_max_abs" in a else "")
+                     + (f"; loaded in {a['load_s']} s" if "load_s" in a else ""))
     return "\n".join(lines)
 
 
