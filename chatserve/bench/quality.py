@@ -161,7 +161,7 @@ def measure(args: argparse.Namespace) -> dict:
     bs = 16
     blocks = args.batch * -(-len(tokens) // bs)
     rows = []
-    for dtype in args.dtypes.split(","):
+    for dtype in [d for d in args.dtypes.split(",") if d]:
         t0 = time.perf_counter()
         runner = ModelRunner(ModelConfig(model=args.model, dtype=dtype, num_threads=threads),
                              CacheConfig(block_size=bs, num_blocks=blocks), progress=False)
@@ -183,7 +183,8 @@ def measure(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatserve bench quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a GGUF file")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="chatserve dtypes to run, comma-separated")
+    p.add_argument("--dtypes", default="bfloat16,float32",
+                   help="chatserve dtypes to run, comma-separated (empty: none)")
     p.add_argument("--prompt", type=int, default=64, help="random prompt tokens (prefill positions)")
     p.add_argument("--decode", type=int, default=64, help="greedy continuation tokens (decode positions)")
     p.add_argument("--batch", type=int, default=1, help="copies of the sequence decoded side by side")
