@@ -72,27 +72,36 @@ Grid = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]     # codes
 
 def _grid_codes(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, top: int) -> Grid:
     """g [..., 32] on the grid (scale, lo [...], rounded to fp16 as stored) → codes [..., 32], scale, lo and
-    the largest rebuild error per group [...]."""
+    the largest rebuild error per group [...] (to float32's rounding of (w - lo) / scale)."""
     scale = torch.where(scale < 0, scale.clamp(-FP16_MAX, -2 ** -24), scale.clamp(2 ** -24, FP16_MAX))
     scale, lo = scale.half().float(), lo.clamp(-FP16_MAX, FP16_MAX).half().float()
-    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top)
-    err = (lo[..., None] + codes * scale[..., None] - g).abs().amax(-1)
+    r = (g - lo[..., None]).div_(scale[..., None])                               # w in steps above lo
+    codes = torch.round(r).clamp_(0, top)
+    err = r.sub_(codes).abs_().amax(-1).mul_(scale.abs())
     return codes, scale, lo, err
 
 
-def _file_grids(g: torch.Tensor, bits: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(scale, lo) [m] of the GGUF grids above for the groups g [m, 32]."""
+def _extreme_grid(g: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Q4_0 with its extreme at q = 0: (scale, lo) [m] for the groups g [m, 32]."""
     lo, hi = g.amin(-1), g.amax(-1)
     extreme = torch.where(-lo > hi, lo, hi)                                         # the signed max|w|
-    grids = [(-extreme / 8, extreme)]
-    if bits == 4:
-        a = g.abs()
-        small = a.masked_fill(a == 0, float("inf")).amin(-1).nan_to_num(0.0, posinf=0.0)
-        grids += [(small, -8 * small.half().float()), (-small, 8 * small.half().float())]
-    else:
-        step = (extreme.abs() / 127).half().float()
-        grids.append((step, -128 * step))
-    return grids
+    return [(-extreme / 8, extreme)]
+
+
+def _smallest_grid(g: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Q4_0 by its smallest nonzero |w| (either sign of d)."""
+    a = g.abs()
+    small = a.masked_fill(a == 0, float("inf")).amin(-1).nan_to_num(0.0, posinf=0.0).half().float()
+    return [(small, -8 * small), (-small, 8 * small)]
+
+
+def _q8_0_grid(g: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    step = (g.abs().amax(-1) / 127).half().float()
+    return [(step, -128 * step)]
+
+
+# the GGUF grids tried, stage by stage, on the groups the stages before left off the grid
+FILE_GRIDS = {4: (_extreme_grid, _smallest_grid), 8: (_extreme_grid, _q8_0_grid)}
 
 
 def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,24 +111,29 @@ def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
     bits) blocks come back exactly instead of being rounded a second time."""
     N, K = w.shape
     top = (1 << bits) - 1
+    tol = OFF_GRID.get(w.dtype, 0.0)
     out = [torch.empty(N, K, dtype=torch.int32), torch.empty(N, K // GROUP), torch.empty(N, K // GROUP)]
     for a in range(0, N, QUANT_ROWS):
-        g = w[a:a + QUANT_ROWS].float().reshape(-1, K // GROUP, GROUP)             # [n, G, 32]
+        g = w[a:a + QUANT_ROWS].float().reshape(-1, GROUP)                         # [n·G, 32]
         lo, hi = g.amin(-1), g.amax(-1)
         best = _grid_codes(g, (hi - lo) / top, lo, top)
-        off = best[3] > torch.maximum(hi, -lo) * OFF_GRID.get(w.dtype, 0.0)                          # [n, G]
-        if bool(off.any()):
-            sub = g[off]                                                            # [m, 32]
-            pick = [t[off] for t in best]
-            for scale, low in _file_grids(sub, bits):
+        idx = (best[3] > torch.maximum(hi, -lo) * tol).nonzero()[:, 0]             # groups off the grid [m]
+        for stage in FILE_GRIDS[bits]:
+            if idx.numel() == 0:
+                break
+            sub = g.index_select(0, idx)                                            # [m, 32]
+            pick = [t.index_select(0, idx) for t in best]
+            for scale, low in stage(sub):
                 cand = _grid_codes(sub, scale, low, top)
                 better = cand[3] < pick[3]                                          # [m]
                 pick = [torch.where(better.view(-1, *([1] * (c.dim() - 1))), c, p) for c, p in zip(cand, pick)]
             for t, p in zip(best, pick):
-                t[off] = p
+                t.index_copy_(0, idx, p)
+            idx = idx[pick[3] > sub.abs().amax(-1) * tol]
         codes, scale, lo, _ = best
         out[0][a:a + QUANT_ROWS] = codes.reshape(-1, K).to(torch.int32)
-        out[1][a:a + QUANT_ROWS], out[2][a:a + QUANT_ROWS] = scale, lo
+        out[1][a:a + QUANT_ROWS] = scale.view(-1, K // GROUP)
+        out[2][a:a + QUANT_ROWS] = lo.view(-1, K // GROUP)
     return out[0], out[1], out[2]
 
 
