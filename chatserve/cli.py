@@ -22,6 +22,7 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
     "kernels": "GPU paged-attention bandwidth",
     "blockmm": "CPU matmul on GGUF block formats vs today's paths",
     "invariance": "what --batch-invariant costs a mixed step, and serving",
+    "quality": "GGUF: logits vs transformers on the file's weights (and llama.cpp)",
     "serve": "OpenAI-API serving benchmark",
     "load": "load + cancellation + stream validation",
     "sessions": "session-aware caching: turn N+1 hits under load",

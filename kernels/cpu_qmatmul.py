@@ -56,17 +56,85 @@ class PackedWeight:
 FP16_MAX = 65504.0
 
 
-def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Min/max asymmetric codes per group of 32 along K: w [N, K] → (codes [N, K] int32, scale, lo [N, G]),
-    scale and lo rounded to fp16 (as the kernel stores them) before the codes are chosen."""
-    N, K = w.shape
-    g = w.float().reshape(N, K // GROUP, GROUP)
+# A group off the min/max grid (errs by more than w's own rounding, OFF_GRID × max|w|) tries the grids a GGUF
+# block of the file may lie on, value = lo + code · scale with scale and lo exact in fp16 when the block's d is:
+#   Q4_0 d·(q - 8), extreme at q = 0 (its quantizers put it there): lo = the extreme, scale = -extreme / 8;
+#   Q4_0 with no code at its extreme (random codes, importance-weighted quantizers): scale = ±min |w| ≠ 0
+#        (some |q - 8| = 1 among 32 codes), lo = -8 · scale;
+#   Q8_0 d·q, |q| ≤ 127 (8 bits): scale = max|w| / 127, lo = -128 · scale.
+# Q4_1 (d·q + m, q = 0 and 15 both used) is the min/max grid itself. Each group keeps the grid that rebuilds it
+# best. (lo stays near the group's values: the kernel's x codes err by up to |lo + code·scale| per weight.)
+OFF_GRID = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}   # × max|w|
+QUANT_ROWS = 2048          # rows per slice: bounds the float32 temporaries of a vocabulary-sized matrix
+
+Grid = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]     # codes, scale, lo, error
+
+
+def _grid_codes(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, top: int) -> Grid:
+    """g [..., 32] on the grid (scale, lo [...], rounded to fp16 as stored) → codes [..., 32], scale, lo and
+    the largest rebuild error per group [...] (to float32's rounding of (w - lo) / scale)."""
+    scale = torch.where(scale < 0, scale.clamp(-FP16_MAX, -2 ** -24), scale.clamp(2 ** -24, FP16_MAX))
+    scale, lo = scale.half().float(), lo.clamp(-FP16_MAX, FP16_MAX).half().float()
+    r = (g - lo[..., None]).div_(scale[..., None])                               # w in steps above lo
+    codes = torch.round(r).clamp_(0, top)
+    err = r.sub_(codes).abs_().amax(-1).mul_(scale.abs())
+    return codes, scale, lo, err
+
+
+def _extreme_grid(g: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Q4_0 with its extreme at q = 0: (scale, lo) [m] for the groups g [m, 32]."""
     lo, hi = g.amin(-1), g.amax(-1)
+    extreme = torch.where(-lo > hi, lo, hi)                                         # the signed max|w|
+    return [(-extreme / 8, extreme)]
+
+
+def _smallest_grid(g: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Q4_0 by its smallest nonzero |w| (either sign of d)."""
+    a = g.abs()
+    small = a.masked_fill(a == 0, float("inf")).amin(-1).nan_to_num(0.0, posinf=0.0).half().float()
+    return [(small, -8 * small), (-small, 8 * small)]
+
+
+def _q8_0_grid(g: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    step = (g.abs().amax(-1) / 127).half().float()
+    return [(step, -128 * step)]
+
+
+# the GGUF grids tried, stage by stage, on the groups the stages before left off the grid
+FILE_GRIDS = {4: (_extreme_grid, _smallest_grid), 8: (_extreme_grid, _q8_0_grid)}
+
+
+def quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric codes per group of 32 along K: w [N, K] → (codes [N, K] int32, scale, lo [N, G]), scale and
+    lo rounded to fp16 (as the kernel stores them) before the codes are chosen. Min/max per group, or the grid
+    of a GGUF block where that rebuilds it better, so weights dequantized from a file's Q4_0 / Q4_1 (Q8_0 at 8
+    bits) blocks come back exactly instead of being rounded a second time."""
+    N, K = w.shape
     top = (1 << bits) - 1
-    scale = ((hi - lo) / top).clamp(2 ** -24, FP16_MAX).half().float()
-    lo = lo.clamp(-FP16_MAX, FP16_MAX).half().float()
-    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, top).to(torch.int32)
-    return codes.reshape(N, K), scale, lo
+    tol = OFF_GRID.get(w.dtype, 0.0)
+    out = [torch.empty(N, K, dtype=torch.int32), torch.empty(N, K // GROUP), torch.empty(N, K // GROUP)]
+    for a in range(0, N, QUANT_ROWS):
+        g = w[a:a + QUANT_ROWS].float().reshape(-1, GROUP)                         # [n·G, 32]
+        lo, hi = g.amin(-1), g.amax(-1)
+        best = _grid_codes(g, (hi - lo) / top, lo, top)
+        idx = (best[3] > torch.maximum(hi, -lo) * tol).nonzero()[:, 0]             # groups off the grid [m]
+        for stage in FILE_GRIDS[bits]:
+            if idx.numel() == 0:
+                break
+            sub = g.index_select(0, idx)                                            # [m, 32]
+            pick = [t.index_select(0, idx) for t in best]
+            for scale, low in stage(sub):
+                cand = _grid_codes(sub, scale, low, top)
+                better = cand[3] < pick[3]                                          # [m]
+                pick = [torch.where(better.view(-1, *([1] * (c.dim() - 1))), c, p) for c, p in zip(cand, pick)]
+            for t, p in zip(best, pick):
+                t.index_copy_(0, idx, p)
+            idx = idx[pick[3] > sub.abs().amax(-1) * tol]
+        codes, scale, lo, _ = best
+        out[0][a:a + QUANT_ROWS] = codes.reshape(-1, K).to(torch.int32)
+        out[1][a:a + QUANT_ROWS] = scale.view(-1, K // GROUP)
+        out[2][a:a + QUANT_ROWS] = lo.view(-1, K // GROUP)
+    return out[0], out[1], out[2]
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) -> PackedWeight:

@@ -1,7 +1,8 @@
 """`chatserve bench build-gguf`: a random-weight GGUF of the Llama-3.2-1B shape (16 layers, hidden 2048,
 ffn 8192, 32/8 heads, Llama 3's 128,256-token vocabulary, tied embeddings) with every matrix in one block
 format, written from random blocks (block_formats.random_weight: every code, finite scales) in seconds, for
-load-time, RSS and speed figures of GGUF weights (issue 30). Not a model anyone can talk to (no tokenizer).
+load-time, RSS, speed and quality figures of GGUF weights (issue 30), here and in llama.cpp. Not a model anyone
+can talk to (no tokenizer: `tokenizer.ggml.model` is llama.cpp's "no_vocab").
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def build_gguf(out: Path, fmt: str = "Q4_0", seed: int = 0) -> Path:
     from chatserve_kernels.block_formats import random_weight
 
     w = gguf.GGUFWriter(str(out), "llama")
+    w.add_tokenizer_model("no_vocab")        # llama.cpp loads it with no vocabulary (token ids only)
     settings: tuple[tuple[Callable[[Any], None], Any], ...] = (
         (w.add_block_count, LAYERS), (w.add_context_length, 131072), (w.add_embedding_length, H),
         (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),

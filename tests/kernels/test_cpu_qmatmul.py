@@ -26,9 +26,9 @@ def test_matches_the_dequantized_matmul(bits, n, k, dtype):
         assert y.shape == (m, n) and y.dtype == dtype
         ref = x.float() @ w.t()
         # the only approximation is x's int8 codes per group of 32 (≤ 0.5/127 of the group's max each),
-        # which multiply code · scale (the low times the exact group sum of x is exact)
+        # which multiply code · scale (the low times the exact group sum of x is exact; a scale may be negative)
         step = (x.float().abs().reshape(m, -1, 32).amax(-1) / 254).repeat_interleave(32, -1)
-        bound = step @ Q.dequantize(codes, scale, torch.zeros_like(lo)).t()
+        bound = step @ Q.dequantize(codes, scale.abs(), torch.zeros_like(lo)).t()
         tol = bound + (ref.abs() * 2 ** -7 if dtype == torch.bfloat16 else 1e-4)
         assert bool(((y.float() - ref).abs() <= tol + 1e-5).all()), (m, float((y.float() - ref).abs().max()))
 

@@ -153,8 +153,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def save_gguf(model, path: Path) -> str:
-    """F32 tensors under llama.cpp's names and keys."""
+def save_gguf(model, path: Path, qtype: str = "F32") -> str:
+    """Tensors under llama.cpp's names and keys: F32, or every matrix whose rows are whole blocks in the
+    block format qtype (quantized by gguf-py, as llama.cpp's converter does for Q8_0; norms stay F32)."""
     import gguf
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -230,7 +231,13 @@ def save_gguf(model, path: Path) -> str:
             arr = _permute(arr, heads if ".q_proj." in hf_name else kv)
         if name in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             arr = arr + 1.0
-        w.add_tensor(g, np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+        if qtype != "F32" and arr.ndim == 2 and arr.shape[1] % block == 0:
+            qt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(g, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(g, arr)
     for k, v in extra.items():
         w.add_tensor(k, v)
     w.write_header_to_file()

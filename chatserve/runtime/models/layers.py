@@ -124,11 +124,9 @@ class Linear:
             self.wq = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self.scales = scales.to(self.act)
             return
-        g = w.float().reshape(N, K // INT4_GROUP, INT4_GROUP)                     # [N, G, 32]
-        lo, hi = g.amin(-1), g.amax(-1)                                           # [N, G]
-        sc = ((hi - lo) / 15.0).clamp_min(1e-8)
-        q = torch.round((g - lo[..., None]) / sc[..., None]).clamp(0, 15).to(torch.int32)
-        self.wq = torch._convert_weight_to_int4pack_for_cpu(q.reshape(N, K), 1)
+        # codes [N, K], sc and lo [N, G]: the grid cpu_qmatmul picks per group (a GGUF Q4_0/Q4_1 block exactly)
+        q, sc, lo = cpu_qmatmul.quantize(w, 4)
+        self.wq = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         # dequant: (q - 8) * scale + zero, zero = lo + 8 * scale;  [G, N, 2]
         self.scales = torch.stack([sc, lo + 8.0 * sc], -1).transpose(0, 1).contiguous().to(self.act)
 
