@@ -12,6 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from chatserve.server.errors import APIError
+from chatserve.text.tokenizer import Tokenizer
 
 # Above this many bytes of client text, parsing runs in a worker thread and the encode itself in the
 # tokenizer process: the `tokenizers` encode holds the GIL for its whole run (measured in
@@ -115,28 +116,6 @@ class TokenizerProcess:
                 self._pool = None
 
 
-class OffloadingTokenizer:
-    """The model's tokenizer, except that encoding a big text runs in the TokenizerProcess.
-
-    Every other attribute is the wrapped tokenizer's; apply_chat_template is the wrapped class's own
-    method run on this object, so its internal encode calls come here too."""
-
-    def __init__(self, inner: Any, process: TokenizerProcess, threshold: int = BIG_INPUT_BYTES) -> None:
-        self._inner, self._process, self._threshold = inner, process, threshold
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        if add_special_tokens or len(text) < self._threshold:
-            return self._inner.encode(text, add_special_tokens=add_special_tokens)
-        return self._process.encode(text)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> list[int]:
-        return type(self._inner).apply_chat_template(self, messages, add_generation_prompt, **kwargs)
-
-
 # ---- admission ---------------------------------------------------------------------------------------
 class PromptGuard:
     """Per-server bound on client text: max_model_len × max_token_bytes bytes (see max_token_bytes)."""
@@ -146,10 +125,9 @@ class PromptGuard:
         self.max_bytes = max_model_len * max_token_bytes(tokenizer)
         self.process: TokenizerProcess | None = None
         self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend", None)
-        if backend is not None and hasattr(tokenizer, "apply_chat_template"):
-            self.process = TokenizerProcess(backend)
-            self.tokenizer = OffloadingTokenizer(tokenizer, self.process)
+        if isinstance(tokenizer, Tokenizer):          # a real tokenizer: big texts encode in the helper
+            self.process = TokenizerProcess(tokenizer.backend)
+            self.tokenizer = tokenizer.with_offload(self.process.encode, BIG_INPUT_BYTES)
 
     def check_size(self, nbytes: int, param: str | None) -> None:
         if nbytes > self.max_bytes:

@@ -5,10 +5,11 @@ chat_template.py's, loading loading.py's, streaming detokenization detokenizer.p
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ class Tokenizer:
         self.eos_token_id: int | None = self._token_id(self._special_tokens_map.get("eos_token"))
         self._byte_level = _decoder_type(backend) == "ByteLevel"
         self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()} if self._byte_level else {}
+        self._offload: tuple[Callable[[str], list[int]], int] | None = None   # see with_offload
         self._token_str_cache: dict[int, str] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
         self.end_of_turn_id: int | None = self._probe_end_of_turn()
@@ -123,10 +125,20 @@ class Tokenizer:
             extra_eos_token_ids=self._extra_eos, name=self.name,
         )
 
+    def with_offload(self, encode_big: Callable[[str], list[int]], threshold: int) -> "Tokenizer":
+        """The same tokenizer, except that a text of `threshold` characters or more (without special tokens
+        added) is encoded by `encode_big`: the same ids computed in another process (the prompt guard's
+        helper), so a huge prompt does not hold the event loop's GIL. Chat templates encode through it too."""
+        t = copy.copy(self)
+        t._offload = (encode_big, threshold)
+        return t
+
     # ── text ↔ ids ───────────────────────────────────────────────────────────────────────────────
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token text in it (e.g. "<|im_end|>") becomes that special token."""
         if not add_special_tokens:
+            if self._offload is not None and len(text) >= self._offload[1]:
+                return self._offload[0](text)
             return self._backend.encode(text, add_special_tokens=False).ids
         if self._add_bos is None and self._add_eos is None:
             return self._backend.encode(text, add_special_tokens=True).ids  # the tokenizer.json post-processor

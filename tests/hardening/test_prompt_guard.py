@@ -16,8 +16,7 @@ from websockets.sync.client import connect as ws_connect
 
 from chatserve.server.errors import APIError
 from chatserve.server.admission import admit
-from chatserve.server.prompt_guard import (OffloadingTokenizer, PromptGuard, TokenizerProcess,
-                                           max_token_bytes, prompt_bytes, text_bytes)
+from chatserve.server.prompt_guard import PromptGuard, TokenizerProcess, max_token_bytes, prompt_bytes, text_bytes
 from chatserve.server.ratelimit import RateLimiter
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,12 +55,16 @@ def test_offloaded_tokenizing_gives_the_same_ids():
     tok = _default_tokenizer()
     proc = TokenizerProcess(tok._backend)
     try:
-        off = OffloadingTokenizer(tok, proc, threshold=1000)
+        sent: list[int] = []                                    # text lengths the helper encoded
+        off = tok.with_offload(lambda t: (sent.append(len(t)), proc.encode(t))[1], 1000)
         text = WORDS * 300 + "<|im_end|> naïve café ☕ " * 50
         assert off.encode(text) == tok.encode(text)
         msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
         assert off.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
         assert off.eos_token_ids == tok.eos_token_ids           # everything else is the tokenizer's
+        assert len(sent) >= 2 and min(sent) >= 1000             # both big encodes ran in the helper
+        n = len(sent)
+        assert off.encode("hi") == tok.encode("hi") and len(sent) == n   # a small text stays in-process
     finally:
         proc.close()
 
