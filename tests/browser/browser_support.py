@@ -95,6 +95,8 @@ class ServeProcess:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                self.proc.kill()                 # __exit__ does not run when __enter__ raises
+                self.proc.wait()
                 raise RuntimeError("chatserve serve did not become ready:\n" + self.log_path.read_text()[-3000:])
             time.sleep(0.2)
 
