@@ -43,9 +43,10 @@ def _reference(path: str) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 def _runner(path: str, dtype: str, weight_quant: str | None = "auto"):
+    from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
-    return ModelRunner(path, dtype=dtype, weight_quant=weight_quant, num_blocks=4 * BATCH, block_size=16,
-                       progress=False, num_threads=1)
+    return ModelRunner.from_config(offline_config(path, dtype=dtype, weight_quant=weight_quant, num_blocks=4 * BATCH,
+                                                  block_size=16, num_threads=1))
 
 
 def _paths(runner):
