@@ -15,12 +15,11 @@ import time
 from collections import Counter
 from typing import Any
 
-import httpx
 import numpy as np
 
 from chatserve.bench import server_metrics
 from chatserve.bench.progress import progress_bar
-from chatserve.bench.report import write_results
+from chatserve.bench.report import run_to_results
 from chatserve.bench.sse_client import (CANCELLED, COMPLETED, ERRORED, INVALID, REJECTED, SERVER_ERROR,
                                         TRANSPORT, StreamResult, first_model, make_client, stream_request)
 from chatserve.bench.workloads import PromptSource, parse_range
@@ -180,10 +179,5 @@ def main(argv: list[str]) -> int:
     if not 0.0 <= args.cancel_fraction <= 1.0 or args.concurrency < 1:
         print("chatserve bench load: --cancel-fraction in [0, 1], --concurrency >= 1", file=sys.stderr)
         return 2
-    try:
-        res = asyncio.run(run(args))
-    except (httpx.HTTPError, RuntimeError) as e:
-        print(f"chatserve bench load: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    write_results(res, args.out, args.json, format_report)
-    return EXIT[res["verdict"]]
+    res = run_to_results("load", run, args, format_report)
+    return 1 if res is None else EXIT[res["verdict"]]

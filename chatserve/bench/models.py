@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from typing import Any
 
 import httpx
 
-from chatserve.bench.report import run_stamp, write_results
+from chatserve.bench.report import run_stamp, run_to_results
 from chatserve.bench.sse_client import COMPLETED, REJECTED, make_client, stream_request
 
 PROMPT = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -135,10 +134,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        res = asyncio.run(run(args))
-    except (httpx.HTTPError, RuntimeError) as e:
-        print(f"chatserve bench models: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    write_results(res, args.out, args.json, format_report)
-    return 0 if res["alternating"]["lost"] == 0 else 3
+    res = run_to_results("models", run, args, format_report)
+    return 1 if res is None else 0 if res["alternating"]["lost"] == 0 else 3

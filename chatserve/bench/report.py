@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 from datetime import datetime, timezone
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 Goals = dict[str, tuple[str, float]]          # key → (comparison "<" or ">=", bound)
 Row = tuple[str, str, str]                    # (key, label, format)
@@ -57,3 +57,19 @@ def write_results(res: dict, out: str | None, as_json: bool, report: Callable[[d
         with open(out, "w") as f:
             f.write(text + "\n")
     print(text if as_json else report(res))
+
+
+def run_to_results(name: str, run: Callable[[argparse.Namespace], Coroutine[Any, Any, dict]],
+                   args: argparse.Namespace, report: Callable[[dict], str]) -> dict | None:
+    """A load-generating bench's main: run it, write its results (write_results) and return them; None
+    (after one line on stderr) when the server could not be reached or the run failed."""
+    import asyncio
+
+    import httpx
+    try:
+        res = asyncio.run(run(args))
+    except (httpx.HTTPError, RuntimeError) as e:
+        print(f"chatserve bench {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    write_results(res, args.out, args.json, report)
+    return res
