@@ -15,10 +15,11 @@ from chatserve.server.errors import admission_error, invalid
 from chatserve.server.prompt_guard import BIG_INPUT_BYTES, param_of, prompt_bytes
 
 if TYPE_CHECKING:
+    from chatserve.server.protocol import GenerationRequest
     from chatserve.server.served_model import ServedModel
     from chatserve.server.state import ServerState
 
-T = TypeVar("T")
+T = TypeVar("T", bound="GenerationRequest")   # a ChatRequest or a CompletionRequest
 
 
 def check_text_size(served: ServedModel, body: dict) -> int:
@@ -68,10 +69,9 @@ async def admit(state: ServerState, body: dict, build: Callable[[dict, Any], T],
             req = await asyncio.to_thread(build, body, served)     # big text, or a grammar to compile
         else:
             req = build(body, served)
-        req.lease = lease                     # type: ignore[attr-defined]  # T is a GenerationRequest (every build returns one)
+        req.lease = lease
         if limiter is not None:
-            params = req.params           # type: ignore[attr-defined]  # same
-            await limiter.charge(rate_key, len(req.prompt_ids) + params.max_tokens * params.n)  # type: ignore[attr-defined]  # same
+            await limiter.charge(rate_key, len(req.prompt_ids) + req.params.max_tokens * req.params.n)
     except BaseException:
         lease.release()
         raise
