@@ -203,6 +203,93 @@ static inline __m512 load16(int dtype, const void *base, int64_t off) {    /* 16
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* exp_neg over 16 lanes: the same polynomial as exp_neg, lane by lane (every lane of every row goes
+ * through these instructions, so a row's bits never depend on which other rows share the call). */
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5353362e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180546e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* Lanes of the 16-key tile starting at block offset c0 that hold keys [a, z) of the block */
+static inline __mmask16 tile_mask(int c0, int a, int z) {
+    const int lo = a > c0 ? a - c0 : 0, hi = z - c0 < 16 ? z - c0 : 16;
+    return hi <= lo ? (__mmask16)0 : (__mmask16)((((uint32_t)1 << hi) - 1) & ~(((uint32_t)1 << lo) - 1));
+}
+
+/* softmax_block over 16-key tiles (tiles at fixed block offsets, so a row's sum order depends on its
+ * keys only): the max over the block's keys, exp(s - max) in place, the block's sum as a fixed tree
+ * per tile, tiles in order. Returns alpha, as softmax_block. */
+static inline float softmax_block16(float *s, int a, int z, float *mx, float *den) {
+    __m512 vmax = _mm512_set1_ps(*mx);
+    for (int c0 = (a / 16) * 16; c0 < z; c0 += 16) {
+        const __mmask16 m = tile_mask(c0, a, z);
+        vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + c0));
+    }
+    const float bmax = _mm512_reduce_max_ps(vmax);
+    const float alpha = exp_neg(*mx - bmax);
+    *mx = bmax;
+    float sum = 0.0f;
+    for (int c0 = (a / 16) * 16; c0 < z; c0 += 16) {
+        const __mmask16 m = tile_mask(c0, a, z);
+        const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + c0), _mm512_set1_ps(bmax)));
+        _mm512_mask_storeu_ps(s + c0, m, e);
+        sum += _mm512_reduce_add_ps(_mm512_maskz_mov_ps(m, e));
+    }
+    *den = *den * alpha + sum;
+    return alpha;
+}
+
+/* Sum of each of 16 vectors p[0..15] into lane t of one vector: per vector the fixed tree
+ * ((e0+e2)+(e1+e3)) within each 128-bit lane, then lanes (L0+L1)+(L2+L3). Four at a time (quad). */
+static inline __m512 quad_sums(__m512 p0, __m512 p1, __m512 p2, __m512 p3) {
+    const __m512 w01 = _mm512_add_ps(_mm512_unpacklo_ps(p0, p1), _mm512_unpackhi_ps(p0, p1));
+    const __m512 w23 = _mm512_add_ps(_mm512_unpacklo_ps(p2, p3), _mm512_unpackhi_ps(p2, p3));
+    return _mm512_add_ps(_mm512_shuffle_ps(w01, w23, 0x44), _mm512_shuffle_ps(w01, w23, 0xEE));
+}
+
+static inline __m512 tile_sums(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
+    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x88), _mm512_shuffle_f32x4(x2, x3, 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+/* The scores of kv head hk's G query heads over the 16 keys of a tile (key t at element offset
+ * off + t * row), written to w->s at offset c0 for the lanes in m. A key's score: its 16 lane partials
+ * (one product, then fmas over the NV chunks of head_dim), summed by the fixed tree of quad_sums and
+ * tile_sums, whichever row asks: the bits depend on the query and the key only. */
+static inline __attribute__((always_inline)) void tile_scores(const job_t *j, work_t *w, int64_t off, int row,
+                                                              __m512 qv[8][8], int hk, int c0,
+                                                              __mmask16 m, const int G, const int NV) {
+    __m512 x[8][4];
+    for (int qd = 0; qd < 4; qd++) {
+        __m512 p[4][8];
+        for (int k = 0; k < 4; k++) {
+            const int64_t o = off + (int64_t)(qd * 4 + k) * row;
+            __m512 kv[8];
+            for (int v = 0; v < NV; v++) kv[v] = load16(j->dtype, j->k, o + v * 16);
+            for (int g = 0; g < G; g++) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+                for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[g][v], kv[v], acc);
+                p[k][g] = acc;
+            }
+        }
+        for (int g = 0; g < G; g++) x[g][qd] = quad_sums(p[0][g], p[1][g], p[2][g], p[3][g]);
+    }
+    for (int g = 0; g < G; g++)
+        _mm512_mask_storeu_ps(w->s + (hk * G + g) * MAX_BS + c0, m, tile_sums(x[g][0], x[g][1], x[g][2], x[g][3]));
+}
+
 /* run_seg for head_dim = 16 * NV and G query heads per kv head, both compile-time constants after
  * inlining: per block and kv head, the G query vectors and the G x NV output accumulators stay in
  * registers while the block's tokens stream through (no converted copies, no per-token stores). */
@@ -218,31 +305,49 @@ static inline __attribute__((always_inline)) void run_seg_avx512(const job_t *j,
         const int64_t nbase = blk0 + bs < sl ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1;
         const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
         for (int hk = 0; hk < hkv; hk++) {
-            __m512 qv[G][NV], av[G][NV];
+            __m512 qv[8][8], av[G][NV];         /* qv: G x NV used (sized for tile_scores) */
             float alpha[G];
             for (int g = 0; g < G; g++)
                 for (int v = 0; v < NV; v++) qv[g][v] = _mm512_loadu_ps(w->q + (hk * G + g) * D + v * 16);
-            for (int t = a; t < z; t++) {                      /* scores */
-                const int64_t off = base + (int64_t)t * row + hk * D;
-                if (nbase >= 0) {   /* blocks are scattered: pull the next one in, a few lines per key */
-                    const int per = (lines + (z - a) * hkv - 1) / ((z - a) * hkv);
-                    const int first = ((t - a) * hkv + hk) * per;
-                    for (int l = first; l < first + per && l < lines; l++) {
-                        _mm_prefetch((const char *)j->k + nbase * esz + l * 64, _MM_HINT_T0);
-                        _mm_prefetch((const char *)j->v + nbase * esz + l * 64, _MM_HINT_T0);
+            if (bs % 16) {                                     /* scores, key by key */
+                for (int t = a; t < z; t++) {                      /* scores */
+                    const int64_t off = base + (int64_t)t * row + hk * D;
+                    if (nbase >= 0) {   /* blocks are scattered: pull the next one in, a few lines per key */
+                        const int per = (lines + (z - a) * hkv - 1) / ((z - a) * hkv);
+                        const int first = ((t - a) * hkv + hk) * per;
+                        for (int l = first; l < first + per && l < lines; l++) {
+                            _mm_prefetch((const char *)j->k + nbase * esz + l * 64, _MM_HINT_T0);
+                            _mm_prefetch((const char *)j->v + nbase * esz + l * 64, _MM_HINT_T0);
+                        }
+                    }
+                    __m512 kv[NV];
+                    for (int v = 0; v < NV; v++) kv[v] = load16(j->dtype, j->k, off + v * 16);
+                    for (int g = 0; g < G; g++) {
+                        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+                        for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[g][v], kv[v], acc);
+                        w->s[(hk * G + g) * MAX_BS + t] = capped(j, _mm512_reduce_add_ps(acc));
                     }
                 }
-                __m512 kv[NV];
-                for (int v = 0; v < NV; v++) kv[v] = load16(j->dtype, j->k, off + v * 16);
-                for (int g = 0; g < G; g++) {
-                    __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-                    for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[g][v], kv[v], acc);
-                    w->s[(hk * G + g) * MAX_BS + t] = capped(j, _mm512_reduce_add_ps(acc));
+            } else {                                           /* scores, 16 keys a tile */
+                for (int c0 = (a / 16) * 16; c0 < z; c0 += 16) {
+                    if (nbase >= 0) {   /* pull the next block in, a share of its lines per tile */
+                        const int parts = bs / 16 * hkv, per = (lines + parts - 1) / parts;
+                        const int first = ((c0 / 16) * hkv + hk) * per;
+                        for (int l = first; l < first + per && l < lines; l++) {
+                            _mm_prefetch((const char *)j->k + nbase * esz + l * 64, _MM_HINT_T0);
+                            _mm_prefetch((const char *)j->v + nbase * esz + l * 64, _MM_HINT_T0);
+                        }
+                    }
+                    tile_scores(j, w, base + (int64_t)c0 * row + hk * D, row, qv, hk, c0, tile_mask(c0, a, z), G, NV);
                 }
+                if (j->softcap > 0.0f)
+                    for (int g = 0; g < G; g++)
+                        for (int t = a; t < z; t++)
+                            w->s[(hk * G + g) * MAX_BS + t] = capped(j, w->s[(hk * G + g) * MAX_BS + t]);
             }
             for (int g = 0; g < G; g++) {                      /* online softmax */
                 const int h = hk * G + g;
-                alpha[g] = softmax_block(w->s + h * MAX_BS, a, z, &w->mx[h], &w->den[h]);
+                alpha[g] = softmax_block16(w->s + h * MAX_BS, a, z, &w->mx[h], &w->den[h]);
             }
             for (int g = 0; g < G; g++)
                 for (int v = 0; v < NV; v++)
