@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels import AttentionMetadata, cpu_ops, cpu_qmatmul
+from chatserve_kernels import AttentionMetadata, cpu_build, cpu_ops, cpu_qmatmul
 from chatserve.runtime.models.linear_backends import BlockLinear
 from chatserve_kernels.attention_backend import AttentionBackend
 
@@ -22,6 +22,8 @@ SMALL_M = 8          # torch's int4/int8 kernels beat dense GEMMs up to this man
 PACKED_SMALL_M = 4   # beside packed bf16 GEMMs torch's int4/int8 kernels win only up to 4 rows
 QMM_SMALL_M = 16     # cpu_qmatmul beats packed bf16 up to here in a whole model (its weights stream from memory)
 DENSE_MIN_M = 4      # fp32 GEMMs of 1-3 rows take other kernels than 4+ (other rounding): pad up to 4
+AMX_ROWS = 64        # oneDNN's bf16 GEMM on AMX picks its kernel by M (rows differ at M <= 32 vs 33+, and
+                     # again at large M by thread count): prompt rows go in calls of exactly this many rows
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,12 @@ def _onednn_bf16() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
+def _onednn_amx() -> bool:
+    """oneDNN's packed bf16 GEMM runs on AMX tiles here (its row bits then depend on M: AMX_ROWS)."""
+    return _onednn_bf16() and "amx_bf16" in cpu_build.cpu_flags()
+
+
 class Linear:
     """y = x Wᵀ + b. With a weight_quant, steps of at most `small_m` tokens (decode) use a weight-only
     quantized copy of W; larger steps (prefill) keep the dense weight, where GEMMs are compute-bound.
@@ -78,7 +86,7 @@ class Linear:
     prompt rows the dense weight at every step size (batch invariance); rows=None keeps the crossover
     by step size (benchmarks, kernels tests)."""
 
-    __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed", "n_out")
+    __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed", "n_out", "fixed_m")
     w: torch.Tensor | None                 # [N, K]; None once the packed bf16 copy replaces it
     wt: torch.Tensor | None                # [K, N] view of w
     b: torch.Tensor | None                 # [N]
@@ -107,6 +115,8 @@ class Linear:
         if w.dtype == torch.bfloat16 and cpu and _onednn_bf16():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
             self.w = None        # the packed copy replaces it (no second copy of the weights)
+        # rows of a batch-invariant call go through oneDNN on AMX in calls of exactly AMX_ROWS rows (padded)
+        self.fixed_m = AMX_ROWS if self.packed is not None and _onednn_amx() else 0
         if small_m is None:
             small_m = QMM_SMALL_M if self.qw is not None else PACKED_SMALL_M if self.packed is not None else SMALL_M
         self.small_m = small_m
@@ -147,7 +157,9 @@ class Linear:
         # x: [T, K] → [T, N]
         if rows is None or (self.qw is None and self.wq is None):
             quant = self.qw is not None or self.wq is not None
-            return self._quantized(x) if quant and x.dim() == 2 and x.shape[0] <= self.small_m else self._dense(x)
+            if quant and x.dim() == 2 and x.shape[0] <= self.small_m:
+                return self._quantized(x)
+            return self._dense(x, fixed=rows is not None)         # rows None: no invariance asked
         if rows.all_gen:
             return self._quantized(x)
         if rows.gen is None:
@@ -172,12 +184,14 @@ class Linear:
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if self.b is None else y + self.b
 
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+    def _dense(self, x: torch.Tensor, fixed: bool = True) -> torch.Tensor:
         """x [T, K] through the dense weight (oneDNN's packed bf16, else mm; fp32 steps of 1-3 rows are
-        padded to 4, whose kernel every larger step shares)."""
+        padded to 4, whose kernel every larger step shares). fixed: on AMX, in calls of exactly
+        fixed_m rows, the last one zero-padded, so a row's bits never depend on T (batch invariance)."""
         if self.packed is not None:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], "")
+            y: torch.Tensor = (self._fixed_rows(xb) if fixed and self.fixed_m and xb.dim() == 2 else
+                               torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], ""))
             return y if y.dtype == x.dtype else y.to(x.dtype)
         assert self.w is not None and self.wt is not None
         if x.dim() != 2:
@@ -187,6 +201,19 @@ class Linear:
             x = torch.cat([x, x.new_zeros(DENSE_MIN_M - T, x.shape[1])])
         out = torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
         return out[:T] if out.shape[0] != T else out
+
+    def _fixed_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] bf16 → [T, N] through oneDNN in calls of exactly fixed_m rows (the tail zero-padded)."""
+        T, m = x.shape[0], self.fixed_m
+        pad = -T % m
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])                     # [T + pad, K]
+        if x.shape[0] == m:
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+        else:
+            y = torch.cat([torch.ops.mkldnn._linear_pointwise(x[i:i + m], self.packed, self.b, "none", [], "")
+                           for i in range(0, x.shape[0], m)])
+        return y[:T] if pad else y
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ + b in float32 (the LM head), through the quantized copy at every row count when there is
