@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 from chatserve.config import EngineConfig, parse_duration
 
-__all__ = ["ModelSpec", "check_unique", "model_specs", "parse_duration", "parse_named", "split_model_args"]
+__all__ = ["ModelSpec", "check_unique", "model_specs", "parse_duration", "parse_named",
+           "shared_kv_budget", "split_model_args"]
 
 _SPEC_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})=(.+)")   # no '/' in NAME: a path may hold '='
 
@@ -59,10 +60,21 @@ def parse_named(texts: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def kv_share(cfg: EngineConfig, n_models: int) -> EngineConfig:
-    """`cfg` with the KV cache budget split among the models that may be loaded at once."""
+    """`cfg` with the KV cache budget split among the models that may be loaded at once: the share the
+    first load gets (the pool hands later loads the free budget ÷ the empty slots; model_pool.py), and
+    the estimate --model-memory-budget counts before a model is loaded."""
     if n_models <= 1 or cfg.cache.num_blocks is not None:
         return cfg
     return cfg.replace_section("cache", kv_cache_memory=cfg.cache.kv_cache_memory // n_models)
+
+
+def shared_kv_budget(base: EngineConfig, specs: list[ModelSpec]) -> int:
+    """The KV cache bytes the loaded models share (--kv-cache-memory), or 0 when each model sizes its own
+    cache: one model, --kv-blocks (each gets that many), or CUDA's --gpu-memory-utilization."""
+    cache = base.cache
+    if len(specs) < 2 or cache.num_blocks is not None or cache.gpu_memory_utilization is not None:
+        return 0
+    return int(cache.kv_cache_memory)
 
 
 def model_specs(base: EngineConfig, named: list[tuple[str, str]]) -> list[ModelSpec]:

@@ -23,7 +23,8 @@ from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
 from chatserve.model_source import prepare_model
 from chatserve.model_source.check import human_size
-from chatserve.server.model_specs import ModelSpec, check_unique, model_specs, parse_named, split_model_args
+from chatserve.server.model_specs import (ModelSpec, check_unique, model_specs, parse_named, shared_kv_budget,
+                                         split_model_args)
 from chatserve.server.redis_check import redact_url
 
 if TYPE_CHECKING:
@@ -121,11 +122,20 @@ def models_lines(state: ServerState) -> list[str]:
     budget = f", model memory budget {human_size(sc.model_memory_budget)}" if sc.model_memory_budget else ""
     out = [f"  models     {len(reg.specs)} served, at most {sc.max_loaded_models} loaded at once{budget}; "
            f"{keep} (--keep-alive)"]
+    pool = reg.pool
+    if pool.kv_budget:
+        out.append(f"  KV budget  {human_size(pool.kv_budget)} shared, {human_size(pool.kv_free)} free: a load "
+                   f"gets the free budget ÷ the empty slots; an unload gives its share back")
     for info in reg.info():
         spec = reg.spec(info.name)
-        kv = spec.config.cache.kv_cache_memory
+        if info.kv_bytes:
+            kv = f"its KV cache {human_size(info.kv_bytes)}"
+        elif pool.kv_budget:
+            kv = f"a KV share of {human_size(pool.kv_share(info.name) or 0)} if it loaded now"
+        else:
+            kv = f"its KV cache {human_size(spec.config.cache.kv_cache_memory)}"
         out.append(f"    {info.name:<20} {info.phase:<9} {spec.config.model.resolved_model()}  "
-                   f"(~{human_size(info.size)} with its KV cache share of {human_size(kv)})")
+                   f"(~{human_size(info.size)}; {kv})")
     return out
 
 
@@ -342,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[chatserve] warm-up: kernels compiled, one dummy prefill + decode ran in "
               f"{engine.warm_up_seconds:.2f} s; ready for requests", flush=True)
     registry = ModelRegistry(specs, sizes=sizes, prebuilt={
-        specs[0].name: PrebuiltParts(engine, sampling_defaults=generation_defaults)})
+        specs[0].name: PrebuiltParts(engine, sampling_defaults=generation_defaults)},
+        kv_budget=shared_kv_budget(cfg, specs))
     registry.on_load.append(warm_tokenizer_process)
     state = ServerState(config=cfg, models=registry)
     stats = StatsLine(registry, sc.stats_interval)
