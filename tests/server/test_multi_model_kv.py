@@ -75,7 +75,7 @@ def test_the_banner_and_metrics_show_the_default_models_share_of_the_budget(srv)
     assert list(first) == ["smol"] and 0 < first["smol"] <= BUDGET // 2     # the first load: budget ÷ 2
     assert budget_free(srv) == BUDGET - first["smol"]
     log = srv.log()
-    assert "KV budget  61 MiB shared" in log and "a KV share of" in log
+    assert "KV budget  61.0 MiB shared" in log and "a KV share of" in log
 
 
 def test_the_shares_sum_within_the_budget_and_a_freed_share_goes_to_the_next_load(client, srv):
