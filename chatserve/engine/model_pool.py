@@ -112,9 +112,12 @@ class Lease(Generic[T]):
             self._pool._release(self._entry, self.keep_alive)
 
     def __del__(self) -> None:
-        """A lease dropped unreleased (a parsed request whose stream never started) is given back when
-        collected, so its model can become idle again."""
+        """A backstop: every server path releases its lease itself (the stream once the engine has the
+        request, the route when its response ends); one dropped unreleased is still given back when
+        collected, so its model can become idle again, and logged as the bug it is."""
         try:
+            if not self._released:
+                log.warning("a lease on model %s was dropped unreleased (given back now)", self._entry.name)
             self.release()
         except Exception:           # interpreter shutdown: nothing left to give back to
             pass
