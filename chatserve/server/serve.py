@@ -17,14 +17,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from chatserve import version
-from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments
+from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments, settings
 from chatserve.config import parse_bytes  # noqa: F401  (re-exported: tests/server/test_server_cli.py imports it here)
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
 from chatserve.model_source import prepare_model
 from chatserve.model_source.check import human_size
 from chatserve.server.model_specs import (ModelSpec, check_unique, model_specs, parse_named, shared_kv_budget,
-                                         split_model_args)
+                                         split_model_values)
 from chatserve.server.redis_check import redact_url
 
 if TYPE_CHECKING:
@@ -51,14 +51,23 @@ def build_parser(env: EngineConfig | None = None) -> argparse.ArgumentParser:
 
     `env` is unused (kept for callers that passed their defaults): defaults are applied by
     config_from_args, so a flag not given falls back to the environment, then to the declaration."""
-    p = argparse.ArgumentParser(prog="chatserve serve", description=DESCRIPTION)
+    # "resolve": the declared --model (one value) is replaced by one that keeps every value given, so a
+    # repeated --model NAME=PATH reaches argparse as it is (model_specs.split_model_values sorts them)
+    p = argparse.ArgumentParser(prog="chatserve serve", description=DESCRIPTION, conflict_handler="resolve")
     p.add_argument("--version", action="version", version=f"chatserve {version()}")
     add_arguments(p)
+    declared = next(s for s in settings("model") if s.name == "model")
+    p.add_argument("--model", dest="model", action="append", default=argparse.SUPPRESS, metavar="[NAME=]MODEL",
+                   help=f"{declared.option.help}; NAME=MODEL, repeatable, serves several models by name "
+                   f"(docs/multi-model.md) (default: {declared.option.shown_default}; env "
+                   f"{' or '.join('$' + v for v in declared.env_names)})")
     return p
 
 
 def config_from_args(args: argparse.Namespace, env: EngineConfig | None = None) -> EngineConfig:
-    """The flags given on the command line applied over `env` (defaults + CHATSERVE_* variables)."""
+    """The flags given on the command line applied over `env` (defaults + CHATSERVE_* variables); a plain
+    --model is the model, the --model NAME=PATH ones are configured()'s."""
+    args, _ = split_model_values(args)
     return apply_args(args, env if env is not None else env_config())
 
 
@@ -302,8 +311,7 @@ def configured(argv: list[str] | None) -> tuple[EngineConfig, list[ModelSpec]]:
     """The flags and environment → the server's config and its models (each resolved to a local path and
     checked; ConfigError, FileNotFoundError or ValueError name what is wrong). --help and --version exit
     here, before the environment is read."""
-    rest, named = split_model_args(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(rest)
+    args, named = split_model_values(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
     base = config_from_args(args, env_config())
     specs = []
     for spec in model_specs(base, [*parse_named(base.server.models), *named]):
