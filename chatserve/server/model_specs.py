@@ -1,5 +1,5 @@
 """The models a server is asked to serve: `--model NAME=PATH` (repeatable) beside a plain `--model PATH`,
-and the KV cache budget split among the models loaded at once.
+and the KV cache share a model first loads with (the pool hands out the rest: engine/model_pool.py).
 
 Parsing only: no files are read here (prepare_model checks them) and nothing is loaded. Every `--model`
 value reaches argparse (serve.build_parser appends them); `parse_spec` is the one place that tells
