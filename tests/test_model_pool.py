@@ -220,7 +220,7 @@ async def test_concurrent_loads_never_share_more_than_the_budget_and_a_failed_on
     assert pool.kv_free == 30 * MiB and kv_held(pool) == {"a": 30 * MiB, "b": 30 * MiB, "c": 0}
     m.gate["a"].set()
     m.gate["b"].set()
-    await la
+    (await la).release()
     with pytest.raises(LoadFailed):
         await lb
     assert kv_held(pool) == {"a": 28 * MiB, "b": 0, "c": 0}                  # b's reservation is free again
