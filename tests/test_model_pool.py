@@ -1,7 +1,8 @@
 """ModelPool (chatserve/engine/model_pool.py) with scripted loads: one load for concurrent requests, a
 failed load told to every waiter and retried by the next request, LRU eviction of idle models under the
 count and memory limits, a model in use never unloaded, keep-alive expiry, and a request that arrives
-while its model is being unloaded. Loads and unloads are gated by events, so nothing depends on timing."""
+while its model is being unloaded, and the shared KV budget handed out on load and given back on unload.
+Loads and unloads are gated by events, so nothing depends on timing."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,8 @@ MiB = 1 << 20
 
 class Models:
     """Scripted loader: `gate[name]` (when set) holds a load until released; `fail` names loads that raise;
-    `busy` names models whose engines still run requests."""
+    `busy` names models whose engines still run requests; `shares` records the KV share each load was
+    given, and a loaded model's cache holds whole `block`-byte blocks of it (`kv`)."""
 
     def __init__(self) -> None:
         self.loads: list[str] = []
@@ -25,9 +27,12 @@ class Models:
         self.unload_gate: asyncio.Event | None = None
         self.fail: set[str] = set()
         self.busy: set[str] = set()
+        self.shares: list[tuple[str, int | None]] = []
+        self.block = 7 * MiB
 
-    async def load(self, name: str) -> str:
+    async def load(self, name: str, kv_share: int | None = None) -> str:
         self.loads.append(name)
+        self.shares.append((name, kv_share))
         if name in self.gate:
             await self.gate[name].wait()
         if name in self.fail:
@@ -43,7 +48,12 @@ class Models:
         kw.setdefault("keep_alive", -1.0)
         kw.setdefault("max_loaded", 3)
         return ModelPool(load=self.load, unload=self.unload, busy=lambda v: v.split(":", 1)[1] in self.busy,
-                         sizes=sizes, **kw)
+                         sizes=sizes, kv_bytes=self.kv, **kw)
+
+    def kv(self, value: str) -> int:
+        """The bytes a loaded model's cache holds: its share in whole blocks."""
+        share = next(s for n, s in reversed(self.shares) if n == value.split(":", 1)[1])
+        return (share or 0) // self.block * self.block
 
 
 async def until(cond, what: str) -> None:
@@ -172,3 +182,54 @@ async def test_a_lease_dropped_without_release_is_given_back_when_collected():
     assert [i.leases for i in pool.info()] == [0, 0]
     (await pool.acquire("b")).release()              # so a is idle and makes room
     assert m.unloads == ["a"]
+
+
+def kv_held(pool: ModelPool) -> dict[str, int]:
+    return {i.name: i.kv_bytes for i in pool.info()}
+
+
+async def test_the_kv_budget_is_shared_on_load_and_a_freed_share_goes_to_the_next_load():
+    m = Models()
+    pool = m.pool({"a": MiB, "b": MiB, "c": MiB}, max_loaded=2, kv_budget=100 * MiB)
+    assert pool.kv_share("a") == 50 * MiB and pool.kv_free == 100 * MiB    # budget ÷ 2 slots
+    (await pool.acquire("a", keep_alive=-1)).release()
+    assert kv_held(pool) == {"a": 49 * MiB, "b": 0, "c": 0}                 # 7 whole 7 MiB blocks
+    b = await pool.acquire("b")
+    assert m.shares == [("a", 50 * MiB), ("b", 51 * MiB)]                   # a's rounding left over goes to b
+    assert kv_held(pool) == {"a": 49 * MiB, "b": 49 * MiB, "c": 0}
+    assert sum(kv_held(pool).values()) <= pool.kv_budget and pool.kv_free == 2 * MiB
+    b.release()
+    assert await pool.unload("b")                                            # keep_alive 0 does this
+    assert kv_held(pool)["b"] == 0 and pool.kv_free == 51 * MiB               # its share went back
+    (await pool.acquire("c")).release()
+    assert m.shares[-1] == ("c", 51 * MiB)                                   # the third load gets it
+    assert kv_held(pool) == {"a": 49 * MiB, "b": 0, "c": 49 * MiB}
+    (await pool.acquire("b")).release()                                      # a (least recent idle) makes room
+    assert m.unloads == ["b", "a"] and m.shares[-1] == ("b", 51 * MiB)
+    assert sum(kv_held(pool).values()) <= pool.kv_budget
+
+
+async def test_concurrent_loads_never_share_more_than_the_budget_and_a_failed_one_gives_its_share_back():
+    m = Models()
+    m.gate["a"], m.gate["b"] = asyncio.Event(), asyncio.Event()
+    m.fail = {"b"}
+    pool = m.pool({"a": MiB, "b": MiB, "c": MiB}, max_loaded=3, kv_budget=90 * MiB)
+    la, lb = asyncio.ensure_future(pool.acquire("a")), asyncio.ensure_future(pool.acquire("b"))
+    await until(lambda: len(m.loads) == 2, "both loads started")
+    assert m.shares == [("a", 30 * MiB), ("b", 30 * MiB)]                   # each load's share is reserved
+    assert pool.kv_free == 30 * MiB and kv_held(pool) == {"a": 30 * MiB, "b": 30 * MiB, "c": 0}
+    m.gate["a"].set()
+    m.gate["b"].set()
+    (await la).release()
+    with pytest.raises(LoadFailed):
+        await lb
+    assert kv_held(pool) == {"a": 28 * MiB, "b": 0, "c": 0}                  # b's reservation is free again
+    (await pool.acquire("c")).release()
+    assert m.shares[-1] == ("c", 31 * MiB)                                   # 62 MiB free ÷ 2 empty slots
+
+
+async def test_without_a_shared_budget_each_load_sizes_its_own_cache():
+    m = Models()
+    pool = m.pool({"a": MiB, "b": MiB})
+    (await pool.acquire("a")).release()
+    assert m.shares == [("a", None)] and pool.kv_share("b") is None and kv_held(pool) == {"a": 0, "b": 0}

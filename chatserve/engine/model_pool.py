@@ -7,6 +7,13 @@ tries again. Loading evicts the least recently used idle models under `max_loade
 budget; a model with leases or running requests (`busy`) is never unloaded. An idle model is unloaded
 after its keep-alive (Ollama's semantics: 0 = at once, negative = never; a lease may override it).
 
+The pool also owns the shared KV cache budget (`kv_budget`, bytes; 0 = each model sizes its own): a load
+is handed its share, the free budget ÷ the slots still empty (slots = min(max_loaded, models)), so the
+first load gets budget ÷ slots and a later one also what earlier ones left over (a cache is whole
+blocks); the bytes a loaded model really holds are counted against the budget until it unloads, and then
+return to it for the next load. A live model's cache is never resized (its blocks hold running
+sequences), so the budget is never over-committed.
+
 Generic over what a load gives (`T`): the server's ServedModel, or a test's stand-in. No torch here.
 """
 from __future__ import annotations
@@ -69,6 +76,7 @@ class _Entry(Generic[T]):
     failed: BaseException | None = None     # why the last load failed (its waiters are told)
     loads: int = 0                          # loads started (a failed one included)
     waiting: int = 0                        # requests waiting for its load: it is not idle for them
+    kv: int = 0                             # KV bytes held of the shared budget (reserved while loading)
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class ModelInfo:
     size: int
     leases: int
     loads: int
+    kv_bytes: int = 0                       # its KV cache's bytes out of the shared budget (0: unloaded)
 
 
 class Lease(Generic[T]):
@@ -103,23 +112,31 @@ class Lease(Generic[T]):
             self._pool._release(self._entry, self.keep_alive)
 
     def __del__(self) -> None:
-        """A lease dropped unreleased (a parsed request whose stream never started) is given back when
-        collected, so its model can become idle again."""
+        """A backstop: every server path releases its lease itself (the stream once the engine has the
+        request, the route when its response ends); one dropped unreleased is still given back when
+        collected, so its model can become idle again, and logged as the bug it is."""
         try:
+            if not self._released:
+                log.warning("a lease on model %s was dropped unreleased (given back now)", self._entry.name)
             self.release()
         except Exception:           # interpreter shutdown: nothing left to give back to
             pass
 
 
 class ModelPool(Generic[T]):
-    def __init__(self, *, load: Callable[[str], Awaitable[T]], unload: Callable[[T], Awaitable[None]],
+    def __init__(self, *, load: Callable[[str, int | None], Awaitable[T]], unload: Callable[[T], Awaitable[None]],
                  busy: Callable[[T], bool], sizes: dict[str, int], keep_alive: float,
                  max_loaded: int, memory_budget: int = 0, pinned: tuple[str, ...] = (),
-                 release_memory: Callable[[], Awaitable[None]] | None = None) -> None:
-        """sizes: every model's name → bytes expected once loaded; memory_budget: 0 = no limit;
+                 release_memory: Callable[[], Awaitable[None]] | None = None,
+                 kv_budget: int = 0, kv_bytes: Callable[[T], int] | None = None) -> None:
+        """load(name, kv_share): kv_share is the KV cache bytes the model may take (None without a shared
+        budget); sizes: every model's name → bytes expected once loaded; memory_budget: 0 = no limit;
         release_memory: run after an unload once the pool holds no reference to the model (a garbage
-        collection: an engine's parts refer to each other, and the next load must find the memory free)."""
+        collection: an engine's parts refer to each other, and the next load must find the memory free);
+        kv_budget: the KV bytes every loaded model's cache shares (0 = none); kv_bytes: what a loaded
+        model's cache really holds (default: its whole share)."""
         self._load, self._unload, self._busy = load, unload, busy
+        self.kv_budget, self._kv_bytes = max(0, kv_budget), kv_bytes
         self._release_memory = release_memory
         self.keep_alive = keep_alive
         self.max_loaded, self.memory_budget = max(1, max_loaded), memory_budget
@@ -134,7 +151,23 @@ class ModelPool(Generic[T]):
         return list(self._entries)
 
     def info(self) -> list[ModelInfo]:
-        return [ModelInfo(e.name, e.phase.value, e.size, e.leases, e.loads) for e in self._entries.values()]
+        return [ModelInfo(e.name, e.phase.value, e.size, e.leases, e.loads, e.kv) for e in self._entries.values()]
+
+    @property
+    def kv_free(self) -> int:
+        """Bytes of the shared KV budget no loaded (or loading) model holds."""
+        return max(0, self.kv_budget - sum(e.kv for e in self._entries.values()))
+
+    def kv_share(self, name: str) -> int | None:
+        """The KV bytes `name` would be given if it loaded now (room already made): the free budget ÷ the
+        slots still empty; None without a shared budget."""
+        if not self.kv_budget:
+            return None
+        want = self._entries[name]
+        live = [e for e in self._entries.values() if e.phase is not Phase.UNLOADED and e is not want]
+        slots = min(self.max_loaded, len(self._entries))
+        free = max(0, self.kv_budget - sum(e.kv for e in live))
+        return free // max(1, slots - len(live))
 
     def loaded(self) -> list[tuple[str, T]]:
         return [(e.name, e.value) for e in self._entries.values()
@@ -187,20 +220,24 @@ class ModelPool(Generic[T]):
         e.phase = Phase.LOADING
         e.failed = None
         e.loads += 1
+        share = self.kv_share(e.name)
+        e.kv = share or 0                            # reserved: a concurrent load sees it taken
         e.transition = asyncio.get_running_loop().create_future()
-        asyncio.ensure_future(self._run_load(e))
+        asyncio.ensure_future(self._run_load(e, share))
 
-    async def _run_load(self, e: _Entry[T]) -> None:
+    async def _run_load(self, e: _Entry[T], share: int | None) -> None:
         fut = e.transition
         assert fut is not None
         try:
-            e.value = await self._load(e.name)
+            e.value = await self._load(e.name, share)
+            if share is not None and self._kv_bytes is not None:
+                e.kv = self._kv_bytes(e.value)       # what it really holds: whole blocks, ≤ its share
             e.phase = Phase.LOADED
             e.last_used = time.monotonic()
             log.info("model %s loaded", e.name)
         except Exception as err:                     # every waiter sees it; the next request retries
             log.exception("loading model %s failed", e.name)
-            e.value, e.phase = None, Phase.UNLOADED
+            e.value, e.phase, e.kv = None, Phase.UNLOADED, 0
             e.failed = err
         finally:
             e.transition = None
@@ -253,7 +290,7 @@ class ModelPool(Generic[T]):
         except Exception:
             log.exception("unloading model %s failed", e.name)
         finally:
-            e.value, e.phase, e.transition = None, Phase.UNLOADED, None
+            e.value, e.phase, e.transition, e.kv = None, Phase.UNLOADED, None, 0   # its share returns
             fut.set_result(None)
         log.info("model %s unloaded", e.name)
 
@@ -304,7 +341,7 @@ class ModelPool(Generic[T]):
         live = [e for e in self._entries.values() if e.phase is Phase.LOADED and e.value is not None]
         await asyncio.gather(*(done(e.value) for e in live if e.value is not None), return_exceptions=True)
         for e in live:
-            e.value, e.phase = None, Phase.UNLOADED
+            e.value, e.phase, e.kv = None, Phase.UNLOADED, 0
 
 
 def _mib(n: int) -> str:

@@ -158,7 +158,8 @@ def _lifespan(state: ServerState) -> Callable[[Starlette], contextlib.AbstractAs
 def build_app(state: ServerState, *, extra_routes: list[Any] | None = None) -> Starlette:
     cfg = state.config.server
     if state.metrics is None:
-        state.metrics = Metrics(lambda: [(m.name, m.engine) for m in state.models.loaded()], state.models.info)
+        state.metrics = Metrics(lambda: [(m.name, m.engine) for m in state.models.loaded()], state.models.info,
+                                lambda: state.models.pool.kv_budget)
         metrics = state.metrics
         state.models.on_load.append(lambda m: metrics.attach(m.name, m.engine))
     if state.rate_limiter is None and (cfg.rate_limit_rpm or cfg.rate_limit_tpm):

@@ -70,8 +70,9 @@ _STAT_METRICS = (
 class _EngineCollector:
     """Every loaded model's engine stats at scrape time, one `model_name` label value per model."""
 
-    def __init__(self, engines: EngineSource, models: Callable[[], list[ModelInfo]]) -> None:
-        self.engines, self.models = engines, models
+    def __init__(self, engines: EngineSource, models: Callable[[], list[ModelInfo]],
+                 kv_budget: Callable[[], int]) -> None:
+        self.engines, self.models, self.kv_budget = engines, models, kv_budget
 
     def describe(self):
         return []
@@ -89,7 +90,7 @@ class _EngineCollector:
         fin = CounterMetricFamily("chatserve:request_success", "Finished sequences by reason.",
                                   labels=["model_name", "finished_reason"])
         kv = GaugeMetricFamily("chatserve:kv_cache_memory_bytes", "Bytes of this model's KV cache (its share "
-                               "of --kv-cache-memory).", labels=["model_name"])
+                               "of --kv-cache-memory while several models share it).", labels=["model_name"])
         info = GaugeMetricFamily("chatserve:cache_config_info", "The KV cache's configuration (value 1).",
                                  labels=["model_name", *_CACHE_INFO_LABELS])
         for model, e, s in loaded:
@@ -104,10 +105,17 @@ class _EngineCollector:
                                    "model has a series).", labels=["model_name"])
         loads = CounterMetricFamily("chatserve:model_loads", "Loads of the model started since the server "
                                     "started (the first one included).", labels=["model_name"])
-        for m in self.models():
+        infos = self.models()
+        for m in infos:
             in_memory.add_metric([m.name], 1.0 if m.phase == "loaded" else 0.0)
             loads.add_metric([m.name], m.loads)
         yield from (in_memory, loads)
+        budget = self.kv_budget()
+        yield GaugeMetricFamily("chatserve:kv_cache_budget_bytes", "The KV cache bytes the loaded models share "
+                                "(--kv-cache-memory; 0: each model sizes its own cache).", value=budget)
+        yield GaugeMetricFamily("chatserve:kv_cache_budget_free_bytes", "Bytes of that budget no loaded or "
+                                "loading model holds: the next load's share comes out of it.",
+                                value=max(0, budget - sum(m.kv_bytes for m in infos)) if budget else 0)
 
 
 _CACHE_INFO_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "max_model_len")
@@ -125,9 +133,11 @@ class Metrics:
     """Owns the registry; `render()` gives the exposition text. `engines` lists the loaded models'
     (name, engine) at scrape time; `attach` feeds a newly loaded one's observations to the histograms."""
 
-    def __init__(self, engines: EngineSource, models: Callable[[], list[ModelInfo]] = list) -> None:
+    def __init__(self, engines: EngineSource, models: Callable[[], list[ModelInfo]] = list,
+                 kv_budget: Callable[[], int] = int) -> None:
+        """kv_budget: the shared KV budget at scrape time (0: none)."""
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(engines, models))
+        self.registry.register(_EngineCollector(engines, models, kv_budget))
         r, lab = self.registry, ["model_name"]
         self.hist = {key: Histogram(f"chatserve:{name}", doc, lab, buckets=buckets, registry=r)
                      for key, (name, doc, buckets) in _ENGINE_HISTOGRAMS.items()}

@@ -18,6 +18,7 @@ from chatserve.server.model_specs import ModelSpec
 from chatserve.server.served_model import ServedModel, load_served, release_memory, unload_served
 
 if TYPE_CHECKING:
+    from chatserve.config import EngineConfig
     from chatserve.engine import AsyncEngine
     from chatserve.core.protocols import TokenizerLike
 
@@ -40,6 +41,7 @@ class ModelRegistry:
     sizes: dict[str, int] = field(default_factory=dict)   # name → weights + KV bytes (0 = unknown)
     prebuilt: dict[str, PrebuiltParts] = field(default_factory=dict)
     on_load: list[Callable[[ServedModel], None]] = field(default_factory=list)
+    kv_budget: int = 0                           # KV bytes the loaded models share (model_specs.shared_kv_budget)
 
     def __post_init__(self) -> None:
         first = self.specs[0].config
@@ -57,7 +59,7 @@ class ModelRegistry:
             load=self._load, unload=unload_served, busy=lambda m: m.busy(),
             sizes={s.name: self.sizes.get(s.name, 0) for s in self.specs}, keep_alive=sc.keep_alive,
             max_loaded=sc.max_loaded_models, memory_budget=sc.model_memory_budget, pinned=pinned,
-            release_memory=release_memory)
+            release_memory=release_memory, kv_budget=self.kv_budget, kv_bytes=lambda m: m.kv_bytes)
 
     @staticmethod
     def _names_of(s: ModelSpec) -> set[str]:
@@ -93,13 +95,18 @@ class ModelRegistry:
         return self._by_name[name]
 
     # ---- loading ---------------------------------------------------------------------------------
-    async def _load(self, name: str) -> ServedModel:
-        spec = self._by_name[name]
+    def load_config(self, name: str, kv_share: int | None) -> EngineConfig:
+        """The config `name` loads with: its spec's, with the KV share the pool gives it (None: its own)."""
+        cfg = self._by_name[name].config
+        return cfg if kv_share is None else cfg.replace_section("cache", kv_cache_memory=kv_share)
+
+    async def _load(self, name: str, kv_share: int | None) -> ServedModel:
+        cfg = self.load_config(name, kv_share)
         parts = self.prebuilt.pop(name, None) if len(self.specs) > 1 else self.prebuilt.get(name)
         if parts is None:
-            served = await load_served(name, spec.config)
-        else:
-            served = await load_served(name, spec.config, engine=parts.engine, tokenizer=parts.tokenizer,
+            served = await load_served(name, cfg)
+        else:                                           # built with the first share (serve.py)
+            served = await load_served(name, cfg, engine=parts.engine, tokenizer=parts.tokenizer,
                                        sampling_defaults=parts.sampling_defaults, vocab_size=parts.vocab_size)
         for hook in self.on_load:
             hook(served)

@@ -77,10 +77,15 @@ async def _generation(request: Request, parse, stream, collect) -> Response:
     """Parse the body, then stream SSE chunks or answer once with the folded chunks."""
     st = state_of(request)
     req = await admit(st, await _body(request), parse, rate_key=rate_key_of(request))
+    # the model lease is given back on every exit: once the engine has the request (the stream does
+    # it), or when the response ends, whether or not the stream ever started
     chunks = stream(st, req, owner=api_owner_of(request), rate_key=rate_key_of(request))
     if req.stream:
-        return sse_response(chunks if req.include_usage else _drop_usage(chunks), request)
-    return await _collect_unless_gone(request, chunks, collect, req)
+        return sse_response(chunks if req.include_usage else _drop_usage(chunks), request, on_close=req.release)
+    try:
+        return await _collect_unless_gone(request, chunks, collect, req)
+    finally:
+        req.release()
 
 
 async def chat_completions(request: Request) -> Response:

@@ -17,13 +17,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from chatserve import version
-from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments
+from chatserve.config import ConfigError, EngineConfig, ServerConfig, add_arguments, settings
 from chatserve.config import parse_bytes  # noqa: F401  (re-exported: tests/server/test_server_cli.py imports it here)
 from chatserve.config import config_from_args as apply_args
 from chatserve.generation_defaults import load_generation_defaults
 from chatserve.model_source import prepare_model
 from chatserve.model_source.check import human_size
-from chatserve.server.model_specs import ModelSpec, check_unique, model_specs, parse_named, split_model_args
+from chatserve.server.model_specs import (ModelSpec, check_unique, model_specs, parse_named, shared_kv_budget,
+                                         split_model_values)
 from chatserve.server.redis_check import redact_url
 
 if TYPE_CHECKING:
@@ -50,14 +51,23 @@ def build_parser(env: EngineConfig | None = None) -> argparse.ArgumentParser:
 
     `env` is unused (kept for callers that passed their defaults): defaults are applied by
     config_from_args, so a flag not given falls back to the environment, then to the declaration."""
-    p = argparse.ArgumentParser(prog="chatserve serve", description=DESCRIPTION)
+    # "resolve": the declared --model (one value) is replaced by one that keeps every value given, so a
+    # repeated --model NAME=PATH reaches argparse as it is (model_specs.split_model_values sorts them)
+    p = argparse.ArgumentParser(prog="chatserve serve", description=DESCRIPTION, conflict_handler="resolve")
     p.add_argument("--version", action="version", version=f"chatserve {version()}")
     add_arguments(p)
+    declared = next(s for s in settings("model") if s.name == "model")
+    p.add_argument("--model", dest="model", action="append", default=argparse.SUPPRESS, metavar="[NAME=]MODEL",
+                   help=f"{declared.option.help}; NAME=MODEL, repeatable, serves several models by name "
+                   f"(docs/multi-model.md) (default: {declared.option.shown_default}; env "
+                   f"{' or '.join('$' + v for v in declared.env_names)})")
     return p
 
 
 def config_from_args(args: argparse.Namespace, env: EngineConfig | None = None) -> EngineConfig:
-    """The flags given on the command line applied over `env` (defaults + CHATSERVE_* variables)."""
+    """The flags given on the command line applied over `env` (defaults + CHATSERVE_* variables); a plain
+    --model is the model, the --model NAME=PATH ones are configured()'s."""
+    args, _ = split_model_values(args)
     return apply_args(args, env if env is not None else env_config())
 
 
@@ -121,11 +131,20 @@ def models_lines(state: ServerState) -> list[str]:
     budget = f", model memory budget {human_size(sc.model_memory_budget)}" if sc.model_memory_budget else ""
     out = [f"  models     {len(reg.specs)} served, at most {sc.max_loaded_models} loaded at once{budget}; "
            f"{keep} (--keep-alive)"]
+    pool = reg.pool
+    if pool.kv_budget:
+        out.append(f"  KV budget  {human_size(pool.kv_budget)} shared, {human_size(pool.kv_free)} free: a load "
+                   f"gets the free budget ÷ the empty slots; an unload gives its share back")
     for info in reg.info():
         spec = reg.spec(info.name)
-        kv = spec.config.cache.kv_cache_memory
+        if info.kv_bytes:
+            kv = f"its KV cache {human_size(info.kv_bytes)}"
+        elif pool.kv_budget:
+            kv = f"a KV share of {human_size(pool.kv_share(info.name) or 0)} if it loaded now"
+        else:
+            kv = f"its KV cache {human_size(spec.config.cache.kv_cache_memory)}"
         out.append(f"    {info.name:<20} {info.phase:<9} {spec.config.model.resolved_model()}  "
-                   f"(~{human_size(info.size)} with its KV cache share of {human_size(kv)})")
+                   f"(~{human_size(info.size)}; {kv})")
     return out
 
 
@@ -292,8 +311,7 @@ def configured(argv: list[str] | None) -> tuple[EngineConfig, list[ModelSpec]]:
     """The flags and environment → the server's config and its models (each resolved to a local path and
     checked; ConfigError, FileNotFoundError or ValueError name what is wrong). --help and --version exit
     here, before the environment is read."""
-    rest, named = split_model_args(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(rest)
+    args, named = split_model_values(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
     base = config_from_args(args, env_config())
     specs = []
     for spec in model_specs(base, [*parse_named(base.server.models), *named]):
@@ -342,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[chatserve] warm-up: kernels compiled, one dummy prefill + decode ran in "
               f"{engine.warm_up_seconds:.2f} s; ready for requests", flush=True)
     registry = ModelRegistry(specs, sizes=sizes, prebuilt={
-        specs[0].name: PrebuiltParts(engine, sampling_defaults=generation_defaults)})
+        specs[0].name: PrebuiltParts(engine, sampling_defaults=generation_defaults)},
+        kv_budget=shared_kv_budget(cfg, specs))
     registry.on_load.append(warm_tokenizer_process)
     state = ServerState(config=cfg, models=registry)
     stats = StatsLine(registry, sc.stats_interval)

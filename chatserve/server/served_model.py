@@ -45,6 +45,12 @@ class ServedModel:
         return self.engine.num_blocks * self.engine.block_size
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes of this model's KV cache (0 = unknown: an engine without a real runner)."""
+        per_block = int(getattr(self.engine.runner, "bytes_per_block", 0) or 0)
+        return per_block * int(self.engine.num_blocks)
+
+    @property
     def default_max_tokens(self) -> int | None:
         """max_tokens of a request that sets none: --max-tokens-default, else the model's generation
         config, else None (the rest of the context, as OpenAI does)."""

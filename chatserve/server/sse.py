@@ -9,7 +9,7 @@ import asyncio
 import json
 import logging
 import math
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 import orjson
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
@@ -74,8 +74,10 @@ class ChunkStreamResponse(Response):
     arrive as an in-stream error event. Every event is framed with bare LF."""
 
     def __init__(self, chunks: AsyncGenerator[dict, None], *, send_timeout: float | None,
-                 ping: float | None = None, typed: bool = False) -> None:
+                 ping: float | None = None, typed: bool = False,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.chunks = chunks
+        self.on_close = on_close         # run when the response ends, even before the first chunk
         self.typed = typed               # Responses API: `event: <type>` lines, no [DONE], typed errors
         self.send_timeout = send_timeout
         self.ping = ping
@@ -137,7 +139,11 @@ class ChunkStreamResponse(Response):
             if not first_task.done():
                 first_task.cancel()
                 await asyncio.gather(first_task, return_exceptions=True)
-            await chunks.aclose()          # aborts the request in the engine if it is still running
+            try:
+                await chunks.aclose()      # aborts the request in the engine if it is still running
+            finally:
+                if self.on_close is not None:
+                    self.on_close()        # a stream closed before its first step ran none of its code
 
 
     def _event(self, c: dict) -> dict:
@@ -147,12 +153,13 @@ class ChunkStreamResponse(Response):
 
 
 def sse_response(chunks: AsyncGenerator[dict, None], request: Request | None = None, *,
-                 typed: bool = False) -> Response:
+                 typed: bool = False, on_close: Callable[[], None] | None = None) -> Response:
     """Stream chunk dicts as `data: {json}` events, `data: [DONE]` last, with keep-alive pings; every
     SSE stream of the server (chat, completions, session turns) goes through here.
-    A reader that blocks a send for ServerConfig.stream_timeout is ended; a disconnect aborts."""
+    A reader that blocks a send for ServerConfig.stream_timeout is ended; a disconnect aborts.
+    `on_close` runs once the response ends, however it ends (a request's model lease given back)."""
     timeout = None
     if request is not None:
         st = getattr(request.app.state, "chatserve", None)
         timeout = st.config.server.stream_timeout if st is not None else None
-    return ChunkStreamResponse(chunks, send_timeout=timeout, typed=typed)
+    return ChunkStreamResponse(chunks, send_timeout=timeout, typed=typed, on_close=on_close)

@@ -66,11 +66,13 @@ class ServerState:
 
 def single_model_state(config: EngineConfig, engine: AsyncEngine, tokenizer: TokenizerLike | None = None,
                        model_name: str = "model", *, vocab_size: int | None = None,
-                       sampling_defaults: dict[str, Any] | None = None, **fields: Any) -> ServerState:
+                       sampling_defaults: dict[str, Any] | None = None, aliases: tuple[str, ...] = (),
+                       **fields: Any) -> ServerState:
     """A ServerState serving one model whose engine the caller built (tests, embedders); the lifespan
-    starts it. No sampling defaults unless given (OpenAI's). `fields`: the other ServerState fields."""
+    starts it. No sampling defaults unless given (OpenAI's). `aliases`: more names requests may give it;
+    `fields`: the other ServerState fields."""
     from chatserve.server.model_registry import ModelRegistry, PrebuiltParts
     from chatserve.server.model_specs import ModelSpec
     parts = PrebuiltParts(engine, tokenizer, sampling_defaults or {}, vocab_size)
-    registry = ModelRegistry([ModelSpec(model_name, config)], prebuilt={model_name: parts})
+    registry = ModelRegistry([ModelSpec(model_name, config, aliases)], prebuilt={model_name: parts})
     return ServerState(config=config, models=registry, **fields)

@@ -37,7 +37,7 @@ class ProgressChat(ScriptedChat):
 @pytest.fixture(scope="module")
 def live() -> Iterator[tuple[LiveServer, ProgressChat]]:
     chat = ProgressChat()
-    app = make_app(chat)
+    app = make_app(chat, model_names=tuple(m["id"] for m in MODELS))     # a session may pick either
     models = {"data": MODELS[:1]}
     app.add_route("/v1/models", lambda r: JSONResponse({"object": "list", "data": models["data"]}))
     with LiveServer(app) as srv:

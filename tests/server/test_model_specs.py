@@ -1,20 +1,30 @@
-"""`--model NAME=PATH` beside a plain `--model PATH`, Ollama's keep_alive durations, and the KV cache
+"""`--model NAME=PATH` beside a plain `--model PATH` (one argparse path), Ollama's keep_alive durations, and the KV cache
 budget split among the models loaded at once (chatserve/server/model_specs.py, config.parse_duration)."""
 from __future__ import annotations
 
 import pytest
 
 from chatserve.config import EngineConfig, parse_duration
-from chatserve.server.model_specs import check_unique, model_specs, parse_named, split_model_args
+from chatserve.server.model_specs import check_unique, model_specs, parse_named, parse_spec, split_model_values
+from chatserve.server.serve import build_parser, config_from_args
 
 
-def test_named_models_leave_argv_and_a_plain_model_stays():
-    argv = ["--model", "a=/m/a.gguf", "--port", "9", "--model=b=/m/b", "--model", "/m/plain.gguf", "-v"]
-    rest, named = split_model_args(argv)
+def test_every_model_flag_reaches_argparse_and_one_parser_tells_named_from_plain():
+    argv = ["--model", "a=/m/a.gguf", "--port", "9", "--model=b=/m/b", "--model", "/m/plain.gguf"]
+    args, named = split_model_values(build_parser().parse_args(argv))
     assert named == [("a", "/m/a.gguf"), ("b", "/m/b")]
-    assert rest == ["--port", "9", "--model", "/m/plain.gguf", "-v"]
-    assert split_model_args(["--model", "qwen3:4b"]) == (["--model", "qwen3:4b"], [])     # Ollama tag
-    assert split_model_args(["--model", "org/repo:Q4_K_M"])[1] == []                      # hub name
+    assert args.model == "/m/plain.gguf" and args.port == 9
+    cfg = config_from_args(args, EngineConfig())
+    assert cfg.model.model == "/m/plain.gguf" and cfg.server.port == 9
+    for tag in ("qwen3:4b", "org/repo:Q4_K_M", "/p/with=sign/m.gguf"):   # Ollama tag, hub name, '/' in NAME
+        args, named = split_model_values(build_parser().parse_args(["--model", tag]))
+        assert named == [] and args.model == tag and parse_spec(tag) is None
+    args, named = split_model_values(build_parser().parse_args(["--model", "x=/p/x"]))
+    assert named == [("x", "/p/x")] and not hasattr(args, "model")          # no plain one: the default
+    assert split_model_values(args) == (args, [])                            # idempotent
+    assert config_from_args(build_parser().parse_args(["/m/pos.gguf"]), EngineConfig()).model.model == "/m/pos.gguf"
+    with pytest.raises(ValueError, match="name each one"):
+        split_model_values(build_parser().parse_args(["--model", "/m/1.gguf", "--model", "/m/2.gguf"]))
     assert parse_named(("x=/p/x.gguf",)) == [("x", "/p/x.gguf")]
     with pytest.raises(ValueError):
         parse_named(("no-equals",))

@@ -109,13 +109,17 @@ class IdleEngine:
 
 
 def make_app(backend: ScriptedChat, redis_url: str | None = None, store: Any = None,
-             api_keys: tuple[str, ...] = (), model_card: dict | None = None) -> Starlette:
+             api_keys: tuple[str, ...] = (), model_card: dict | None = None,
+             model_names: tuple[str, ...] = ()) -> Starlette:
     """The smallest app that serves the session routes, the real /v1/ws, and a /metrics with the KV
     usage gauge (the fake's running generations); no engine but an IdleEngine for progress. With
-    `model_card`, GET /v1/models lists that one card (what the UI reads the thinking switch from)."""
+    `model_card`, GET /v1/models lists that one card (what the UI reads the thinking switch from).
+    The served model answers to "fake-model", the default model's short names and `model_names`."""
     cfg = EngineConfig(server=ServerConfig(redis_url=redis_url, api_keys=api_keys))
+    names = (*model_names, *([model_card["id"]] if model_card is not None else []))
     # never started: no model is loaded, so turns ask no engine for progress
-    state = single_model_state(cfg, IdleEngine(), None, "fake-model", sessions=store)  # type: ignore[arg-type]  # IdleEngine: a fake
+    state = single_model_state(cfg, IdleEngine(), None, "fake-model", sessions=store,  # type: ignore[arg-type]  # IdleEngine: a fake
+                               aliases=names)
 
     async def metrics(request: Any) -> PlainTextResponse:
         usage = 0.25 * backend.active

@@ -370,3 +370,25 @@ def test_foreign_origins_never_act_with_the_browser_identity():
         assert refused.value.code == 1008
         assert chat.started == 0
         assert [m for m in c.get(f"/v1/sessions/{sid}").json()["messages"]] == []
+
+
+async def test_a_model_the_server_does_not_serve_is_refused_when_set_not_at_the_next_turn():
+    chat = ScriptedChat()
+    app = make_app(chat, model_names=("tiny-code",))
+    async with client(app) as c:
+        r = await c.post("/v1/sessions", json={"model": "gpt-4o"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert "'fake-model'" in r.json()["error"]["message"] and r.json()["error"]["param"] == "model"
+        sid = (await c.post("/v1/sessions", json={"model": "fake-model"})).json()["id"]
+        r = await c.patch(f"/v1/sessions/{sid}", json={"model": "nope", "title": "kept?"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        s = (await c.get(f"/v1/sessions/{sid}")).json()
+        assert s["model"] == "fake-model" and s["title"] != "kept?"          # nothing of the PATCH applied
+        r = await c.patch(f"/v1/sessions/{sid}", json={"model": "tiny-code"})    # another served name
+        assert r.status_code == 200 and r.json()["model"] == "tiny-code"
+        await say(c, sid, "hi")
+        assert chat.requests[-1]["req"]["model"] == "tiny-code"
+        doc = (await c.get(f"/v1/sessions/{sid}/export")).json()
+        r = await c.post("/v1/sessions/import", json={**doc, "model": "elsewhere"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert (await c.post("/v1/sessions/import", json=doc)).status_code == 201

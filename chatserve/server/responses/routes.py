@@ -25,9 +25,12 @@ async def create(request: Request) -> Response:
     r = validate(ResponsesRequest, await _body(request))
     p = await service.prepare(st, r, owner=api_owner_of(request), rate_key=rate_key_of(request))
     stream = service.events(st, p)
-    if r.stream:
-        return sse_response(stream, request, typed=True)
-    return await _collect_unless_gone(request, stream, service.collect, p)
+    if r.stream:       # the model lease is given back when the response ends, even if it never started
+        return sse_response(stream, request, typed=True, on_close=p.chat.release)
+    try:
+        return await _collect_unless_gone(request, stream, service.collect, p)
+    finally:
+        p.chat.release()
 
 
 async def _stored(request: Request) -> tuple[ServerState, str, dict]:

@@ -67,7 +67,8 @@ def clean_id(v: Any, name: str) -> str:
 
 
 def apply_settings(s: Session, body: dict[str, Any], state: Any) -> None:
-    """Set title, system_prompt, params, model from a create/PATCH/import body (all validated)."""
+    """Set title, system_prompt, params, model from a create/PATCH/import body (all validated; a model this
+    server does not serve is a 404)."""
     if "title" in body:
         s.title = clean_text(body["title"], "title", MAX_TITLE_CHARS).strip() or "New chat"
     if "system_prompt" in body:
@@ -75,7 +76,15 @@ def apply_settings(s: Session, body: dict[str, Any], state: Any) -> None:
     if "params" in body:
         s.params = clean_params(body["params"], state)
     if "model" in body:
-        s.model = None if body["model"] is None else clean_text(body["model"], "model", 200)
+        s.model = None if body["model"] is None else served_model_name(clean_text(body["model"], "model", 200),
+                                                                      state)
+
+
+def served_model_name(name: str, state: Any) -> str:
+    """`name` when this server serves a model by it (any of its names), else a 404 listing the served
+    names, at once: not at the session's next turn."""
+    state.models.resolve(name)
+    return name
 
 
 def clean_message(m: Any, param: str) -> dict[str, Any]:

@@ -299,6 +299,7 @@ class TurnService:
         q = turn.follow(replay=False)
         turn.admitted = asyncio.get_running_loop().create_future()
         turn.task = asyncio.get_running_loop().create_task(self._run(turn, req, rate_key))
+        turn.task.add_done_callback(lambda _t: _release(req))   # even a turn cancelled before it ran
         try:
             await asyncio.shield(turn.admitted)
         except asyncio.CancelledError:
