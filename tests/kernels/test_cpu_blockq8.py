@@ -126,3 +126,15 @@ def test_the_levels_agree_on_the_integers_and_closely_on_y():
     for y in ys.values():
         assert y.abs().sum() > 0
         assert bool(((y - ys[LEVELS[0]]).abs() <= mag * 2e-5).all())
+
+
+def test_bench_blockmm_reports_the_q8_kernel_for_decode_rows_only():
+    from chatserve.bench import blockmm
+    args = blockmm.build_parser().parse_args(["--formats", "Q4_0,F16", "--shapes", "64x64", "--rows", "1,32",
+                                              "--repeats", "1", "--json"])
+    rows = blockmm.run(args)
+    assert [r["m"] for r in rows] == [1, 32]
+    decode, prefill = rows[0]["ms"], rows[1]["ms"]
+    assert {f"Q4_0/q8-{isa}" for isa in LEVELS} <= set(decode) and all(v > 0 for v in decode.values())
+    assert not any("q8" in key for key in prefill)               # past --q8-max-rows
+    assert not any(key.startswith("F16/q8") for key in decode)    # no integer codes in F16
