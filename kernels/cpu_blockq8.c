@@ -246,67 +246,140 @@ static inline __attribute__((always_inline)) vi dot(vi nzq, vi u, vi q, int z) {
 #endif
 }
 
-/* Per row of x, the call's scratch: codes q [k], and per lane of 4: −z·Σq (int32), d (float), d·Σq (float) */
+/* One step of the K loop covers SB blocks: level 2 one block in natural order; level 3 a pair of blocks a, b
+ * in the order [a 0-15, b 0-15, a 16-31, b 16-31] (what nibble and byte unpacking yields with the fewest
+ * shuffles), so 16 lanes of 4 = a, b, a, b per quarter. x is laid out in that order once per call. */
+#if BQ8_LEVEL == 3
+#define SB 2
+#else
+#define SB 1
+#endif
+
+/* natural position of x element `pos` of the stepped layout, or -1 past the last block (padding) */
+static inline int64_t natural_pos(int64_t pos, int64_t nb) {
+#if SB == 2
+    const int64_t s = pos / 64, o = pos % 64, quarter = o / 16, block = 2 * s + (quarter & 1);
+    return block < nb ? 32 * block + (quarter >= 2 ? 16 : 0) + o % 16 : -1;
+#else
+    (void)nb;
+    return pos;
+#endif
+}
+
+/* Per row of x, the call's scratch in the stepped layout: codes q [kp], and per lane of 4: −z·Σq (int32),
+ * the block's d (float) and d·Σq (float) [kp / 4]; padding lanes are 0 */
 typedef struct {
     const int8_t *q;
     const int32_t *nzq;
     const float *dl, *dsq;
-    int64_t k;
+    int64_t nb, kp;
 } xrows;
 
-static void prepare_x(const int8_t *q, const float *d, int64_t m, int64_t k, int z, int32_t *nzq, float *dl,
-                      float *dsq) {
+static void prepare_x(const int8_t *q, const float *d, int64_t m, int64_t k, int z, int8_t *xp, int32_t *nzq,
+                      float *dl, float *dsq) {
+    const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32;
     for (int64_t r = 0; r < m; r++)
-        for (int64_t l = 0; l < k / 4; l++) {
-            const int8_t *p = q + r * k + 4 * l;
-            const int32_t s = p[0] + p[1] + p[2] + p[3];
-            const float dd = d[r * (k / 32) + l / 8];
-            nzq[r * (k / 4) + l] = -z * s;
-            dl[r * (k / 4) + l] = dd;
-            dsq[r * (k / 4) + l] = dd * (float)s;
+        for (int64_t l = 0; l < kp / 4; l++) {
+            int32_t s = 0;
+            int64_t block = -1;
+            for (int i = 0; i < 4; i++) {
+                const int64_t src = natural_pos(4 * l + i, nb);
+                const int8_t v = src < 0 ? 0 : q[r * k + src];
+                xp[r * kp + 4 * l + i] = v;
+                s += v;
+                block = src < 0 ? -1 : src / 32;
+            }
+            const float dd = block < 0 ? 0.f : d[r * nb + block];
+            nzq[r * (kp / 4) + l] = -z * s;
+            dl[r * (kp / 4) + l] = dd;
+            dsq[r * (kp / 4) + l] = dd * (float)s;
         }
 }
 
 #if BQ8_LEVEL == 3
-/* mr rows of x (from row m0) · one W row → res[mr]. Two blocks per step; an odd last block runs masked. */
+/* W blocks j, j + 1 (b absent when !two) → codes u in the pair order, weight scales and mins per lane */
+typedef struct { __m512i u; __m512 ws, mn; } pair64;
+
+static inline __m512 two_halves(float a, float b) {       /* lanes: a ×4, b ×4, a ×4, b ×4 */
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(a, b, 0.f, 0.f)));
+}
+static inline __m512 two_fp16(const uint8_t *pa, const uint8_t *pb) {   /* two fp16 → two_halves */
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    uint16_t ha, hb; memcpy(&ha, pa, 2); memcpy(&hb, pb, 2);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)ha | ((uint32_t)hb << 16))));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
+}
+
+static inline __attribute__((always_inline)) pair64 pair(const int fmt, const uint8_t *row, int64_t j, int two) {
+    pair64 o;
+    if (two && (fmt == Q4_0 || fmt == Q4_1)) {             /* [qa, qb, qa >> 4, qb >> 4] & 0x0F */
+        const int64_t bb = fmt == Q4_0 ? 18 : 20, at = fmt == Q4_0 ? 2 : 4;
+        const uint8_t *a = row + j * bb, *b = a + bb;
+        const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(ld16(a + at)), ld16(b + at), 1);
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+        o.u = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+        o.ws = two_fp16(a, b);
+        o.mn = fmt == Q4_1 ? two_fp16(a + 2, b + 2) : _mm512_setzero_ps();
+        return o;
+    }
+    if (two && fmt == Q8_0) {                             /* [a, b] → 128-bit lanes 0, 2, 1, 3; q + 128 */
+        const uint8_t *a = row + j * 34, *b = a + 34;
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b + 2)), 1);
+        o.u = _mm512_xor_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8((char)0x80));
+        o.ws = two_fp16(a, b);
+        o.mn = _mm512_setzero_ps();
+        return o;
+    }
+    const blk32 a = unpack(fmt, row, j);
+    blk32 b;
+    if (two) b = unpack(fmt, row, j + 1);
+    else { b.lo = b.hi = _mm_setzero_si128(); b.ws0 = b.ws1 = b.mn = 0.f; }
+    const __m256i lo = _mm256_set_m128i(b.lo, a.lo), hi = _mm256_set_m128i(b.hi, a.hi);
+    o.u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    o.ws = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(a.ws0, b.ws0, a.ws1, b.ws1)));
+    o.mn = has_min(fmt) ? two_halves(a.mn, b.mn) : _mm512_setzero_ps();
+    return o;
+}
+
+/* mr rows of x (from row m0) · one W row → res[mr] */
 static inline __attribute__((always_inline)) void rows_dot(const int fmt, const int mr, const uint8_t *wrow,
                                                            const xrows *X, int64_t m0, float *res) {
-    const int64_t nb = X->k / 32, k = X->k, kl = X->k / 4;
+    const int64_t nb = X->nb, kp = X->kp, kl = X->kp / 4;
     const int z = zero_of(fmt), mins = has_min(fmt);
-    const __m512i widen = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i widen2 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     vf acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j += 2) {
-        const int two = j + 1 < nb;
-        const __mmask64 m8 = two ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
-        const __mmask16 m32 = two ? (__mmask16)0xFFFF : (__mmask16)0xFF;
         __builtin_prefetch(wrow + (j / (block_elems(fmt) / 32)) * block_bytes(fmt) + 1024);
-        const blk32 a = unpack(fmt, wrow, j);
-        blk32 b;
-        if (two) b = unpack(fmt, wrow, j + 1);
-        else { b.lo = b.hi = _mm_setzero_si128(); b.ws0 = b.ws1 = b.mn = 0.f; }
-        const __m256i ua = _mm256_set_m128i(a.hi, a.lo), ub = _mm256_set_m128i(b.hi, b.lo);
-        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(ua), ub, 1);
-        const __m512 ws = _mm512_permutexvar_ps(widen, _mm512_castps128_ps512(_mm_setr_ps(a.ws0, a.ws1, b.ws0, b.ws1)));
-        __m512 mn = _mm512_setzero_ps();
-        if (mins) mn = _mm512_permutexvar_ps(widen2, _mm512_castps128_ps512(_mm_setr_ps(a.mn, b.mn, 0.f, 0.f)));
+        const pair64 p = pair(fmt, wrow, j, j + 1 < nb);
         for (int i = 0; i < mr; i++) {
             const int64_t r = m0 + i;
-            const __m512i q = _mm512_maskz_loadu_epi8(m8, X->q + r * k + 32 * j);
-            const __m512i nz = _mm512_maskz_loadu_epi32(m32, X->nzq + r * kl + 8 * j);
-            const __m512 dl = _mm512_maskz_loadu_ps(m32, X->dl + r * kl + 8 * j);
-            const __m512i s = dot(nz, u, q, z);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, dl), acc[i]);
-            if (mins) acc[i] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(m32, X->dsq + r * kl + 8 * j), acc[i]);
+            const __m512i q = _mm512_loadu_si512(X->q + r * kp + 32 * j);
+            const __m512i nz = _mm512_loadu_si512(X->nzq + r * kl + 8 * j);
+            const __m512 dl = _mm512_loadu_ps(X->dl + r * kl + 8 * j);
+            const __m512i s = dot(nz, p.u, q, z);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(p.ws, dl), acc[i]);
+            if (mins) acc[i] = _mm512_fmadd_ps(p.mn, _mm512_loadu_ps(X->dsq + r * kl + 8 * j), acc[i]);
         }
     }
     for (int i = 0; i < mr; i++) res[i] = hsum(acc[i]);
 }
+
+/* one step's exact lane dots, for the tests: lanes [16] of x row (stepped layout) against W blocks j, j + 1 */
+static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, const int8_t *xq, const int32_t *nz,
+                       int32_t *lanes) {
+    const pair64 p = pair(fmt, wrow, j, two);
+    _mm512_storeu_si512(lanes, dot(_mm512_loadu_si512(nz), p.u, _mm512_loadu_si512(xq), zero_of(fmt)));
+}
+/* lane quarter → (block offset, half) */
+#define LANE_BLOCK(l) (((l) / 4) & 1)
+#define LANE_HALF(l) ((l) / 8)
 #else
 static inline __attribute__((always_inline)) void rows_dot(const int fmt, const int mr, const uint8_t *wrow,
                                                            const xrows *X, int64_t m0, float *res) {
-    const int64_t nb = X->k / 32, k = X->k, kl = X->k / 4;
+    const int64_t nb = X->nb, kp = X->kp, kl = X->kp / 4;
     const int z = zero_of(fmt), mins = has_min(fmt);
     vf acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
@@ -318,7 +391,7 @@ static inline __attribute__((always_inline)) void rows_dot(const int fmt, const 
         const __m256 mn = _mm256_set1_ps(a.mn);
         for (int i = 0; i < mr; i++) {
             const int64_t r = m0 + i;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(X->q + r * k + 32 * j));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(X->q + r * kp + 32 * j));
             const __m256i nz = BQ8_VNNI ? _mm256_loadu_si256((const __m256i *)(X->nzq + r * kl + 8 * j))
                                         : _mm256_setzero_si256();
             const __m256 dl = _mm256_loadu_ps(X->dl + r * kl + 8 * j);
@@ -329,35 +402,46 @@ static inline __attribute__((always_inline)) void rows_dot(const int fmt, const 
     }
     for (int i = 0; i < mr; i++) res[i] = hsum(acc[i]);
 }
+
+static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, const int8_t *xq, const int32_t *nz,
+                       int32_t *lanes) {
+    (void)two;
+    const blk32 a = unpack(fmt, wrow, j);
+    const __m256i n = BQ8_VNNI ? _mm256_loadu_si256((const __m256i *)nz) : _mm256_setzero_si256();
+    _mm256_storeu_si256((__m256i *)lanes, dot(n, _mm256_set_m128i(a.hi, a.lo),
+                                              _mm256_loadu_si256((const __m256i *)xq), zero_of(fmt)));
+}
+#define LANE_BLOCK(l) 0
+#define LANE_HALF(l) ((l) / 4)
 #endif
 
-/* the integer dots alone, per 16-element half: out [m, n, k / 16] (exact tests of dot()) */
+/* the integer dots alone, per 16-element half: out [m, n, k / 16] (exact tests of the unpacking and dot()) */
 int chatserve_bq8_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int8_t *q,
                        int64_t m, int32_t *out) {
-    if (!known(fmt)) return 1;
-    const int z = zero_of(fmt);
+    if (!known(fmt) || k % 32) return 1;
+    const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32;
+    int8_t *xp = malloc((size_t)(m * kp));
+    int32_t *nzq = malloc(sizeof(int32_t) * (size_t)(m * kp / 4));
+    float *d = malloc(sizeof(float) * (size_t)(m * nb));
+    float *dl = malloc(sizeof(float) * (size_t)(m * kp / 4)), *dsq = malloc(sizeof(float) * (size_t)(m * kp / 4));
+    if (!xp || !nzq || !d || !dl || !dsq) { free(xp); free(nzq); free(d); free(dl); free(dsq); return 2; }
+    for (int64_t i = 0; i < m * nb; i++) d[i] = 1.f;
+    prepare_x(q, d, m, k, zero_of(fmt), xp, nzq, dl, dsq);
     for (int64_t r = 0; r < m; r++)
-        for (int64_t c = 0; c < n; c++)
-            for (int64_t j = 0; j < k / 32; j++) {
-                const blk32 b = unpack(fmt, w + c * row_bytes, j);
-                const int8_t *p = q + r * k + 32 * j;
-                int32_t lane[16] = {0};
-#if BQ8_LEVEL == 3
-                for (int l = 0; l < 8; l++) lane[l] = -z * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]);
-                const __m512i u = _mm512_castsi256_si512(_mm256_set_m128i(b.hi, b.lo));
-                const __m512i s = dot(_mm512_loadu_si512(lane), u, _mm512_maskz_loadu_epi8(0xFFFFFFFFu, p), z);
-                _mm512_storeu_si512(lane, s);
-#else
-                for (int l = 0; l < 8; l++)
-                    lane[l] = BQ8_VNNI ? -z * (p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3]) : 0;
-                const __m256i s = dot(_mm256_loadu_si256((const __m256i *)lane), _mm256_set_m128i(b.hi, b.lo),
-                                      _mm256_loadu_si256((const __m256i *)p), z);
-                _mm256_storeu_si256((__m256i *)lane, s);
-#endif
-                int32_t *o = out + (r * n + c) * (k / 16) + 2 * j;
-                o[0] = lane[0] + lane[1] + lane[2] + lane[3];
-                o[1] = lane[4] + lane[5] + lane[6] + lane[7];
+        for (int64_t c = 0; c < n; c++) {
+            int32_t *o = out + (r * n + c) * (k / 16);
+            for (int64_t h = 0; h < k / 16; h++) o[h] = 0;
+            for (int64_t j = 0; j < nb; j += SB) {
+                int32_t lanes[16];
+                step_lanes(fmt, w + c * row_bytes, j, j + 1 < nb, xp + r * kp + 32 * j, nzq + r * (kp / 4) + 8 * j,
+                           lanes);
+                for (int l = 0; l < 8 * SB; l++) {
+                    const int64_t block = j + LANE_BLOCK(l);
+                    if (block < nb) o[2 * block + LANE_HALF(l)] += lanes[l];
+                }
             }
+        }
+    free(xp); free(nzq); free(d); free(dl); free(dsq);
     return 0;
 }
 
@@ -405,15 +489,18 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
                   int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
     if (!known(fmt) || k % 32) return 1;
     if (nt < 1) nt = 1;
-    const int64_t kl = k / 4;
-    int8_t *q = malloc((size_t)(m * k));
-    float *d = malloc(sizeof(float) * (size_t)(m * (k / 32)));
+    const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32, kl = kp / 4;
+    int8_t *q = malloc((size_t)(m * k)), *xp = malloc((size_t)(m * kp));
+    float *d = malloc(sizeof(float) * (size_t)(m * nb));
     int32_t *nzq = malloc(sizeof(int32_t) * (size_t)(m * kl));
     float *dl = malloc(sizeof(float) * (size_t)(m * kl)), *dsq = malloc(sizeof(float) * (size_t)(m * kl));
-    if (!q || !d || !nzq || !dl || !dsq) { free(q); free(d); free(nzq); free(dl); free(dsq); return 2; }
+    if (!q || !xp || !d || !nzq || !dl || !dsq) {
+        free(q); free(xp); free(d); free(nzq); free(dl); free(dsq);
+        return 2;
+    }
     chatserve_bq8_quantize(x, x_bf16, m, k, q, d);
-    prepare_x(q, d, m, k, zero_of(fmt), nzq, dl, dsq);
-    const xrows X = {q, nzq, dl, dsq, k};
+    prepare_x(q, d, m, k, zero_of(fmt), xp, nzq, dl, dsq);
+    const xrows X = {xp, nzq, dl, dsq, nb, kp};
     int64_t chunk = CHUNK_BYTES / row_bytes;
     if (chunk < 1) chunk = 1;
     if (n < 8 * nt) nt = 1;
@@ -435,7 +522,7 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             }
         }
     }
-    free(q); free(d); free(nzq); free(dl); free(dsq);
+    free(q); free(xp); free(d); free(nzq); free(dl); free(dsq);
     return 0;
 }
 #else
