@@ -1,8 +1,9 @@
 """`chatserve bench blockmm`: ms per call and GFLOP/s of the GGUF block-format matmuls per format and ISA
 level, cpu_blockmm (`FMT/isa`: fp32 dequantization, the prompt rows) and cpu_blockq8 (`FMT/q8-isa`: int8
 activations against the codes, the generated rows), beside today's CPU paths on the same shapes: oneDNN's
-packed bf16 linear (prefill) and cpu_qmatmul's int4/int8 repack (decode). Random blocks (speed does not depend on the values); best of
---repeats calls with the weights hot in cache, so memory-bound rows read as upper bounds.
+packed bf16 linear (prefill) and cpu_qmatmul's int4/int8 repack (decode). Random blocks (speed does not
+depend on the values); best of --repeats calls with the weights hot in cache, so memory-bound rows read as
+upper bounds.
 """
 from __future__ import annotations
 

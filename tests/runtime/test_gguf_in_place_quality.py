@@ -9,12 +9,19 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_gguf_quality import BATCH, PROMPT, _reference, q4_file  # noqa: E402,F401  (the shared fixture)
+import hf_checkpoints as H  # noqa: E402
+from test_gguf_quality import BATCH, PROMPT, _reference  # noqa: E402  (it registers the llama3_q4 shape)
 
 from chatserve.bench import quality  # noqa: E402
 from chatserve_kernels import cpu_blockmm  # noqa: E402
 
 ISAS = ["torch"] + [isa for isa in cpu_blockmm.LEVELS if cpu_blockmm.supported(isa)]
+
+
+@pytest.fixture(scope="module")
+def q4_file(tmp_path_factory) -> str:
+    return H.save_gguf(H.hf_model("llama3_q4", seed=7), tmp_path_factory.mktemp("q4") / "llama3-q4_0.gguf",
+                       qtype="Q4_0")
 
 
 def _runner(path: str, isa: str):

@@ -16,15 +16,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from chatserve_kernels import block_formats, block_q8, cpu_blockmm, cpu_blockq8
 from chatserve_kernels.block_formats import BlockWeight
 
-if TYPE_CHECKING:
-    from chatserve.runtime.models.layers import RowSplit
+
+class RowKinds(Protocol):
+    """What this module reads of layers.RowSplit (a protocol: layers imports this module)."""
+    @property
+    def all_gen(self) -> bool: ...
+    @property
+    def gen(self) -> torch.Tensor | None: ...
+    @property
+    def prompt(self) -> torch.Tensor | None: ...
 
 log = logging.getLogger(__name__)
 CPU_ISAS = ("auto", "avx512", "avx2", "torch")
@@ -109,7 +116,7 @@ class BlockLinear:
         y = y if self.b is None else y + self.b
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
-    def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
         """rows (the step's layers.RowSplit): generated rows take the int8-activation arithmetic and prompt
         rows the float one, whatever else shares the step; rows None picks by step size (≤ small_m rows:
         decode), for benchmarks and kernel tests."""
