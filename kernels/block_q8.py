@@ -1,7 +1,8 @@
 """The torch twin of cpu_blockq8.c (int8 activations against GGUF block codes): the oracle of its tests and
 the decode path of the torch block backend. Three parts, each checked against the kernel:
-  quantize(x)  x [M, K] → int8 codes q per block of 32 (round half to even of x · (127 / amax)) and the
-               block scales d = amax / 127, both exact;
+  quantize(x)  x [M, K] → codes q per block of 32 (round half to even of x · (top / amax)) and the block
+               scales d = amax / top, both exact; top = 127 (x_bits 8) or 32512 (15: the kernel splits each
+               code into two int8 planes, an exact rewrite that leaves the integer dots unchanged);
   unpack(w)    W's blocks → unsigned codes u, the format's zero z, weight scales ws per 16 elements and mins
                mn per 32, with ws · (u − z) + mn == block_formats.dequantize(w) bit for bit;
   dots(q, w)   the exact integer Σ (u − z) · q per 16 elements.
@@ -21,14 +22,17 @@ WITH_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 FORMATS = tuple(ZERO)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % 32 == 0) → codes int8 [M, K], scales float32 [M, K / 32]."""
+TOP = {8: 127.0, 15: 32512.0}
+
+
+def quantize(x: torch.Tensor, x_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 32 == 0) → codes int16 [M, K] in [-TOP, TOP], scales float32 [M, K / 32]."""
     m, k = x.shape
     xf = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = xf.abs().amax(-1)                                                      # [M, G]
-    top = torch.full_like(amax, 127.0)       # tensor / tensor: IEEE division (scalar / tensor is 1/x · scalar)
+    top = torch.full_like(amax, TOP[x_bits])  # tensor / tensor: IEEE division (scalar / tensor is 1/x · scalar)
     inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
-    q = torch.round(xf * inv.unsqueeze(-1)).to(torch.int8).reshape(m, k)
+    q = torch.round(xf * inv.unsqueeze(-1)).to(torch.int16).reshape(m, k)
     return q, amax / top
 
 
@@ -89,15 +93,15 @@ def dequantize(w: BlockWeight) -> torch.Tensor:
 
 
 def dots(q: torch.Tensor, w: BlockWeight) -> torch.Tensor:
-    """codes q int8 [M, K] · W's codes → the exact Σ (u − z) · q per 16 elements, int32 [M, N, K / 16]."""
+    """codes q [M, K] · W's codes → the exact Σ (u − z) · q per 16 elements, int32 [M, N, K / 16]."""
     u, z, _, _ = unpack(w)
     s = (u.to(torch.int64) - z).reshape(w.n, -1, 16)
     return torch.einsum("mhl,nhl->mnh", q.to(torch.int64).reshape(q.shape[0], -1, 16), s).to(torch.int32)
 
 
-def matmul(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None = None, x_bits: int = 8) -> torch.Tensor:
     """x [M, K] → x · Wᵀ [M, N] with x quantized as the kernel does, joined in float64, cast to out_dtype."""
-    q, d = quantize(x)
+    q, d = quantize(x, x_bits)
     _, _, ws, mn = unpack(w)
     i = dots(q, w).double()                                                        # [M, N, K/16]
     dh = d.double().repeat_interleave(2, 1)                                        # [M, K/16]
@@ -108,9 +112,9 @@ def matmul(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None = None
     return y.float().to(out_dtype or x.dtype)
 
 
-def magnitude(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+def magnitude(x: torch.Tensor, w: BlockWeight, x_bits: int = 8) -> torch.Tensor:
     """Σ over k of the terms' sizes |d·q| · (|ws·(u − z)| + |mn|) [M, N]: the scale of float rounding in y."""
-    q, d = quantize(x)
+    q, d = quantize(x, x_bits)
     u, z, ws, mn = unpack(w)
     xa = (q.float().abs().reshape(q.shape[0], -1, BLOCK) * d.unsqueeze(-1)).reshape(q.shape)
     wa = ws.abs().repeat_interleave(16, 1) * (u.float() - z).abs() + mn.abs().repeat_interleave(BLOCK, 1)

@@ -1,10 +1,12 @@
-/* Matmul on GGUF block-format weights in place with int8 activations: y[M, N] = x[M, K] · Wᵀ, W [N, K] as the
+/* Matmul on GGUF block-format weights in place with integer activations: y[M, N] = x[M, K] · Wᵀ, W [N, K] as the
  * file stores it (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS; layouts in block_formats.py), x rows
  * quantized per block of 32 to int8 and every product an exact integer dot against the codes. The decode path
  * of --gguf-in-place (few rows, memory-bound); prompt rows keep cpu_blockmm's fp32 arithmetic.
  *
  * Arithmetic (the torch twin is block_q8.py; the same for every M and thread count, so batch invariant):
- *   - x row m, block b (32 elements, row-local): amax, d = amax / 127, q = round_even(x · (127 / amax)) ∈ [-127, 127].
+ *   - x row m, block b (32 elements, row-local): amax, d = amax / top, q = round_even(x · (top / amax)) with
+ *     top = 127 (x_bits 8: one int8 plane) or 32512 (x_bits 15: q = 255 · qh + ql, two int8 planes with
+ *     digits in [-127, 127], and every lane dot is 255 · Σ u·qh + Σ u·ql: the same exact integer).
  *   - W row n, block b: unsigned codes u (Q4_0 nibbles, Q8_0 q + 128, Q6_K q + 32, IQ4_XS kvalue + 128, ...), a
  *     format zero z (8, 16, 128, 32, 128; 0 where the format has a min), a weight scale per 16 elements ws
  *     (d, or d·sc for the K-quants) and a min mn per 32 (Q4_1/Q5_1 m, Q4_K/Q5_K −dmin·mn, else 0), so that
@@ -58,8 +60,10 @@ static int known(int fmt) { return fmt == Q4_0 || fmt == Q8_0 || zero_of(fmt) ||
 
 static inline float bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* x [m, k] (fp32, or bf16) → codes q [m, k] and scales d [m, k / 32] (the twin's exact arithmetic) */
-int chatserve_bq8_quantize(const void *x, int x_bf16, int64_t m, int64_t k, int8_t *q, float *d) {
+/* x [m, k] (fp32, or bf16) → codes q [m, k] in [-top, top] and scales d [m, k / 32] (the twin's exact
+ * arithmetic). top = 127: int8 codes; top = 32512 = 255 · 127 + 127: 15-bit codes, split per element into two
+ * int8 planes q = 255 · qh + ql with qh, ql in [-127, 127] (balanced base-255 digits) */
+int chatserve_bq8_quantize(const void *x, int x_bf16, int64_t m, int64_t k, float top, int16_t *q, float *d) {
     float v[32];
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < k / 32; b++) {
@@ -69,9 +73,9 @@ int chatserve_bq8_quantize(const void *x, int x_bf16, int64_t m, int64_t k, int8
                 v[i] = x_bf16 ? bf2f(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
                 amax = fmaxf(amax, fabsf(v[i]));
             }
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = 0; i < 32; i++) q[base + i] = (int8_t)lrintf(v[i] * inv);
-            d[r * (k / 32) + b] = amax / 127.f;
+            const float inv = amax > 0.f ? top / amax : 0.f;
+            for (int i = 0; i < 32; i++) q[base + i] = (int16_t)lrintf(v[i] * inv);
+            d[r * (k / 32) + b] = amax / top;
         }
     return 0;
 }
@@ -266,8 +270,8 @@ static inline int64_t natural_pos(int64_t pos, int64_t nb) {
 #endif
 }
 
-/* Per row of x, the call's scratch in the stepped layout: codes q [kp], and per lane of 4: −z·Σq (int32),
- * the block's d (float) and d·Σq (float) [kp / 4]; padding lanes are 0 */
+/* Per row of x, the call's scratch in the stepped layout: codes q [P, kp] (P = 1 plane of int8 codes, or 2:
+ * qh then ql), and per lane of 4: −z·Σq (int32), the block's d (float) and d·Σq (float) [kp / 4]; padding 0 */
 typedef struct {
     const int8_t *q;
     const int32_t *nzq;
@@ -275,8 +279,8 @@ typedef struct {
     int64_t nb, kp;
 } xrows;
 
-static void prepare_x(const int8_t *q, const float *d, int64_t m, int64_t k, int z, int8_t *xp, int32_t *nzq,
-                      float *dl, float *dsq) {
+static void prepare_x(const int16_t *q, const float *d, int64_t m, int64_t k, int z, int P, int8_t *xp,
+                      int32_t *nzq, float *dl, float *dsq) {
     const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32;
     for (int64_t r = 0; r < m; r++)
         for (int64_t l = 0; l < kp / 4; l++) {
@@ -284,8 +288,10 @@ static void prepare_x(const int8_t *q, const float *d, int64_t m, int64_t k, int
             int64_t block = -1;
             for (int i = 0; i < 4; i++) {
                 const int64_t src = natural_pos(4 * l + i, nb);
-                const int8_t v = src < 0 ? 0 : q[r * k + src];
-                xp[r * kp + 4 * l + i] = v;
+                const int32_t v = src < 0 ? 0 : q[r * k + src];
+                const int32_t h = P == 2 ? (v + (v >= 0 ? 127 : -127)) / 255 : v;
+                xp[r * P * kp + 4 * l + i] = (int8_t)h;
+                if (P == 2) xp[r * P * kp + kp + 4 * l + i] = (int8_t)(v - 255 * h);
                 s += v;
                 block = src < 0 ? -1 : src / 32;
             }
@@ -345,8 +351,9 @@ static inline __attribute__((always_inline)) pair64 pair(const int fmt, const ui
 }
 
 /* mr rows of x (from row m0) · one W row → res[mr] */
-static inline __attribute__((always_inline)) void rows_dot(const int fmt, const int mr, const uint8_t *wrow,
-                                                           const xrows *X, int64_t m0, float *res) {
+static inline __attribute__((always_inline)) void rows_dot(const int fmt, const int mr, const int P,
+                                                           const uint8_t *wrow, const xrows *X, int64_t m0,
+                                                           float *res) {
     const int64_t nb = X->nb, kp = X->kp, kl = X->kp / 4;
     const int z = zero_of(fmt), mins = has_min(fmt);
     vf acc[MR];
@@ -356,10 +363,17 @@ static inline __attribute__((always_inline)) void rows_dot(const int fmt, const 
         const pair64 p = pair(fmt, wrow, j, j + 1 < nb);
         for (int i = 0; i < mr; i++) {
             const int64_t r = m0 + i;
-            const __m512i q = _mm512_loadu_si512(X->q + r * kp + 32 * j);
+            const int8_t *xq = X->q + r * P * kp + 32 * j;
             const __m512i nz = _mm512_loadu_si512(X->nzq + r * kl + 8 * j);
             const __m512 dl = _mm512_loadu_ps(X->dl + r * kl + 8 * j);
-            const __m512i s = dot(nz, p.u, q, z);
+            __m512i s;
+            if (P == 2) {                                       /* 255 · Σ u·qh + Σ u·ql − z·Σq */
+                const __m512i h = dot(_mm512_setzero_si512(), p.u, _mm512_loadu_si512(xq), z);
+                s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h),
+                                     dot(nz, p.u, _mm512_loadu_si512(xq + kp), z));
+            } else {
+                s = dot(nz, p.u, _mm512_loadu_si512(xq), z);
+            }
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(p.ws, dl), acc[i]);
             if (mins) acc[i] = _mm512_fmadd_ps(p.mn, _mm512_loadu_ps(X->dsq + r * kl + 8 * j), acc[i]);
         }
@@ -368,17 +382,24 @@ static inline __attribute__((always_inline)) void rows_dot(const int fmt, const 
 }
 
 /* one step's exact lane dots, for the tests: lanes [16] of x row (stepped layout) against W blocks j, j + 1 */
-static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, const int8_t *xq, const int32_t *nz,
-                       int32_t *lanes) {
+static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, int P, const int8_t *xq, int64_t kp,
+                       const int32_t *nz, int32_t *lanes) {
     const pair64 p = pair(fmt, wrow, j, two);
-    _mm512_storeu_si512(lanes, dot(_mm512_loadu_si512(nz), p.u, _mm512_loadu_si512(xq), zero_of(fmt)));
+    const int z = zero_of(fmt);
+    __m512i s = dot(_mm512_loadu_si512(nz), p.u, _mm512_loadu_si512(xq + (P == 2 ? kp : 0)), z);
+    if (P == 2) {
+        const __m512i h = dot(_mm512_setzero_si512(), p.u, _mm512_loadu_si512(xq), z);
+        s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), s);
+    }
+    _mm512_storeu_si512(lanes, s);
 }
 /* lane quarter → (block offset, half) */
 #define LANE_BLOCK(l) (((l) / 4) & 1)
 #define LANE_HALF(l) ((l) / 8)
 #else
-static inline __attribute__((always_inline)) void rows_dot(const int fmt, const int mr, const uint8_t *wrow,
-                                                           const xrows *X, int64_t m0, float *res) {
+static inline __attribute__((always_inline)) void rows_dot(const int fmt, const int mr, const int P,
+                                                           const uint8_t *wrow, const xrows *X, int64_t m0,
+                                                           float *res) {
     const int64_t nb = X->nb, kp = X->kp, kl = X->kp / 4;
     const int z = zero_of(fmt), mins = has_min(fmt);
     vf acc[MR];
@@ -391,11 +412,18 @@ static inline __attribute__((always_inline)) void rows_dot(const int fmt, const 
         const __m256 mn = _mm256_set1_ps(a.mn);
         for (int i = 0; i < mr; i++) {
             const int64_t r = m0 + i;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(X->q + r * kp + 32 * j));
+            const int8_t *xq = X->q + r * P * kp + 32 * j;
             const __m256i nz = BQ8_VNNI ? _mm256_loadu_si256((const __m256i *)(X->nzq + r * kl + 8 * j))
                                         : _mm256_setzero_si256();
             const __m256 dl = _mm256_loadu_ps(X->dl + r * kl + 8 * j);
-            const __m256i s = dot(nz, u, q, z);
+            __m256i s;
+            if (P == 2) {
+                const __m256i h = dot(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)xq), z);
+                s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h),
+                                     dot(nz, u, _mm256_loadu_si256((const __m256i *)(xq + kp)), z));
+            } else {
+                s = dot(nz, u, _mm256_loadu_si256((const __m256i *)xq), z);
+            }
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, dl), acc[i]);
             if (mins) acc[i] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(X->dsq + r * kl + 8 * j), acc[i]);
         }
@@ -403,38 +431,44 @@ static inline __attribute__((always_inline)) void rows_dot(const int fmt, const 
     for (int i = 0; i < mr; i++) res[i] = hsum(acc[i]);
 }
 
-static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, const int8_t *xq, const int32_t *nz,
-                       int32_t *lanes) {
+static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, int P, const int8_t *xq, int64_t kp,
+                       const int32_t *nz, int32_t *lanes) {
     (void)two;
     const blk32 a = unpack(fmt, wrow, j);
+    const int z = zero_of(fmt);
+    const __m256i u = _mm256_set_m128i(a.hi, a.lo);
     const __m256i n = BQ8_VNNI ? _mm256_loadu_si256((const __m256i *)nz) : _mm256_setzero_si256();
-    _mm256_storeu_si256((__m256i *)lanes, dot(n, _mm256_set_m128i(a.hi, a.lo),
-                                              _mm256_loadu_si256((const __m256i *)xq), zero_of(fmt)));
+    __m256i s = dot(n, u, _mm256_loadu_si256((const __m256i *)(xq + (P == 2 ? kp : 0))), z);
+    if (P == 2) {
+        const __m256i h = dot(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)xq), z);
+        s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), s);
+    }
+    _mm256_storeu_si256((__m256i *)lanes, s);
 }
 #define LANE_BLOCK(l) 0
 #define LANE_HALF(l) ((l) / 4)
 #endif
 
 /* the integer dots alone, per 16-element half: out [m, n, k / 16] (exact tests of the unpacking and dot()) */
-int chatserve_bq8_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int8_t *q,
-                       int64_t m, int32_t *out) {
-    if (!known(fmt) || k % 32) return 1;
+int chatserve_bq8_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int16_t *q,
+                       int64_t m, int planes, int32_t *out) {
+    if (!known(fmt) || k % 32 || planes < 1 || planes > 2) return 1;
     const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32;
-    int8_t *xp = malloc((size_t)(m * kp));
+    int8_t *xp = malloc((size_t)(m * planes * kp));
     int32_t *nzq = malloc(sizeof(int32_t) * (size_t)(m * kp / 4));
     float *d = malloc(sizeof(float) * (size_t)(m * nb));
     float *dl = malloc(sizeof(float) * (size_t)(m * kp / 4)), *dsq = malloc(sizeof(float) * (size_t)(m * kp / 4));
     if (!xp || !nzq || !d || !dl || !dsq) { free(xp); free(nzq); free(d); free(dl); free(dsq); return 2; }
     for (int64_t i = 0; i < m * nb; i++) d[i] = 1.f;
-    prepare_x(q, d, m, k, zero_of(fmt), xp, nzq, dl, dsq);
+    prepare_x(q, d, m, k, zero_of(fmt), planes, xp, nzq, dl, dsq);
     for (int64_t r = 0; r < m; r++)
         for (int64_t c = 0; c < n; c++) {
             int32_t *o = out + (r * n + c) * (k / 16);
             for (int64_t h = 0; h < k / 16; h++) o[h] = 0;
             for (int64_t j = 0; j < nb; j += SB) {
                 int32_t lanes[16];
-                step_lanes(fmt, w + c * row_bytes, j, j + 1 < nb, xp + r * kp + 32 * j, nzq + r * (kp / 4) + 8 * j,
-                           lanes);
+                step_lanes(fmt, w + c * row_bytes, j, j + 1 < nb, planes, xp + r * planes * kp + 32 * j, kp,
+                           nzq + r * (kp / 4) + 8 * j, lanes);
                 for (int l = 0; l < 8 * SB; l++) {
                     const int64_t block = j + LANE_BLOCK(l);
                     if (block < nb) o[2 * block + LANE_HALF(l)] += lanes[l];
@@ -451,13 +485,13 @@ static inline uint16_t f2bf(float f) {          /* round to nearest even, as tor
 }
 
 /* rows [m0, m0 + mr) of x against W rows [c0, c1) → y */
-static inline __attribute__((always_inline)) void tile_rows(const int fmt, const int mr, const uint8_t *w,
+static inline __attribute__((always_inline)) void tile_rows(const int fmt, const int mr, const int P, const uint8_t *w,
                                                             int64_t row_bytes, int64_t c0, int64_t c1,
                                                             const xrows *X, int64_t m0, void *y, int64_t ldy,
                                                             int y_bf16) {
     float res[MR];
     for (int64_t c = c0; c < c1; c++) {
-        rows_dot(fmt, mr, w + c * row_bytes, X, m0, res);
+        rows_dot(fmt, mr, P, w + c * row_bytes, X, m0, res);
         for (int i = 0; i < mr; i++) {
             const int64_t off = (m0 + i) * ldy + c;
             if (y_bf16) ((uint16_t *)y)[off] = f2bf(res[i]);
@@ -467,17 +501,18 @@ static inline __attribute__((always_inline)) void tile_rows(const int fmt, const
 }
 
 #define MR_BIG (MR == 8 ? 8 : 4)      /* the 8-row tile (AVX-512 only) */
-#define FMT_TILES(F)                                                                                       \
-    static void tiles_##F(int64_t m, const uint8_t *w, int64_t rb, int64_t c0, int64_t c1, const xrows *X, \
-                          void *y, int64_t ldy, int yb) {                                                  \
+#define FMT_TILES_P(F, P)                                                                                  \
+    static void tiles_##F##_##P(int64_t m, const uint8_t *w, int64_t rb, int64_t c0, int64_t c1,          \
+                                const xrows *X, void *y, int64_t ldy, int yb) {                            \
         for (int64_t m0 = 0; m0 < m;) {                                                                    \
             const int64_t left = m - m0;                                                                   \
-            if (MR == 8 && left >= 8) { tile_rows(F, MR_BIG, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 8; } \
-            else if (left >= 4) { tile_rows(F, 4, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 4; }             \
-            else if (left >= 2) { tile_rows(F, 2, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 2; }             \
-            else { tile_rows(F, 1, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 1; }                            \
+            if (MR == 8 && left >= 8) { tile_rows(F, MR_BIG, P, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 8; } \
+            else if (left >= 4) { tile_rows(F, 4, P, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 4; }          \
+            else if (left >= 2) { tile_rows(F, 2, P, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 2; }          \
+            else { tile_rows(F, 1, P, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 1; }                         \
         }                                                                                                  \
     }
+#define FMT_TILES(F) FMT_TILES_P(F, 1) FMT_TILES_P(F, 2)
 FMT_TILES(Q4_0) FMT_TILES(Q4_1) FMT_TILES(Q5_0) FMT_TILES(Q5_1) FMT_TILES(Q8_0)
 FMT_TILES(Q4_K) FMT_TILES(Q5_K) FMT_TILES(Q6_K) FMT_TILES(IQ4_XS)
 
@@ -485,12 +520,16 @@ FMT_TILES(Q4_K) FMT_TILES(Q5_K) FMT_TILES(Q6_K) FMT_TILES(IQ4_XS)
 
 /* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32).
  * 0 on success, 1 unknown format, 2 out of memory. */
+/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32), x as
+ * x_bits = 8 (int8 codes) or 15 (two int8 planes) per block of 32. 0 on success, 1 bad argument, 2 no memory. */
 int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
-                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
-    if (!known(fmt) || k % 32) return 1;
+                  int x_bf16, int x_bits, void *y, int64_t ldy, int y_bf16, int nt) {
+    if (!known(fmt) || k % 32 || (x_bits != 8 && x_bits != 15)) return 1;
     if (nt < 1) nt = 1;
+    const int P = x_bits == 15 ? 2 : 1;
     const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32, kl = kp / 4;
-    int8_t *q = malloc((size_t)(m * k)), *xp = malloc((size_t)(m * kp));
+    int16_t *q = malloc(sizeof(int16_t) * (size_t)(m * k));
+    int8_t *xp = malloc((size_t)(m * P * kp));
     float *d = malloc(sizeof(float) * (size_t)(m * nb));
     int32_t *nzq = malloc(sizeof(int32_t) * (size_t)(m * kl));
     float *dl = malloc(sizeof(float) * (size_t)(m * kl)), *dsq = malloc(sizeof(float) * (size_t)(m * kl));
@@ -498,8 +537,8 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         free(q); free(xp); free(d); free(nzq); free(dl); free(dsq);
         return 2;
     }
-    chatserve_bq8_quantize(x, x_bf16, m, k, q, d);
-    prepare_x(q, d, m, k, zero_of(fmt), xp, nzq, dl, dsq);
+    chatserve_bq8_quantize(x, x_bf16, m, k, P == 2 ? 32512.f : 127.f, q, d);
+    prepare_x(q, d, m, k, zero_of(fmt), P, xp, nzq, dl, dsq);
     const xrows X = {xp, nzq, dl, dsq, nb, kp};
     int64_t chunk = CHUNK_BYTES / row_bytes;
     if (chunk < 1) chunk = 1;
@@ -509,17 +548,11 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         const int64_t p0 = n * part / nt, p1 = n * (part + 1) / nt;
         for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
             const int64_t c1 = c0 + chunk < p1 ? c0 + chunk : p1;
+#define CASE(F) case F: (P == 2 ? tiles_##F##_2 : tiles_##F##_1)(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
             switch (fmt) {
-            case Q4_0: tiles_Q4_0(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
-            case Q4_1: tiles_Q4_1(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
-            case Q5_0: tiles_Q5_0(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
-            case Q5_1: tiles_Q5_1(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
-            case Q8_0: tiles_Q8_0(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
-            case Q4_K: tiles_Q4_K(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
-            case Q5_K: tiles_Q5_K(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
-            case Q6_K: tiles_Q6_K(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
-            case IQ4_XS: tiles_IQ4_XS(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
+            CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K) CASE(IQ4_XS)
             }
+#undef CASE
         }
     }
     free(q); free(xp); free(d); free(nzq); free(dl); free(dsq);
@@ -528,8 +561,8 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
 #else
 int chatserve_bq8_unpack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *u,
                          float *ws, float *mn) { return 3; }
-int chatserve_bq8_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int8_t *q,
-                       int64_t m, int32_t *out) { return 3; }
+int chatserve_bq8_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int16_t *q,
+                       int64_t m, int planes, int32_t *out) { return 3; }
 int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
-                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) { return 3; }
+                  int x_bf16, int x_bits, void *y, int64_t ldy, int y_bf16, int nt) { return 3; }
 #endif

@@ -1,6 +1,6 @@
 """`chatserve bench blockmm`: ms per call and GFLOP/s of the GGUF block-format matmuls per format and ISA
-level, cpu_blockmm (`FMT/isa`: fp32 dequantization, the prompt rows) and cpu_blockq8 (`FMT/q8-isa`: int8
-activations against the codes, the generated rows), beside today's CPU paths on the same shapes: oneDNN's
+level, cpu_blockmm (`FMT/isa`: fp32 dequantization, the prompt rows) and cpu_blockq8 (`FMT/q8xBITS-isa`:
+8- or 15-bit activations against the codes, the generated rows), beside today's CPU paths on the same shapes: oneDNN's
 packed bf16 linear (prefill) and cpu_qmatmul's int4/int8 repack (decode). Random blocks (speed does not
 depend on the values); best of --repeats calls with the weights hot in cache, so memory-bound rows read as
 upper bounds.
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q8-isas", default="avx512,avx2,avx2-maddubs",
                    help="cpu_blockq8 levels (avx2-maddubs: AVX2 without AVX-VNNI); empty: none")
     p.add_argument("--q8-max-rows", type=int, default=16, help="run cpu_blockq8 up to this M (decode rows)")
+    p.add_argument("--x-bits", default="15", help="cpu_blockq8's x codes: comma list of 8, 15 (15 serves)")
     p.add_argument("--shapes", default=SHAPES, help="comma list of NxK (output features x input features)")
     p.add_argument("--rows", default="1,16,256", help="comma list of M (rows of x per call)")
     p.add_argument("--threads", type=int, default=1)
@@ -75,8 +76,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     ms[f"{f}/{isa}"] = _best_ms(lambda: cpu_blockmm.matmul(x, w, isa, threads=args.threads),
                                                 args.repeats)
                 for isa in q8_isas if m <= args.q8_max_rows and cpu_blockq8.handles(w) else ():
-                    ms[f"{f}/q8-{isa}"] = _best_ms(lambda: cpu_blockq8.matmul(x, w, isa, threads=args.threads),
-                                                   args.repeats)
+                    for bits in (int(b) for b in args.x_bits.split(",")):
+                        ms[f"{f}/q8x{bits}-{isa}"] = _best_ms(
+                            lambda: cpu_blockq8.matmul(x, w, isa, threads=args.threads, x_bits=bits), args.repeats)
             rows.append({"n": n, "k": k, "m": m, "ms": ms,
                          "gflops": {key: 2 * m * n * k / (v * 1e6) for key, v in ms.items()}})
             if not args.json:

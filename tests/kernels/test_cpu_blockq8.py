@@ -43,20 +43,22 @@ def test_twin_unpacking_rebuilds_the_dequantization_bit_for_bit(name, random_byt
 
 @pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_x_codes_are_the_twins(isa, dtype):
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_x_codes_are_the_twins(isa, dtype, x_bits):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(7, 160, generator=g) * torch.logspace(-3, 2, 160)).to(dtype)
     x[2, 32:64] = 0                                             # an all-zero block: scale 0, codes 0
     x[3, :32] = torch.arange(32) - 15.5                         # exact halves: round half to even
-    q, d = cpu_blockq8.quantize(x, isa)
-    tq, td = block_q8.quantize(x)
-    assert q.abs().sum() > 0 and int(q.abs().max()) == 127
+    q, d = cpu_blockq8.quantize(x, isa, x_bits)
+    tq, td = block_q8.quantize(x, x_bits)
+    assert q.abs().sum() > 0 and int(q.abs().max()) == block_q8.TOP[x_bits]
     assert torch.equal(q, tq) and torch.equal(d, td)
 
 
 @pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("name", FORMATS)
-def test_the_integer_part_is_exact(isa, name):
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_the_integer_part_is_exact(isa, name, x_bits):
     """W's codes, scales and mins, and the integer dots Σ (u − z)·q, equal the twin's exactly."""
     g = torch.Generator().manual_seed(2)
     for n, k in shapes(name):
@@ -64,10 +66,12 @@ def test_the_integer_part_is_exact(isa, name):
         u, z, ws, mn = block_q8.unpack(w)
         cu, cws, cmn = cpu_blockq8.unpack(w, isa)
         assert torch.equal(cu, u) and torch.equal(cws, ws) and torch.equal(cmn, mn), (name, n, k)
-        q = torch.randint(-127, 128, (3, k), generator=g, dtype=torch.int8)
-        q[0, :32] = 127                                          # the extremes (maddubs' saturation bound)
-        q[1, :32] = -127
-        got = cpu_blockq8.dots(q, w, isa)
+        top = int(block_q8.TOP[x_bits])
+        q = torch.randint(-top, top + 1, (3, k), generator=g, dtype=torch.int16)
+        q[0, :32] = top                                          # the extremes (maddubs' saturation bound)
+        q[1, :32] = -top
+        q[2, :8] = torch.tensor([127, 128, -127, -128, 255, -255, 254, 0])[:8] if x_bits == 15 else 0
+        got = cpu_blockq8.dots(q, w, isa, x_bits)
         assert got.abs().sum() > 0
         assert torch.equal(got, block_q8.dots(q, w)), (name, n, k)
 
@@ -75,46 +79,48 @@ def test_the_integer_part_is_exact(isa, name):
 @pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_matches_the_twin_and_the_dense_matmul(isa, name, dtype):
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_matmul_matches_the_twin_and_the_dense_matmul(isa, name, dtype, x_bits):
     g = torch.Generator().manual_seed(7)
     for n, k in shapes(name):
         w = make_weight(name, n, k, seed=n * k)
         dense = gguf_reference(w)
         for m in (1, 4, 6, 11):
             x = torch.randn(m, k, generator=g).to(dtype)
-            y = cpu_blockq8.matmul(x, w, isa, out_dtype=torch.float32)
-            twin = block_q8.matmul(x, w, torch.float32)
+            y = cpu_blockq8.matmul(x, w, isa, out_dtype=torch.float32, x_bits=x_bits)
+            twin = block_q8.matmul(x, w, torch.float32, x_bits)
             assert y.shape == (m, n) and y.abs().sum() > 0
             # the twin joins the exact integer dots in float64; the kernel in float32 per lane
-            mag = block_q8.magnitude(x, w).float()
+            mag = block_q8.magnitude(x, w, x_bits).float()
             assert bool(((y - twin).abs() <= mag * 1e-5 + 1e-30).all()), (name, n, k, m)
             # the dense oracle: within the rounding of x to its int8 codes (≤ d/2 per element), plus float's
-            q, d = block_q8.quantize(x)
+            q, d = block_q8.quantize(x, x_bits)
             err_x = (d / 2).repeat_interleave(32, 1)
             bound = err_x.double() @ dense.double().abs().t() + mag * 1e-5
             exact = x.double() @ dense.double().t()
             assert bool(((y.double() - exact).abs() <= bound * 1.001 + 1e-6).all()), (name, n, k, m)
             if dtype == torch.bfloat16:     # bf16 out is the float32 result rounded once
-                assert torch.equal(cpu_blockq8.matmul(x, w, isa), y.to(torch.bfloat16))
+                assert torch.equal(cpu_blockq8.matmul(x, w, isa, x_bits=x_bits), y.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q5_K"])
-def test_rows_are_batch_invariant(isa, name, monkeypatch):
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_rows_are_batch_invariant(isa, name, x_bits, monkeypatch):
     """Row i's bits do not depend on M, on the rows beside it, or on 1 or 2 threads."""
     monkeypatch.setattr(cpu_blockq8, "ONE_THREAD_MACS", 0)     # small calls too take the threads asked for
     n, k = 37, 2 * bf.FORMATS[name].block + (32 if bf.FORMATS[name].block == 32 else 0)
     w = make_weight(name, n, k, seed=11)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(max(BATCH_MS), k, generator=g).bfloat16()
-    full = cpu_blockq8.matmul(x, w, isa, threads=1)
+    full = cpu_blockq8.matmul(x, w, isa, threads=1, x_bits=x_bits)
     assert full.float().abs().sum() > 0
     for threads in (1, 2):
         for m in BATCH_MS:
-            got = cpu_blockq8.matmul(x[:m], w, isa, threads=threads)
+            got = cpu_blockq8.matmul(x[:m], w, isa, threads=threads, x_bits=x_bits)
             assert torch.equal(got, full[:m]), (name, threads, m)
             mixed = torch.cat([torch.randn(3, k, generator=g).bfloat16(), x[:m]])
-            assert torch.equal(cpu_blockq8.matmul(mixed, w, isa, threads=threads)[3:], full[:m])
+            assert torch.equal(cpu_blockq8.matmul(mixed, w, isa, threads=threads, x_bits=x_bits)[3:], full[:m])
 
 
 def test_the_levels_agree_on_the_integers_and_closely_on_y():
@@ -131,10 +137,10 @@ def test_the_levels_agree_on_the_integers_and_closely_on_y():
 def test_bench_blockmm_reports_the_q8_kernel_for_decode_rows_only():
     from chatserve.bench import blockmm
     args = blockmm.build_parser().parse_args(["--formats", "Q4_0,F16", "--shapes", "64x64", "--rows", "1,32",
-                                              "--repeats", "1", "--json"])
+                                              "--repeats", "1", "--x-bits", "8,15", "--json"])
     rows = blockmm.run(args)
     assert [r["m"] for r in rows] == [1, 32]
     decode, prefill = rows[0]["ms"], rows[1]["ms"]
-    assert {f"Q4_0/q8-{isa}" for isa in LEVELS} <= set(decode) and all(v > 0 for v in decode.values())
+    assert {f"Q4_0/q8x{b}-{isa}" for isa in LEVELS for b in (8, 15)} <= set(decode) and all(v > 0 for v in decode.values())
     assert not any("q8" in key for key in prefill)               # past --q8-max-rows
     assert not any(key.startswith("F16/q8") for key in decode)    # no integer codes in F16

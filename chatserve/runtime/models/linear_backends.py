@@ -35,6 +35,10 @@ class RowKinds(Protocol):
 
 log = logging.getLogger(__name__)
 CPU_ISAS = ("auto", "avx512", "avx2", "torch")
+# generated rows' x codes per block of 32: 15 bits (two int8 planes, twice the integer dots) keeps the decode
+# logits as close to float32 as the int4 path's; 8 bits (one plane) moved them 4.5-6.6 % of their scale on
+# the quality test's file (docs/kernels.md, "Quality of int8 x")
+DECODE_X_BITS = 15
 
 
 @dataclass
@@ -158,9 +162,9 @@ class CpuBlockLinear(BlockLinear):
 
     def band_q8(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
         if self.q8:
-            cpu_blockq8.matmul(x, part, self.isa, out=out)
+            cpu_blockq8.matmul(x, part, self.isa, out=out, x_bits=DECODE_X_BITS)
         else:
-            out.copy_(block_q8.matmul(x, part, torch.float32))
+            out.copy_(block_q8.matmul(x, part, torch.float32, DECODE_X_BITS))
 
 
 class CpuAvx512BlockLinear(CpuBlockLinear):
@@ -187,7 +191,7 @@ class TorchBlockLinear(BlockLinear):
         out.copy_(x.float() @ w.t())
 
     def band_q8(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
-        out.copy_(block_q8.matmul(x.cpu(), part, torch.float32).to(out.device))
+        out.copy_(block_q8.matmul(x.cpu(), part, torch.float32, DECODE_X_BITS).to(out.device))
 
 
 # preference order: a new kernel is one class above and one entry here
