@@ -66,9 +66,14 @@ def library(isa: str):
 
 
 def _level_source(isa: str) -> Path:
-    """The shared source with its level's prelude, written once into the kernel cache (named by content)."""
-    src = (_PRELUDE[isa] + SOURCE.read_text()).encode()
-    path = cpu_build.cache_dir() / f"{SOURCE.stem}_{isa}_{hashlib.sha256(src).hexdigest()[:12]}.c"
+    return level_source(SOURCE, isa, _PRELUDE[isa])
+
+
+def level_source(source: Path, tag: str, prelude: str) -> Path:
+    """One source with a level's prelude, written once into the kernel cache (named by content); shared by
+    the block kernels built at several ISA levels (cpu_blockmm, cpu_blockq8)."""
+    src = (prelude + source.read_text()).encode()
+    path = cpu_build.cache_dir() / f"{source.stem}_{tag}_{hashlib.sha256(src).hexdigest()[:12]}.c"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".c")

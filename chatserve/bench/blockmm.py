@@ -1,7 +1,9 @@
-"""`chatserve bench blockmm`: ms per call and GFLOP/s of the GGUF block-format matmul (cpu_blockmm) per
-format and ISA level, beside today's CPU paths on the same shapes: oneDNN's packed bf16 linear (prefill) and
-cpu_qmatmul's int4/int8 repack (decode). Random blocks (speed does not depend on the values); best of
---repeats calls with the weights hot in cache, so memory-bound rows read as upper bounds.
+"""`chatserve bench blockmm`: ms per call and GFLOP/s of the GGUF block-format matmuls per format and ISA
+level, cpu_blockmm (`FMT/isa`: fp32 dequantization, the prompt rows) and cpu_blockq8 (`FMT/q8xBITS-isa`:
+8- or 15-bit activations against the codes, the generated rows), beside today's CPU paths on the same shapes: oneDNN's
+packed bf16 linear (prefill) and cpu_qmatmul's int4/int8 repack (decode). Random blocks (speed does not
+depend on the values); best of --repeats calls with the weights hot in cache, so memory-bound rows read as
+upper bounds.
 """
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatserve bench blockmm", description=__doc__)
     p.add_argument("--formats", default="Q4_1,Q4_0,Q8_0,Q4_K,Q6_K", help="comma list of block formats")
     p.add_argument("--isas", default="avx512,avx2", help="levels to run (those this CPU lacks are left out)")
+    p.add_argument("--q8-isas", default="avx512,avx2,avx2-maddubs",
+                   help="cpu_blockq8 levels (avx2-maddubs: AVX2 without AVX-VNNI); empty: none")
+    p.add_argument("--q8-max-rows", type=int, default=16, help="run cpu_blockq8 up to this M (decode rows)")
+    p.add_argument("--x-bits", default="15", help="cpu_blockq8's x codes: comma list of 8, 15 (15 serves)")
     p.add_argument("--shapes", default=SHAPES, help="comma list of NxK (output features x input features)")
     p.add_argument("--rows", default="1,16,256", help="comma list of M (rows of x per call)")
     p.add_argument("--threads", type=int, default=1)
@@ -52,9 +58,10 @@ def _baselines(wb, x, m: int, repeats: int) -> dict[str, float]:
 def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
-    from chatserve_kernels import block_formats, cpu_blockmm
+    from chatserve_kernels import block_formats, cpu_blockmm, cpu_blockq8
     torch.set_num_threads(args.threads)
     isas = [i for i in args.isas.split(",") if cpu_blockmm.available(i)]
+    q8_isas = [i for i in args.q8_isas.split(",") if i and cpu_blockq8.available(i)]
     rows = []
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -68,6 +75,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for isa in isas:
                     ms[f"{f}/{isa}"] = _best_ms(lambda: cpu_blockmm.matmul(x, w, isa, threads=args.threads),
                                                 args.repeats)
+                for isa in q8_isas if m <= args.q8_max_rows and cpu_blockq8.handles(w) else ():
+                    for bits in (int(b) for b in args.x_bits.split(",")):
+                        ms[f"{f}/q8x{bits}-{isa}"] = _best_ms(
+                            lambda: cpu_blockq8.matmul(x, w, isa, threads=args.threads, x_bits=bits), args.repeats)
             rows.append({"n": n, "k": k, "m": m, "ms": ms,
                          "gflops": {key: 2 * m * n * k / (v * 1e6) for key, v in ms.items()}})
             if not args.json:

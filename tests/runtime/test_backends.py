@@ -8,7 +8,8 @@ from chatserve.config import default_model_path
 from chatserve.core.request import SamplingParams
 from chatserve.engine.llm import LLM
 from chatserve.runtime.models import layers, linear_backends
-from chatserve_kernels import attention, attention_backend, block_copy, cpu_attention, cpu_blockmm, cpu_build
+from chatserve_kernels import attention, attention_backend, block_copy, cpu_attention, cpu_blockmm, cpu_blockq8
+from chatserve_kernels import cpu_build
 from chatserve_kernels import cpu_decode, cpu_ops, cpu_qmatmul, dispatch, env, kv_store
 
 # every capability probe: CPU features, compiled-kernel availability, Triton's switch, the backend choices
@@ -17,6 +18,7 @@ PROBES = [(cpu_attention, "available"), (cpu_attention, "supports"), (cpu_qmatmu
           (attention, "use_triton"), (attention, "flash_supported"), (kv_store, "use_triton"),
           (block_copy, "use_triton"), (layers, "_onednn_bf16"), (attention_backend, "pick_attention_backend"),
           (cpu_blockmm, "available"), (cpu_blockmm, "supported"), (cpu_blockmm, "detect_isa"),
+          (cpu_blockq8, "available"), (cpu_blockq8, "supported"), (cpu_blockq8, "uses_vnni"),
           (cpu_build, "cpu_flags"), (cpu_build, "missing_flags"), (cpu_build, "compiler"),
           (dispatch, "use_triton"), (env, "force_triton"), (env, "cpu_kernels_enabled"),
           (linear_backends, "choose_block_backend"), (linear_backends.CpuBlockLinear, "usable")]

@@ -2,9 +2,13 @@
 `BlockMatrix` (row bands of raw blocks, views of the memory-mapped file) and the backends that multiply by
 one, chosen once at load from the device, the dtype and the CPU's instruction set, never per call.
 
-A backend is one class with `usable(device, isa)` and one line in BLOCK_BACKENDS. The torch twin
-(`TorchBlockLinear`: gguf-py's dequantization repeated in torch, then a float32 matmul) is its own backend:
-the oracle of the tests and the fallback where no kernel runs. Every backend has the call surface of
+A backend is one class with `usable(device, isa)` and one line in BLOCK_BACKENDS. Each has two arithmetics:
+generated-token (decode) rows take int8 activations against the codes (`band_q8`: cpu_blockq8, exact integer
+dots; F32/F16/BF16 bands have no codes and stay on the float path), prompt rows the float one (`band`:
+cpu_blockmm, the blocks dequantized to fp32); the step's RowSplit sends each row to its kind's arithmetic,
+so a row's result never depends on the rows sharing its step (issue 28). The torch twin (`TorchBlockLinear`:
+block_formats' and block_q8's torch arithmetic) is its own backend: the oracle of the tests and the fallback
+where no kernel runs. Every backend has the call surface of
 layers.Linear (`__call__`, `float_out`, `bytes_read`, `b`, `qw`, `small_m`), so the model holds either.
 Not the dense path (layers.Linear) and not a loader (weights.py builds BlockMatrix).
 """
@@ -12,15 +16,29 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from chatserve_kernels import block_formats, cpu_blockmm
+from chatserve_kernels import block_formats, block_q8, cpu_blockmm, cpu_blockq8
 from chatserve_kernels.block_formats import BlockWeight
+
+
+class RowKinds(Protocol):
+    """What this module reads of layers.RowSplit (a protocol: layers imports this module)."""
+    @property
+    def all_gen(self) -> bool: ...
+    @property
+    def gen(self) -> torch.Tensor | None: ...
+    @property
+    def prompt(self) -> torch.Tensor | None: ...
 
 log = logging.getLogger(__name__)
 CPU_ISAS = ("auto", "avx512", "avx2", "torch")
+# generated rows' x codes per block of 32: 15 bits (two int8 planes, twice the integer dots) keeps the decode
+# logits as close to float32 as the int4 path's; 8 bits (one plane) moved them 4.5-6.6 % of their scale on
+# the quality test's file (docs/kernels.md, "Quality of int8 x")
+DECODE_X_BITS = 15
 
 
 @dataclass
@@ -65,7 +83,8 @@ def cat_rows(mats: list[Any]) -> torch.Tensor | BlockMatrix:
 
 
 class BlockLinear:
-    """y = x Wᵀ + b for a BlockMatrix. Subclasses say how one band is multiplied."""
+    """y = x Wᵀ + b for a BlockMatrix. Subclasses say how one band is multiplied, for prompt rows (`band`)
+    and for generated rows (`band_q8`, int8 activations; bands of a format without codes use `band`)."""
 
     name: ClassVar[str] = ""
     qw = None          # not a cpu_qmatmul weight: the C decode chain leaves these models to the layer loop
@@ -80,28 +99,46 @@ class BlockLinear:
         raise NotImplementedError
 
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
-        """out [M, part.n] (a column slice of y) = x · partᵀ."""
+        """out [M, part.n] (a column slice of y) = x · partᵀ, x as given (prompt rows)."""
         raise NotImplementedError
 
-    def _run(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def band_q8(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
+        """As band, with x quantized per block of 32 to int8 (generated rows; part has integer codes)."""
+        raise NotImplementedError
+
+    def _run(self, x: torch.Tensor, out_dtype: torch.dtype, decode: bool) -> torch.Tensor:
         # x: [T, K] → [T, N]
         xa = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         y = torch.empty(x.shape[0], self.n, dtype=out_dtype if out_dtype == torch.bfloat16 else torch.float32)
         col = 0
         for part in self.w.parts:
-            self.band(xa, part, y[:, col:col + part.n])
+            if decode and part.fmt.name in cpu_blockq8.FORMATS:
+                self.band_q8(xa, part, y[:, col:col + part.n])
+            else:
+                self.band(xa, part, y[:, col:col + part.n])
             col += part.n
         y = y if self.b is None else y + self.b
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
-    def __call__(self, x: torch.Tensor, rows: object = None) -> torch.Tensor:
-        """rows (layers.RowSplit) is accepted and ignored: one arithmetic serves every row, prompt or
-        generated, so no row needs routing to stay batch invariant."""
-        return self._run(x, x.dtype)
+    def __call__(self, x: torch.Tensor, rows: RowKinds | None = None) -> torch.Tensor:
+        """rows (the step's layers.RowSplit): generated rows take the int8-activation arithmetic and prompt
+        rows the float one, whatever else shares the step; rows None picks by step size (≤ small_m rows:
+        decode), for benchmarks and kernel tests."""
+        # x: [T, K] → [T, N]
+        if rows is None:
+            return self._run(x, x.dtype, x.shape[0] <= self.small_m)
+        if rows.all_gen or rows.gen is None:
+            return self._run(x, x.dtype, rows.all_gen)
+        assert rows.prompt is not None
+        y = x.new_empty(x.shape[0], self.n)
+        y[rows.gen] = self._run(x[rows.gen], x.dtype, True)
+        y[rows.prompt] = self._run(x[rows.prompt], x.dtype, False)
+        return y
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
-        """x Wᵀ + b in float32, never rounded through bf16 (the LM head's logits)."""
-        return self._run(x, torch.float32)
+        """x Wᵀ + b in float32, never rounded through bf16 (the LM head's logits), through the int8-activation
+        arithmetic at every row count (batch invariance; the head is the largest matrix a decode step reads)."""
+        return self._run(x, torch.float32, True)
 
     def bytes_read(self, rows: int) -> int:
         bias = 0 if self.b is None else self.b.numel() * self.b.element_size()
@@ -115,8 +152,19 @@ class CpuBlockLinear(BlockLinear):
     def usable(cls, device: torch.device, isa: str) -> bool:
         return device.type == "cpu" and isa in ("auto", cls.isa) and cpu_blockmm.available(cls.isa)
 
+    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None) -> None:
+        super().__init__(w, b)
+        # at load: the int8-activation kernel of this level, else the twin's arithmetic (same results)
+        self.q8 = cpu_blockq8.available(self.isa)
+
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
         cpu_blockmm.matmul(x, part, self.isa, out=out)
+
+    def band_q8(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
+        if self.q8:
+            cpu_blockq8.matmul(x, part, self.isa, out=out, x_bits=DECODE_X_BITS)
+        else:
+            out.copy_(block_q8.matmul(x, part, torch.float32, DECODE_X_BITS))
 
 
 class CpuAvx512BlockLinear(CpuBlockLinear):
@@ -128,8 +176,9 @@ class CpuAvx2BlockLinear(CpuBlockLinear):
 
 
 class TorchBlockLinear(BlockLinear):
-    """The twin: each call dequantizes the bands (gguf-py's arithmetic) and runs a float32 matmul. Slow,
-    keeps no dense copy; the tests' oracle and the path where no kernel runs (CUDA, other CPUs)."""
+    """The twin: prompt rows dequantize the bands (gguf-py's arithmetic) and run a float32 matmul, generated
+    rows run block_q8's int8 arithmetic. Slow, keeps no dense copy; the tests' oracle and the path where no
+    kernel runs (CUDA, other CPUs)."""
 
     name = "torch"
 
@@ -140,6 +189,9 @@ class TorchBlockLinear(BlockLinear):
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
         w = block_formats.dequantize(part).to(x.device)
         out.copy_(x.float() @ w.t())
+
+    def band_q8(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
+        out.copy_(block_q8.matmul(x.cpu(), part, torch.float32, DECODE_X_BITS).to(out.device))
 
 
 # preference order: a new kernel is one class above and one entry here

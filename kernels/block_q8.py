@@ -1,0 +1,121 @@
+"""The torch twin of cpu_blockq8.c (int8 activations against GGUF block codes): the oracle of its tests and
+the decode path of the torch block backend. Three parts, each checked against the kernel:
+  quantize(x)  x [M, K] → codes q per block of 32 (round half to even of x · (top / amax)) and the block
+               scales d = amax / top, both exact; top = 127 (x_bits 8) or 32512 (15: the kernel splits each
+               code into two int8 planes, an exact rewrite that leaves the integer dots unchanged);
+  unpack(w)    W's blocks → unsigned codes u, the format's zero z, weight scales ws per 16 elements and mins
+               mn per 32, with ws · (u − z) + mn == block_formats.dequantize(w) bit for bit;
+  dots(q, w)   the exact integer Σ (u − z) · q per 16 elements.
+matmul() joins them in float64: y = Σ_blocks d · (Σ_halves ws · dot + mn · Σ q). Not a kernel, not a loader.
+"""
+from __future__ import annotations
+
+import torch
+
+from chatserve_kernels.block_formats import (IQ4_KVALUES, BlockWeight, _bits, _f16, _nibbles,
+                                             _scale_min_k4)
+
+BLOCK = 32
+ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "Q6_K": 32, "IQ4_XS": 128, "Q4_1": 0, "Q5_1": 0, "Q4_K": 0,
+        "Q5_K": 0}
+WITH_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+FORMATS = tuple(ZERO)
+
+
+TOP = {8: 127.0, 15: 32512.0}
+
+
+def quantize(x: torch.Tensor, x_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 32 == 0) → codes int16 [M, K] in [-TOP, TOP], scales float32 [M, K / 32]."""
+    m, k = x.shape
+    xf = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = xf.abs().amax(-1)                                                      # [M, G]
+    top = torch.full_like(amax, TOP[x_bits])  # tensor / tensor: IEEE division (scalar / tensor is 1/x · scalar)
+    inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv.unsqueeze(-1)).to(torch.int16).reshape(m, k)
+    return q, amax / top
+
+
+def unpack(w: BlockWeight) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """W [n, k] → u uint8 [n, k], z, ws float32 [n, k / 16], mn float32 [n, k / 32] (zeros without a min)."""
+    name, n, k = w.fmt.name, w.n, w.k
+    b = w.data.contiguous().reshape(-1, w.fmt.nbytes)
+    nb = b.shape[0]
+    mn = torch.zeros(nb, w.fmt.block // BLOCK)
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        d = _f16(b[:, 0:2])                                                        # [nb, 1]
+        off = 4 if name in WITH_MIN else 2
+        if name in WITH_MIN:
+            mn = _f16(b[:, 2:4])
+        if name == "Q8_0":
+            u = b[:, 2:] ^ 0x80
+        elif name.startswith("Q5"):
+            u = _nibbles(b[:, off + 4:], 16) | (_bits(b[:, off:off + 4], 32) << 4)
+        else:
+            u = _nibbles(b[:, off:], 16)
+        ws = d.expand(nb, 2)
+    elif name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mins = _scale_min_k4(b[:, 4:16])
+        ws = (d * sc.float()).repeat_interleave(2, 1)                              # [nb, 16]
+        mn = -(dmin * mins.float())                                                # [nb, 8]
+        if name == "Q5_K":
+            ql = _nibbles(b[:, 48:], 32).reshape(nb, 8, 32)
+            qh = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
+            u = (ql | (qh << 4)).reshape(nb, 256)
+        else:
+            u = _nibbles(b[:, 16:], 32)
+    elif name == "Q6_K":
+        ql = _nibbles(b[:, :128], 64).reshape(nb, 8, 32)
+        qh = b[:, 128:192].reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+        u = (ql | ((qh & 3).reshape(nb, 8, 32) << 4)).reshape(nb, 256)
+        ws = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()      # [nb, 16]
+    elif name == "IQ4_XS":
+        d = _f16(b[:, 0:2])
+        sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        sl = b[:, 4:8]
+        lo = torch.stack([sl & 0x0F, sl >> 4], -1).reshape(nb, 8).to(torch.int32)
+        hi = (sh >> (2 * torch.arange(8, dtype=torch.int32))) & 3
+        ws = (d * ((lo | (hi << 4)) - 32).float()).repeat_interleave(2, 1)
+        kvu = (torch.tensor(IQ4_KVALUES, dtype=torch.int16) + 128).to(torch.uint8)
+        u = kvu[_nibbles(b[:, 8:], 16).long()]
+    else:
+        raise ValueError(f"block_q8: format {name} has no integer codes")
+    return (u.reshape(n, k).contiguous(), ZERO[name], ws.reshape(n, k // 16).contiguous(),
+            mn.reshape(n, k // BLOCK).contiguous())
+
+
+def dequantize(w: BlockWeight) -> torch.Tensor:
+    """ws · (u − z) + mn → W [n, k] float32 (bit-equal to block_formats.dequantize: the unpacking's check)."""
+    u, z, ws, mn = unpack(w)
+    y = ws.repeat_interleave(16, 1) * (u.to(torch.int16) - z).float()
+    return y + mn.repeat_interleave(BLOCK, 1) if w.fmt.name in WITH_MIN else y
+
+
+def dots(q: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+    """codes q [M, K] · W's codes → the exact Σ (u − z) · q per 16 elements, int32 [M, N, K / 16]."""
+    u, z, _, _ = unpack(w)
+    s = (u.to(torch.int64) - z).reshape(w.n, -1, 16)
+    return torch.einsum("mhl,nhl->mnh", q.to(torch.int64).reshape(q.shape[0], -1, 16), s).to(torch.int32)
+
+
+def matmul(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None = None, x_bits: int = 8) -> torch.Tensor:
+    """x [M, K] → x · Wᵀ [M, N] with x quantized as the kernel does, joined in float64, cast to out_dtype."""
+    q, d = quantize(x, x_bits)
+    _, _, ws, mn = unpack(w)
+    i = dots(q, w).double()                                                        # [M, N, K/16]
+    dh = d.double().repeat_interleave(2, 1)                                        # [M, K/16]
+    y = torch.einsum("mnh,mh,nh->mn", i, dh, ws.double())
+    if w.fmt.name in WITH_MIN:
+        sq = q.to(torch.float64).reshape(q.shape[0], -1, BLOCK).sum(-1)            # [M, K/32]
+        y = y + (d.double() * sq) @ mn.double().t()
+    return y.float().to(out_dtype or x.dtype)
+
+
+def magnitude(x: torch.Tensor, w: BlockWeight, x_bits: int = 8) -> torch.Tensor:
+    """Σ over k of the terms' sizes |d·q| · (|ws·(u − z)| + |mn|) [M, N]: the scale of float rounding in y."""
+    q, d = quantize(x, x_bits)
+    u, z, ws, mn = unpack(w)
+    xa = (q.float().abs().reshape(q.shape[0], -1, BLOCK) * d.unsqueeze(-1)).reshape(q.shape)
+    wa = ws.abs().repeat_interleave(16, 1) * (u.float() - z).abs() + mn.abs().repeat_interleave(BLOCK, 1)
+    return xa.double() @ wa.double().t()

@@ -1,0 +1,568 @@
+/* Matmul on GGUF block-format weights in place with integer activations: y[M, N] = x[M, K] · Wᵀ, W [N, K] as the
+ * file stores it (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS; layouts in block_formats.py), x rows
+ * quantized per block of 32 to int8 and every product an exact integer dot against the codes. The decode path
+ * of --gguf-in-place (few rows, memory-bound); prompt rows keep cpu_blockmm's fp32 arithmetic.
+ *
+ * Arithmetic (the torch twin is block_q8.py; the same for every M and thread count, so batch invariant):
+ *   - x row m, block b (32 elements, row-local): amax, d = amax / top, q = round_even(x · (top / amax)) with
+ *     top = 127 (x_bits 8: one int8 plane) or 32512 (x_bits 15: q = 255 · qh + ql, two int8 planes with
+ *     digits in [-127, 127], and every lane dot is 255 · Σ u·qh + Σ u·ql: the same exact integer).
+ *   - W row n, block b: unsigned codes u (Q4_0 nibbles, Q8_0 q + 128, Q6_K q + 32, IQ4_XS kvalue + 128, ...), a
+ *     format zero z (8, 16, 128, 32, 128; 0 where the format has a min), a weight scale per 16 elements ws
+ *     (d, or d·sc for the K-quants) and a min mn per 32 (Q4_1/Q5_1 m, Q4_K/Q5_K −dmin·mn, else 0), so that
+ *     w = ws · (u − z) + mn bit for bit as the twin dequantizes.
+ *   - per lane of 4 elements: the exact integer Σ (u − z) · q (vpdpbusd on u8 × s8 started from −z · Σ q on VNNI;
+ *     maddubs/madd on |u − z| × sign(q) without it); then per lane, in increasing k, acc += float(dot) ·
+ *     (ws · d) and acc += mn · (d · Σ q); a fixed tree adds the lanes. K is never split; threads split columns.
+ * Loop nest: x is quantized once per call into row-local scratch; each thread takes a contiguous range of W
+ * rows in chunks of ~32 KiB of blocks and runs every tile of up to MR rows of x against each chunk, so the
+ * blocks stream from memory once per call.
+ *
+ * One source, two levels: cpu_blockq8.py prepends `#define BQ8_LEVEL 2` (AVX2 + FMA + F16C; AVX-VNNI where
+ * the compiler targets it, else maddubs; 8 lanes = one block per step) or `3` (AVX-512 F/BW/VL + VNNI; 16
+ * lanes = two blocks per step).
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef BQ8_LEVEL
+#define BQ8_LEVEL 0
+#endif
+#if BQ8_LEVEL == 3 || (BQ8_LEVEL == 2 && defined(__AVXVNNI__))
+#define BQ8_VNNI 1
+#else
+#define BQ8_VNNI 0
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 };
+
+/* level · 10 + 1 where the integer dots are VNNI instructions */
+int chatserve_bq8_level(void) { return BQ8_LEVEL * 10 + BQ8_VNNI; }
+
+static int zero_of(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 8;
+    case Q5_0: return 16;
+    case Q8_0: case IQ4_XS: return 128;
+    case Q6_K: return 32;
+    default: return 0;
+    }
+}
+static int has_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K; }
+static int known(int fmt) { return fmt == Q4_0 || fmt == Q8_0 || zero_of(fmt) || has_min(fmt); }
+
+static inline float bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* x [m, k] (fp32, or bf16) → codes q [m, k] in [-top, top] and scales d [m, k / 32] (the twin's exact
+ * arithmetic). top = 127: int8 codes; top = 32512 = 255 · 127 + 127: 15-bit codes, split per element into two
+ * int8 planes q = 255 · qh + ql with qh, ql in [-127, 127] (balanced base-255 digits) */
+int chatserve_bq8_quantize(const void *x, int x_bf16, int64_t m, int64_t k, float top, int16_t *q, float *d) {
+    float v[32];
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            const int64_t base = r * k + 32 * b;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) {
+                v[i] = x_bf16 ? bf2f(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
+                amax = fmaxf(amax, fabsf(v[i]));
+            }
+            const float inv = amax > 0.f ? top / amax : 0.f;
+            for (int i = 0; i < 32; i++) q[base + i] = (int16_t)lrintf(v[i] * inv);
+            d[r * (k / 32) + b] = amax / top;
+        }
+    return 0;
+}
+
+#if BQ8_LEVEL
+static inline float h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+static inline __m128i ld16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+static inline __m128i lo4(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(0x0F)); }
+static inline __m128i hi4(__m128i b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)); }
+/* byte i = `value` where bit i of `bits` is set, else 0 */
+static inline __m128i bits16(uint32_t bits, char value) {
+    const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    __m128i v = _mm_shuffle_epi8(_mm_set1_epi16((short)bits),
+                                 _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, sel), sel), _mm_set1_epi8(value));
+}
+/* byte i = 0x10 where bit j of byte i of b is set */
+static inline __m128i bit_j(__m128i b, int j) {
+    const __m128i m = _mm_set1_epi8((char)(1 << j));
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b, m), m), _mm_set1_epi8(0x10));
+}
+static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) { *sc = s[j] & 63; *mn = s[j + 4] & 63; }
+    else { *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+
+/* Block j (32 elements) of a W row → codes u of elements 0-15 (lo) and 16-31 (hi), the weight scales of the
+ * two halves and the min. Constant fmt: each caller is specialised per format. */
+typedef struct { __m128i lo, hi; float ws0, ws1, mn; } blk32;
+
+static inline __attribute__((always_inline)) blk32 unpack(const int fmt, const uint8_t *row, int64_t j) {
+    blk32 o;
+    o.mn = 0.f;
+    switch (fmt) {
+    case Q4_0: case Q4_1: {
+        const uint8_t *b = row + j * (fmt == Q4_0 ? 18 : 20);
+        const __m128i q = ld16(b + (fmt == Q4_0 ? 2 : 4));
+        o.ws0 = o.ws1 = h2f(b);
+        if (fmt == Q4_1) o.mn = h2f(b + 2);
+        o.lo = lo4(q); o.hi = hi4(q);
+        break;
+    }
+    case Q5_0: case Q5_1: {
+        const uint8_t *b = row + j * (fmt == Q5_0 ? 22 : 24), *p = b + (fmt == Q5_0 ? 2 : 4);
+        uint32_t qh; memcpy(&qh, p, 4);
+        const __m128i q = ld16(p + 4);
+        o.ws0 = o.ws1 = h2f(b);
+        if (fmt == Q5_1) o.mn = h2f(b + 2);
+        o.lo = _mm_or_si128(lo4(q), bits16(qh & 0xFFFF, 0x10));
+        o.hi = _mm_or_si128(hi4(q), bits16(qh >> 16, 0x10));
+        break;
+    }
+    case Q8_0: {
+        const uint8_t *b = row + j * 34;
+        const __m128i s = _mm_set1_epi8((char)0x80);          /* q + 128 as u8 */
+        o.ws0 = o.ws1 = h2f(b);
+        o.lo = _mm_xor_si128(ld16(b + 2), s); o.hi = _mm_xor_si128(ld16(b + 18), s);
+        break;
+    }
+    case Q4_K: case Q5_K: {
+        const int five = fmt == Q5_K, jj = (int)(j & 7);
+        const uint8_t *b = row + (j >> 3) * (five ? 176 : 144);
+        const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+        int sc, mn;
+        scale_min_k4(b + 4, jj, &sc, &mn);
+        o.ws0 = o.ws1 = h2f(b) * (float)sc;
+        o.mn = -(h2f(b + 2) * (float)mn);
+        __m128i l = ld16(qs + 32 * (jj / 2)), h = ld16(qs + 32 * (jj / 2) + 16);
+        l = (jj & 1) ? hi4(l) : lo4(l);
+        h = (jj & 1) ? hi4(h) : lo4(h);
+        if (five) { l = _mm_or_si128(l, bit_j(ld16(qh), jj)); h = _mm_or_si128(h, bit_j(ld16(qh + 16), jj)); }
+        o.lo = l; o.hi = h;
+        break;
+    }
+    case Q6_K: {
+        const int jj = (int)(j & 7), h2 = jj / 4;
+        const uint8_t *b = row + (j >> 3) * 210, *ql = b + 64 * h2, *qh = b + 128 + 32 * h2;
+        const int8_t *sc = (const int8_t *)(b + 192) + 8 * h2;
+        const float d = h2f(b + 208);
+        __m128i q[2];
+        for (int c = 0; c < 2; c++) {
+            const int e = 32 * (jj % 4) + 16 * c;             /* element offset within the half */
+            __m128i l = ld16(ql + e % 64);
+            l = e < 64 ? lo4(l) : hi4(l);
+            __m128i u = _mm_srli_epi16(ld16(qh + e % 32), 2 * (e / 32));
+            u = _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi8(3)), 4);
+            q[c] = _mm_or_si128(l, u);
+        }
+        o.ws0 = d * (float)sc[2 * (jj % 4)];
+        o.ws1 = d * (float)sc[2 * (jj % 4) + 1];
+        o.lo = q[0]; o.hi = q[1];
+        break;
+    }
+    case IQ4_XS: {
+        const int jj = (int)(j & 7);
+        const uint8_t *b = row + (j >> 3) * 136;
+        const __m128i kv = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+        const __m128i kvu = _mm_xor_si128(kv, _mm_set1_epi8((char)0x80));       /* kvalue + 128 */
+        uint16_t sh; memcpy(&sh, b + 2, 2);
+        const int ls = ((b[4 + jj / 2] >> (4 * (jj % 2))) & 0xF) | (((sh >> (2 * jj)) & 3) << 4);
+        o.ws0 = o.ws1 = h2f(b) * (float)(ls - 32);
+        const __m128i q = ld16(b + 8 + 16 * jj);
+        o.lo = _mm_shuffle_epi8(kvu, lo4(q)); o.hi = _mm_shuffle_epi8(kvu, hi4(q));
+        break;
+    }
+    default:
+        o.lo = o.hi = _mm_setzero_si128(); o.ws0 = o.ws1 = 0.f;
+    }
+    return o;
+}
+
+static inline int64_t block_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24; case Q8_0: return 34;
+    case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210; case IQ4_XS: return 136;
+    default: return 0;
+    }
+}
+static inline int64_t block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K || fmt == IQ4_XS ? 256 : 32; }
+
+/* W [n, k] → u [n, k], ws [n, k / 16], mn [n, k / 32]: the kernel's unpacking, for the exact tests */
+int chatserve_bq8_unpack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *u,
+                         float *ws, float *mn) {
+    if (!known(fmt)) return 1;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < k / 32; j++) {
+            const blk32 b = unpack(fmt, w + r * row_bytes, j);
+            _mm_storeu_si128((__m128i *)(u + r * k + 32 * j), b.lo);
+            _mm_storeu_si128((__m128i *)(u + r * k + 32 * j + 16), b.hi);
+            ws[r * (k / 16) + 2 * j] = b.ws0;
+            ws[r * (k / 16) + 2 * j + 1] = b.ws1;
+            mn[r * (k / 32) + j] = b.mn;
+        }
+    return 0;
+}
+
+/* ---- the integer dot per lane of 4 elements: Σ (u − z) · q ---- */
+#if BQ8_LEVEL == 3
+#define MR 8
+typedef __m512 vf;
+typedef __m512i vi;
+static inline float hsum(vf v) {          /* fixed tree: 16 → 8 → 4 → 2 → 1 */
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+#else
+#define MR 4
+typedef __m256 vf;
+typedef __m256i vi;
+static inline float hsum(vf v) {          /* fixed tree: 8 → 4 → 2 → 1 */
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+#endif
+
+/* u: codes (u8), q: x codes (s8); nzq: −z · Σ q per lane (VNNI), z: the zero (maddubs) */
+static inline __attribute__((always_inline)) vi dot(vi nzq, vi u, vi q, int z) {
+#if BQ8_LEVEL == 3
+    (void)z;
+    return _mm512_dpbusd_epi32(nzq, u, q);
+#elif BQ8_VNNI
+    (void)z;
+    return _mm256_dpbusd_avx_epi32(nzq, u, q);
+#else
+    (void)nzq;
+    const __m256i s = _mm256_sub_epi8(u, _mm256_set1_epi8((char)z));             /* u − z as s8 */
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(q, s));   /* ≤ 2·128·127 */
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+}
+
+/* One step of the K loop covers SB blocks: level 2 one block in natural order; level 3 a pair of blocks a, b
+ * in the order [a 0-15, b 0-15, a 16-31, b 16-31] (what nibble and byte unpacking yields with the fewest
+ * shuffles), so 16 lanes of 4 = a, b, a, b per quarter. x is laid out in that order once per call. */
+#if BQ8_LEVEL == 3
+#define SB 2
+#else
+#define SB 1
+#endif
+
+/* natural position of x element `pos` of the stepped layout, or -1 past the last block (padding) */
+static inline int64_t natural_pos(int64_t pos, int64_t nb) {
+#if SB == 2
+    const int64_t s = pos / 64, o = pos % 64, quarter = o / 16, block = 2 * s + (quarter & 1);
+    return block < nb ? 32 * block + (quarter >= 2 ? 16 : 0) + o % 16 : -1;
+#else
+    (void)nb;
+    return pos;
+#endif
+}
+
+/* Per row of x, the call's scratch in the stepped layout: codes q [P, kp] (P = 1 plane of int8 codes, or 2:
+ * qh then ql), and per lane of 4: −z·Σq (int32), the block's d (float) and d·Σq (float) [kp / 4]; padding 0 */
+typedef struct {
+    const int8_t *q;
+    const int32_t *nzq;
+    const float *dl, *dsq;
+    int64_t nb, kp;
+} xrows;
+
+static void prepare_x(const int16_t *q, const float *d, int64_t m, int64_t k, int z, int P, int8_t *xp,
+                      int32_t *nzq, float *dl, float *dsq) {
+    const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t l = 0; l < kp / 4; l++) {
+            int32_t s = 0;
+            int64_t block = -1;
+            for (int i = 0; i < 4; i++) {
+                const int64_t src = natural_pos(4 * l + i, nb);
+                const int32_t v = src < 0 ? 0 : q[r * k + src];
+                const int32_t h = P == 2 ? (v + (v >= 0 ? 127 : -127)) / 255 : v;
+                xp[r * P * kp + 4 * l + i] = (int8_t)h;
+                if (P == 2) xp[r * P * kp + kp + 4 * l + i] = (int8_t)(v - 255 * h);
+                s += v;
+                block = src < 0 ? -1 : src / 32;
+            }
+            const float dd = block < 0 ? 0.f : d[r * nb + block];
+            nzq[r * (kp / 4) + l] = -z * s;
+            dl[r * (kp / 4) + l] = dd;
+            dsq[r * (kp / 4) + l] = dd * (float)s;
+        }
+}
+
+#if BQ8_LEVEL == 3
+/* W blocks j, j + 1 (b absent when !two) → codes u in the pair order, weight scales and mins per lane */
+typedef struct { __m512i u; __m512 ws, mn; } pair64;
+
+static inline __m512 two_halves(float a, float b) {       /* lanes: a ×4, b ×4, a ×4, b ×4 */
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(a, b, 0.f, 0.f)));
+}
+static inline __m512 two_fp16(const uint8_t *pa, const uint8_t *pb) {   /* two fp16 → two_halves */
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    uint16_t ha, hb; memcpy(&ha, pa, 2); memcpy(&hb, pb, 2);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)ha | ((uint32_t)hb << 16))));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
+}
+
+static inline __attribute__((always_inline)) pair64 pair(const int fmt, const uint8_t *row, int64_t j, int two) {
+    pair64 o;
+    if (two && (fmt == Q4_0 || fmt == Q4_1)) {             /* [qa, qb, qa >> 4, qb >> 4] & 0x0F */
+        const int64_t bb = fmt == Q4_0 ? 18 : 20, at = fmt == Q4_0 ? 2 : 4;
+        const uint8_t *a = row + j * bb, *b = a + bb;
+        const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(ld16(a + at)), ld16(b + at), 1);
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+        o.u = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+        o.ws = two_fp16(a, b);
+        o.mn = fmt == Q4_1 ? two_fp16(a + 2, b + 2) : _mm512_setzero_ps();
+        return o;
+    }
+    if (two && fmt == Q8_0) {                             /* [a, b] → 128-bit lanes 0, 2, 1, 3; q + 128 */
+        const uint8_t *a = row + j * 34, *b = a + 34;
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b + 2)), 1);
+        o.u = _mm512_xor_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8((char)0x80));
+        o.ws = two_fp16(a, b);
+        o.mn = _mm512_setzero_ps();
+        return o;
+    }
+    const blk32 a = unpack(fmt, row, j);
+    blk32 b;
+    if (two) b = unpack(fmt, row, j + 1);
+    else { b.lo = b.hi = _mm_setzero_si128(); b.ws0 = b.ws1 = b.mn = 0.f; }
+    const __m256i lo = _mm256_set_m128i(b.lo, a.lo), hi = _mm256_set_m128i(b.hi, a.hi);
+    o.u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    o.ws = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(a.ws0, b.ws0, a.ws1, b.ws1)));
+    o.mn = has_min(fmt) ? two_halves(a.mn, b.mn) : _mm512_setzero_ps();
+    return o;
+}
+
+/* mr rows of x (from row m0) · one W row → res[mr] */
+static inline __attribute__((always_inline)) void rows_dot(const int fmt, const int mr, const int P,
+                                                           const uint8_t *wrow, const xrows *X, int64_t m0,
+                                                           float *res) {
+    const int64_t nb = X->nb, kp = X->kp, kl = X->kp / 4;
+    const int z = zero_of(fmt), mins = has_min(fmt);
+    vf acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nb; j += 2) {
+        __builtin_prefetch(wrow + (j / (block_elems(fmt) / 32)) * block_bytes(fmt) + 1024);
+        const pair64 p = pair(fmt, wrow, j, j + 1 < nb);
+        for (int i = 0; i < mr; i++) {
+            const int64_t r = m0 + i;
+            const int8_t *xq = X->q + r * P * kp + 32 * j;
+            const __m512i nz = _mm512_loadu_si512(X->nzq + r * kl + 8 * j);
+            const __m512 dl = _mm512_loadu_ps(X->dl + r * kl + 8 * j);
+            __m512i s;
+            if (P == 2) {                                       /* 255 · Σ u·qh + Σ u·ql − z·Σq */
+                const __m512i h = dot(_mm512_setzero_si512(), p.u, _mm512_loadu_si512(xq), z);
+                s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h),
+                                     dot(nz, p.u, _mm512_loadu_si512(xq + kp), z));
+            } else {
+                s = dot(nz, p.u, _mm512_loadu_si512(xq), z);
+            }
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(p.ws, dl), acc[i]);
+            if (mins) acc[i] = _mm512_fmadd_ps(p.mn, _mm512_loadu_ps(X->dsq + r * kl + 8 * j), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) res[i] = hsum(acc[i]);
+}
+
+/* one step's exact lane dots, for the tests: lanes [16] of x row (stepped layout) against W blocks j, j + 1 */
+static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, int P, const int8_t *xq, int64_t kp,
+                       const int32_t *nz, int32_t *lanes) {
+    const pair64 p = pair(fmt, wrow, j, two);
+    const int z = zero_of(fmt);
+    __m512i s = dot(_mm512_loadu_si512(nz), p.u, _mm512_loadu_si512(xq + (P == 2 ? kp : 0)), z);
+    if (P == 2) {
+        const __m512i h = dot(_mm512_setzero_si512(), p.u, _mm512_loadu_si512(xq), z);
+        s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), s);
+    }
+    _mm512_storeu_si512(lanes, s);
+}
+/* lane quarter → (block offset, half) */
+#define LANE_BLOCK(l) (((l) / 4) & 1)
+#define LANE_HALF(l) ((l) / 8)
+#else
+static inline __attribute__((always_inline)) void rows_dot(const int fmt, const int mr, const int P,
+                                                           const uint8_t *wrow, const xrows *X, int64_t m0,
+                                                           float *res) {
+    const int64_t nb = X->nb, kp = X->kp, kl = X->kp / 4;
+    const int z = zero_of(fmt), mins = has_min(fmt);
+    vf acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j++) {
+        __builtin_prefetch(wrow + (j / (block_elems(fmt) / 32)) * block_bytes(fmt) + 1024);
+        const blk32 a = unpack(fmt, wrow, j);
+        const __m256i u = _mm256_set_m128i(a.hi, a.lo);
+        const __m256 ws = _mm256_set_m128(_mm_set1_ps(a.ws1), _mm_set1_ps(a.ws0));
+        const __m256 mn = _mm256_set1_ps(a.mn);
+        for (int i = 0; i < mr; i++) {
+            const int64_t r = m0 + i;
+            const int8_t *xq = X->q + r * P * kp + 32 * j;
+            const __m256i nz = BQ8_VNNI ? _mm256_loadu_si256((const __m256i *)(X->nzq + r * kl + 8 * j))
+                                        : _mm256_setzero_si256();
+            const __m256 dl = _mm256_loadu_ps(X->dl + r * kl + 8 * j);
+            __m256i s;
+            if (P == 2) {
+                const __m256i h = dot(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)xq), z);
+                s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h),
+                                     dot(nz, u, _mm256_loadu_si256((const __m256i *)(xq + kp)), z));
+            } else {
+                s = dot(nz, u, _mm256_loadu_si256((const __m256i *)xq), z);
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, dl), acc[i]);
+            if (mins) acc[i] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(X->dsq + r * kl + 8 * j), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) res[i] = hsum(acc[i]);
+}
+
+static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, int P, const int8_t *xq, int64_t kp,
+                       const int32_t *nz, int32_t *lanes) {
+    (void)two;
+    const blk32 a = unpack(fmt, wrow, j);
+    const int z = zero_of(fmt);
+    const __m256i u = _mm256_set_m128i(a.hi, a.lo);
+    const __m256i n = BQ8_VNNI ? _mm256_loadu_si256((const __m256i *)nz) : _mm256_setzero_si256();
+    __m256i s = dot(n, u, _mm256_loadu_si256((const __m256i *)(xq + (P == 2 ? kp : 0))), z);
+    if (P == 2) {
+        const __m256i h = dot(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)xq), z);
+        s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(h, 8), h), s);
+    }
+    _mm256_storeu_si256((__m256i *)lanes, s);
+}
+#define LANE_BLOCK(l) 0
+#define LANE_HALF(l) ((l) / 4)
+#endif
+
+/* the integer dots alone, per 16-element half: out [m, n, k / 16] (exact tests of the unpacking and dot()) */
+int chatserve_bq8_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int16_t *q,
+                       int64_t m, int planes, int32_t *out) {
+    if (!known(fmt) || k % 32 || planes < 1 || planes > 2) return 1;
+    const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32;
+    int8_t *xp = malloc((size_t)(m * planes * kp));
+    int32_t *nzq = malloc(sizeof(int32_t) * (size_t)(m * kp / 4));
+    float *d = malloc(sizeof(float) * (size_t)(m * nb));
+    float *dl = malloc(sizeof(float) * (size_t)(m * kp / 4)), *dsq = malloc(sizeof(float) * (size_t)(m * kp / 4));
+    if (!xp || !nzq || !d || !dl || !dsq) { free(xp); free(nzq); free(d); free(dl); free(dsq); return 2; }
+    for (int64_t i = 0; i < m * nb; i++) d[i] = 1.f;
+    prepare_x(q, d, m, k, zero_of(fmt), planes, xp, nzq, dl, dsq);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < n; c++) {
+            int32_t *o = out + (r * n + c) * (k / 16);
+            for (int64_t h = 0; h < k / 16; h++) o[h] = 0;
+            for (int64_t j = 0; j < nb; j += SB) {
+                int32_t lanes[16];
+                step_lanes(fmt, w + c * row_bytes, j, j + 1 < nb, planes, xp + r * planes * kp + 32 * j, kp,
+                           nzq + r * (kp / 4) + 8 * j, lanes);
+                for (int l = 0; l < 8 * SB; l++) {
+                    const int64_t block = j + LANE_BLOCK(l);
+                    if (block < nb) o[2 * block + LANE_HALF(l)] += lanes[l];
+                }
+            }
+        }
+    free(xp); free(nzq); free(d); free(dl); free(dsq);
+    return 0;
+}
+
+static inline uint16_t f2bf(float f) {          /* round to nearest even, as torch does */
+    uint32_t u; memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* rows [m0, m0 + mr) of x against W rows [c0, c1) → y */
+static inline __attribute__((always_inline)) void tile_rows(const int fmt, const int mr, const int P, const uint8_t *w,
+                                                            int64_t row_bytes, int64_t c0, int64_t c1,
+                                                            const xrows *X, int64_t m0, void *y, int64_t ldy,
+                                                            int y_bf16) {
+    float res[MR];
+    for (int64_t c = c0; c < c1; c++) {
+        rows_dot(fmt, mr, P, w + c * row_bytes, X, m0, res);
+        for (int i = 0; i < mr; i++) {
+            const int64_t off = (m0 + i) * ldy + c;
+            if (y_bf16) ((uint16_t *)y)[off] = f2bf(res[i]);
+            else ((float *)y)[off] = res[i];
+        }
+    }
+}
+
+#define MR_BIG (MR == 8 ? 8 : 4)      /* the 8-row tile (AVX-512 only) */
+#define FMT_TILES_P(F, P)                                                                                  \
+    static void tiles_##F##_##P(int64_t m, const uint8_t *w, int64_t rb, int64_t c0, int64_t c1,          \
+                                const xrows *X, void *y, int64_t ldy, int yb) {                            \
+        for (int64_t m0 = 0; m0 < m;) {                                                                    \
+            const int64_t left = m - m0;                                                                   \
+            if (MR == 8 && left >= 8) { tile_rows(F, MR_BIG, P, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 8; } \
+            else if (left >= 4) { tile_rows(F, 4, P, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 4; }          \
+            else if (left >= 2) { tile_rows(F, 2, P, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 2; }          \
+            else { tile_rows(F, 1, P, w, rb, c0, c1, X, m0, y, ldy, yb); m0 += 1; }                         \
+        }                                                                                                  \
+    }
+#define FMT_TILES(F) FMT_TILES_P(F, 1) FMT_TILES_P(F, 2)
+FMT_TILES(Q4_0) FMT_TILES(Q4_1) FMT_TILES(Q5_0) FMT_TILES(Q5_1) FMT_TILES(Q8_0)
+FMT_TILES(Q4_K) FMT_TILES(Q5_K) FMT_TILES(Q6_K) FMT_TILES(IQ4_XS)
+
+#define CHUNK_BYTES (32 * 1024)          /* W rows per chunk: their blocks stay in L2 for every tile of x rows */
+
+/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32).
+ * 0 on success, 1 unknown format, 2 out of memory. */
+/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32), x as
+ * x_bits = 8 (int8 codes) or 15 (two int8 planes) per block of 32. 0 on success, 1 bad argument, 2 no memory. */
+int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
+                  int x_bf16, int x_bits, void *y, int64_t ldy, int y_bf16, int nt) {
+    if (!known(fmt) || k % 32 || (x_bits != 8 && x_bits != 15)) return 1;
+    if (nt < 1) nt = 1;
+    const int P = x_bits == 15 ? 2 : 1;
+    const int64_t nb = k / 32, kp = (nb + SB - 1) / SB * SB * 32, kl = kp / 4;
+    int16_t *q = malloc(sizeof(int16_t) * (size_t)(m * k));
+    int8_t *xp = malloc((size_t)(m * P * kp));
+    float *d = malloc(sizeof(float) * (size_t)(m * nb));
+    int32_t *nzq = malloc(sizeof(int32_t) * (size_t)(m * kl));
+    float *dl = malloc(sizeof(float) * (size_t)(m * kl)), *dsq = malloc(sizeof(float) * (size_t)(m * kl));
+    if (!q || !xp || !d || !nzq || !dl || !dsq) {
+        free(q); free(xp); free(d); free(nzq); free(dl); free(dsq);
+        return 2;
+    }
+    chatserve_bq8_quantize(x, x_bf16, m, k, P == 2 ? 32512.f : 127.f, q, d);
+    prepare_x(q, d, m, k, zero_of(fmt), P, xp, nzq, dl, dsq);
+    const xrows X = {xp, nzq, dl, dsq, nb, kp};
+    int64_t chunk = CHUNK_BYTES / row_bytes;
+    if (chunk < 1) chunk = 1;
+    if (n < 8 * nt) nt = 1;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int part = 0; part < nt; part++) {
+        const int64_t p0 = n * part / nt, p1 = n * (part + 1) / nt;
+        for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < p1 ? c0 + chunk : p1;
+#define CASE(F) case F: (P == 2 ? tiles_##F##_2 : tiles_##F##_1)(m, w, row_bytes, c0, c1, &X, y, ldy, y_bf16); break;
+            switch (fmt) {
+            CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K) CASE(IQ4_XS)
+            }
+#undef CASE
+        }
+    }
+    free(q); free(xp); free(d); free(nzq); free(dl); free(dsq);
+    return 0;
+}
+#else
+int chatserve_bq8_unpack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *u,
+                         float *ws, float *mn) { return 3; }
+int chatserve_bq8_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const int16_t *q,
+                       int64_t m, int planes, int32_t *out) { return 3; }
+int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
+                  int x_bf16, int x_bits, void *y, int64_t ldy, int y_bf16, int nt) { return 3; }
+#endif

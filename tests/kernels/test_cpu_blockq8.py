@@ -1,0 +1,146 @@
+"""cpu_blockq8 (int8 activations against GGUF block codes; AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2 with maddubs)
+and its torch twin block_q8: the twin's unpacking rebuilds block_formats' dequantization bit for bit; the
+kernel's x codes, W codes and scales and integer dots equal the twin's exactly; the matmul matches the twin
+within float rounding of its terms and the dense matmul within the int8 rounding of x, for every format and
+level; and every output row is batch invariant (same bits at any M, beside any rows, on 1 or 2 threads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_blockmm import gguf_reference, make_weight
+
+from chatserve_kernels import block_formats as bf
+from chatserve_kernels import block_q8, cpu_blockq8
+
+# the levels this CPU runs: not a skip, a parametrization over what exists
+LEVELS = [isa for isa in cpu_blockq8.LEVELS if cpu_blockq8.supported(isa)]
+FORMATS = list(cpu_blockq8.FORMATS)
+BATCH_MS = (1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 64)
+
+
+def shapes(name: str) -> list[tuple[int, int]]:
+    b = bf.FORMATS[name].block
+    return [(1, b), (5, 2 * b), (37, 3 * b)] + ([(9, 5 * b)] if b == 32 else [])
+
+
+def test_this_cpu_has_a_level():
+    assert LEVELS, "cpu_blockq8 needs AVX2+FMA+F16C; the serving path falls back to cpu_blockmm's twin"
+    assert all(cpu_blockq8.available(isa) for isa in LEVELS)
+    assert sorted(block_q8.FORMATS) == sorted(FORMATS)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("random_bytes", [False, True])
+def test_twin_unpacking_rebuilds_the_dequantization_bit_for_bit(name, random_bytes):
+    for n, k in shapes(name):
+        w = make_weight(name, n, k, seed=n + k, random_bytes=random_bytes)
+        want = bf.dequantize(w)
+        assert want.abs().sum() > 0
+        assert torch.equal(block_q8.dequantize(w), want), (name, n, k)
+        u, z, _, _ = block_q8.unpack(w)
+        assert int((u.int() - z).abs().max()) <= 128          # the maddubs bound: |u − z| · 127 · 2 < 2^15
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_x_codes_are_the_twins(isa, dtype, x_bits):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 160, generator=g) * torch.logspace(-3, 2, 160)).to(dtype)
+    x[2, 32:64] = 0                                             # an all-zero block: scale 0, codes 0
+    x[3, :32] = torch.arange(32) - 15.5                         # exact halves: round half to even
+    q, d = cpu_blockq8.quantize(x, isa, x_bits)
+    tq, td = block_q8.quantize(x, x_bits)
+    assert q.abs().sum() > 0 and int(q.abs().max()) == block_q8.TOP[x_bits]
+    assert torch.equal(q, tq) and torch.equal(d, td)
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_the_integer_part_is_exact(isa, name, x_bits):
+    """W's codes, scales and mins, and the integer dots Σ (u − z)·q, equal the twin's exactly."""
+    g = torch.Generator().manual_seed(2)
+    for n, k in shapes(name):
+        w = make_weight(name, n, k, seed=5 * n + k, random_bytes=True)
+        u, z, ws, mn = block_q8.unpack(w)
+        cu, cws, cmn = cpu_blockq8.unpack(w, isa)
+        assert torch.equal(cu, u) and torch.equal(cws, ws) and torch.equal(cmn, mn), (name, n, k)
+        top = int(block_q8.TOP[x_bits])
+        q = torch.randint(-top, top + 1, (3, k), generator=g, dtype=torch.int16)
+        q[0, :32] = top                                          # the extremes (maddubs' saturation bound)
+        q[1, :32] = -top
+        q[2, :8] = torch.tensor([127, 128, -127, -128, 255, -255, 254, 0])[:8] if x_bits == 15 else 0
+        got = cpu_blockq8.dots(q, w, isa, x_bits)
+        assert got.abs().sum() > 0
+        assert torch.equal(got, block_q8.dots(q, w)), (name, n, k)
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_matmul_matches_the_twin_and_the_dense_matmul(isa, name, dtype, x_bits):
+    g = torch.Generator().manual_seed(7)
+    for n, k in shapes(name):
+        w = make_weight(name, n, k, seed=n * k)
+        dense = gguf_reference(w)
+        for m in (1, 4, 6, 11):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            y = cpu_blockq8.matmul(x, w, isa, out_dtype=torch.float32, x_bits=x_bits)
+            twin = block_q8.matmul(x, w, torch.float32, x_bits)
+            assert y.shape == (m, n) and y.abs().sum() > 0
+            # the twin joins the exact integer dots in float64; the kernel in float32 per lane
+            mag = block_q8.magnitude(x, w, x_bits).float()
+            assert bool(((y - twin).abs() <= mag * 1e-5 + 1e-30).all()), (name, n, k, m)
+            # the dense oracle: within the rounding of x to its int8 codes (≤ d/2 per element), plus float's
+            q, d = block_q8.quantize(x, x_bits)
+            err_x = (d / 2).repeat_interleave(32, 1)
+            bound = err_x.double() @ dense.double().abs().t() + mag * 1e-5
+            exact = x.double() @ dense.double().t()
+            assert bool(((y.double() - exact).abs() <= bound * 1.001 + 1e-6).all()), (name, n, k, m)
+            if dtype == torch.bfloat16:     # bf16 out is the float32 result rounded once
+                assert torch.equal(cpu_blockq8.matmul(x, w, isa, x_bits=x_bits), y.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q5_K"])
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_rows_are_batch_invariant(isa, name, x_bits, monkeypatch):
+    """Row i's bits do not depend on M, on the rows beside it, or on 1 or 2 threads."""
+    monkeypatch.setattr(cpu_blockq8, "ONE_THREAD_MACS", 0)     # small calls too take the threads asked for
+    n, k = 37, 2 * bf.FORMATS[name].block + (32 if bf.FORMATS[name].block == 32 else 0)
+    w = make_weight(name, n, k, seed=11)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(max(BATCH_MS), k, generator=g).bfloat16()
+    full = cpu_blockq8.matmul(x, w, isa, threads=1, x_bits=x_bits)
+    assert full.float().abs().sum() > 0
+    for threads in (1, 2):
+        for m in BATCH_MS:
+            got = cpu_blockq8.matmul(x[:m], w, isa, threads=threads, x_bits=x_bits)
+            assert torch.equal(got, full[:m]), (name, threads, m)
+            mixed = torch.cat([torch.randn(3, k, generator=g).bfloat16(), x[:m]])
+            assert torch.equal(cpu_blockq8.matmul(mixed, w, isa, threads=threads, x_bits=x_bits)[3:], full[:m])
+
+
+def test_the_levels_agree_on_the_integers_and_closely_on_y():
+    """Every level computes the same integer dots; y differs only by float rounding of the lane sums."""
+    w = make_weight("Q4_K", 19, 512, seed=3, random_bytes=True)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    ys = {isa: cpu_blockq8.matmul(x, w, isa) for isa in LEVELS}
+    mag = block_q8.magnitude(x, w).float()
+    for y in ys.values():
+        assert y.abs().sum() > 0
+        assert bool(((y - ys[LEVELS[0]]).abs() <= mag * 2e-5).all())
+
+
+def test_bench_blockmm_reports_the_q8_kernel_for_decode_rows_only():
+    from chatserve.bench import blockmm
+    args = blockmm.build_parser().parse_args(["--formats", "Q4_0,F16", "--shapes", "64x64", "--rows", "1,32",
+                                              "--repeats", "1", "--x-bits", "8,15", "--json"])
+    rows = blockmm.run(args)
+    assert [r["m"] for r in rows] == [1, 32]
+    decode, prefill = rows[0]["ms"], rows[1]["ms"]
+    assert {f"Q4_0/q8x{b}-{isa}" for isa in LEVELS for b in (8, 15)} <= set(decode) and all(v > 0 for v in decode.values())
+    assert not any("q8" in key for key in prefill)               # past --q8-max-rows
+    assert not any(key.startswith("F16/q8") for key in decode)    # no integer codes in F16
