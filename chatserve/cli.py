@@ -28,7 +28,7 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
     "sessions": "session-aware caching: turn N+1 hits under load",
     "models": "model switching: cold vs warm TTFT, two models alternating",
     "build-model": "random-weight checkpoint of a real shape (Llama-3.2-1B)",
-    "build-gguf": "random-block GGUF of the Llama-3.2-1B shape in one format",
+    "build-gguf": "random-block GGUF of a 1B, 8B or MoE shape in one format or Q4_K_M",
 }
 BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_HELP}
 BENCH["build-model"] = "chatserve.bench.checkpoint:main"
