@@ -23,6 +23,7 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
     "blockmm": "CPU matmul on GGUF block formats vs today's paths",
     "invariance": "what --batch-invariant costs a mixed step, and serving",
     "quality": "GGUF: logits vs transformers on the file's weights (and llama.cpp)",
+    "launch": "GGUF: load time, peak RSS, decode step of chatserve and llama.cpp on one file",
     "serve": "OpenAI-API serving benchmark",
     "load": "load + cancellation + stream validation",
     "sessions": "session-aware caching: turn N+1 hits under load",
