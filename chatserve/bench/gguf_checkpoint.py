@@ -167,7 +167,8 @@ def build_gguf(out: Path, fmt: str = "Q4_0", seed: int = 0, shape: str = "llama-
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
     if fmt not in FORMATS and fmt not in MIXES:
         raise ValueError(f"format must be a block format ({', '.join(FORMATS)}) or one of {MIXES}")
-    s = replace(SHAPES[shape], **({"layers": layers} if layers else {}), **dims)
+    overrides: dict[str, Any] = {**dims, **({"layers": layers} if layers else {})}
+    s = replace(SHAPES[shape], **overrides)
     plan = tensor_plan(s, fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(out), s.arch)
