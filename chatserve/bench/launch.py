@@ -160,7 +160,7 @@ def format_row(r: dict, file_gib: float) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatserve bench launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a GGUF file")
-    p.add_argument("--variants", default="default,in-place,llama.cpp",
+    p.add_argument("--variants", default="in-place,llama.cpp,default",
                    help=f"comma-separated, run in this order each round: {', '.join(VARIANTS)} (llama.cpp "
                         "needs --llama-cpp-python)")
     p.add_argument("--llama-cpp-python", default=None, help="a Python interpreter that imports llama_cpp")
@@ -203,12 +203,11 @@ def main(argv: list[str]) -> int:
             r = run_variant(v, args)
             if v == "in-place":
                 file_bytes = {d["batch"]: d["weight_bytes_per_step"] for d in r.get("decode", [])}
-            rows.append(r)
-        for r in rows:
-            if bandwidth:
+            if bandwidth:                  # llama.cpp's floor needs in-place's count: list in-place first
                 add_floor(r, bandwidth, file_bytes)
             if not args.json:
                 print(format_row(r, file_gib), flush=True)
+            rows.append(r)
         rounds.append(rows)
     if args.json:
         print(json.dumps({"model": args.model, "file_gib": file_gib, "threads": args.threads,
