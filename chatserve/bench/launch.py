@@ -24,15 +24,17 @@ VARIANTS = ("default", "in-place", "llama.cpp")
 # llama.cpp through llama-cpp-python, run by its own interpreter in a temp dir (our kernels/ folder would
 # shadow a PyPI package of that name); prints one JSON line
 LLAMA_CPP_SCRIPT = r'''
-import ctypes, json, resource, statistics, sys, time
+import json, statistics, sys, time
 import numpy as np
 import llama_cpp as L
 
 a = json.loads(sys.argv[1])
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak():                # VmHWM: this process's own peak (ru_maxrss keeps the forking parent's across exec)
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
 L.llama_backend_init()
 t0 = time.perf_counter()
 mp = L.llama_model_default_params()
+mp.use_extra_bufts = a["extra_bufts"]     # AMX / repacked weights: off by default (AMX segfaults on some VMs)
 model = L.llama_model_load_from_file(a["path"].encode(), mp)
 if not model:
     raise SystemExit("llama.cpp could not load " + a["path"])
@@ -86,9 +88,15 @@ print(json.dumps({"variant": "llama.cpp", "load_s": load_s, "peak_rss_mib_load":
 '''
 
 
+def peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM; ru_maxrss would keep the forking parent's peak across exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
 def chatserve_child(a: dict) -> dict:
     """One chatserve variant in this process: load, then the decode steps of each batch size."""
-    from chatserve.bench.model import _decode, _peak_rss_mib
+    from chatserve.bench.model import _decode
     from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
 
@@ -99,21 +107,21 @@ def chatserve_child(a: dict) -> dict:
         a["path"], dtype=a["dtype"], num_threads=a["threads"], weight_quant=None if in_place else "auto",
         gguf_in_place=in_place, block_size=16, num_blocks=per_seq * max(a["batches"])), progress=False)
     load_s = time.perf_counter() - t0
-    rss_load = _peak_rss_mib()
+    rss_load = peak_rss_mib()
     results = []
     for b in a["batches"]:
         d = _decode(runner, b, a["context"], a["steps"], warmup=a["warmup"])
         d["weight_bytes_per_step"] = runner.model.decode_weight_bytes(b)
         results.append(d)
     return {"variant": a["variant"], "load_s": load_s, "peak_rss_mib_load": rss_load,
-            "peak_rss_mib": _peak_rss_mib(), "decode": results, "backends": runner.model.describe_backends()}
+            "peak_rss_mib": peak_rss_mib(), "decode": results, "backends": runner.model.describe_backends()}
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
     """Run one variant in a fresh process; its JSON result with the load average before and after."""
     a = {"variant": variant, "path": str(Path(args.model).resolve()), "dtype": args.dtype,
          "threads": args.threads, "batches": args.batches, "context": args.context, "steps": args.steps,
-         "warmup": args.warmup}
+         "warmup": args.warmup, "extra_bufts": args.llama_cpp_extra_bufts}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as d:
         if variant == "llama.cpp":
@@ -164,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, run in this order each round: {', '.join(VARIANTS)} (llama.cpp "
                         "needs --llama-cpp-python)")
     p.add_argument("--llama-cpp-python", default=None, help="a Python interpreter that imports llama_cpp")
+    p.add_argument("--llama-cpp-extra-bufts", action="store_true",
+                   help="let llama.cpp use its extra buffer types (AMX, repacked weights); off: llama.cpp "
+                        "0.3.36's AMX matmul segfaults on the Sapphire Rapids VM this was written on")
     p.add_argument("--dtype", default="bfloat16", help="chatserve's activation dtype")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1", help="decode batch sizes (streams), comma-separated")
