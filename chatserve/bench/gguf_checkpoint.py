@@ -63,11 +63,16 @@ def tensor_format(fmt: str, role: str, layer: int, shape: GGUFShape) -> str:
     """The block format of the matrix `role` (llama.cpp's tensor name without blk.N. and .weight) of
     `layer` (-1: not in a layer) in a file of `fmt`. Q4_K_M, as llama.cpp's quantizer chooses it: Q6_K for
     output (for token_embd when the head is tied to it), and for attn_v and ffn_down (ffn_down_exps
-    included) of the layers where use_more_bits holds; Q4_K for every other matrix."""
+    included) of the layers where use_more_bits holds; Q4_K for every other matrix; and for a model of
+    exactly 8 experts (Mixtral) attn_k and attn_v in Q8_0 and attn_output in Q5_K. Checked against
+    llama-cpp-python 0.3.36's llama_model_quantize on F16 files of these shapes (16 layers; 8 and 16
+    experts): the same type for every tensor."""
     if fmt != "Q4_K_M":
         return fmt
     if role == "output" or (role == "token_embd" and shape.tied):
         return "Q6_K"
+    if shape.experts == 8 and role in ("attn_k", "attn_v", "attn_output"):
+        return "Q5_K" if role == "attn_output" else "Q8_0"
     if role in ("attn_v", "ffn_down", "ffn_down_exps") and use_more_bits(layer, shape.layers):
         return "Q6_K"
     return "Q4_K"

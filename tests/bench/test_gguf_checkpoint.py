@@ -59,6 +59,8 @@ def test_moe_shape_has_qwen3moe_tensors_and_keys(tmp_path):
     # 2 layers: n/8 = 0, so layer 1 (≥ 7n/8) gets more bits and layer 0 does not
     assert [t[f"blk.{i}.ffn_down_exps.weight"].tensor_type.name for i in (0, 1)] == ["Q4_K", "Q6_K"]
     assert t["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    # exactly 8 experts: llama.cpp's Mixtral rule (attn_k/attn_v Q8_0, attn_output Q5_K)
+    assert [t[f"blk.0.attn_{r}.weight"].tensor_type.name for r in ("k", "v", "output")] == ["Q8_0", "Q8_0", "Q5_K"]
     assert t["output.weight"].tensor_type.name == "Q6_K" and t["token_embd.weight"].tensor_type.name == "Q4_K"
     assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"} <= set(t)
 
