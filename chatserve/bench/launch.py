@@ -128,7 +128,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
             (Path(d) / "run.py").write_text(LLAMA_CPP_SCRIPT)
             cmd, cwd = [args.llama_cpp_python, "run.py", json.dumps(a)], d
         else:
-            cmd, cwd = [sys.executable, "-m", "chatserve.bench.launch", "--child", json.dumps(a)], None
+            # in the temp dir too: a checkout's folders in the cwd would shadow the installed package
+            cmd, cwd = [sys.executable, "-m", "chatserve.bench.launch", "--child", json.dumps(a)], d
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if p.returncode != 0:
