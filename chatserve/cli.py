@@ -23,12 +23,13 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
     "blockmm": "CPU matmul on GGUF block formats vs today's paths",
     "invariance": "what --batch-invariant costs a mixed step, and serving",
     "quality": "GGUF: logits vs transformers on the file's weights (and llama.cpp)",
+    "launch": "GGUF: load time, peak RSS, decode step of chatserve and llama.cpp on one file",
     "serve": "OpenAI-API serving benchmark",
     "load": "load + cancellation + stream validation",
     "sessions": "session-aware caching: turn N+1 hits under load",
     "models": "model switching: cold vs warm TTFT, two models alternating",
     "build-model": "random-weight checkpoint of a real shape (Llama-3.2-1B)",
-    "build-gguf": "random-block GGUF of the Llama-3.2-1B shape in one format",
+    "build-gguf": "random-block GGUF of a 1B, 8B or MoE shape in one format or Q4_K_M",
 }
 BENCH: dict[str, str] = {name: f"chatserve.bench.{name}:main" for name in BENCH_HELP}
 BENCH["build-model"] = "chatserve.bench.checkpoint:main"

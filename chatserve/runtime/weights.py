@@ -166,6 +166,26 @@ def block_matrix(t: Any, n_heads: int | None = None) -> BlockMatrix:
     return BlockMatrix([BlockWeight(data, FORMATS[t.tensor_type.name], n, k)])
 
 
+# MoE families whose experts models/moe.read_experts also reads one tensor each (p.experts.{e}.…): a stacked
+# GGUF expert tensor kept in place is handed to them as per-expert views
+_PER_EXPERT_ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "mixtral")
+
+
+def expert_block_matrices(t: Any, hf: str) -> dict[str, BlockMatrix]:
+    """A stacked GGUF expert tensor [E, n, k] in a block format as E BlockMatrix views of the map (no
+    copy), named as a checkpoint with one tensor per expert names them (…experts.{e}.…)."""
+    e_count, n, k = (int(x) for x in reversed(t.shape))
+    raw = np.asarray(t.data).view(np.uint8).reshape(e_count, n, -1)          # [E, n, row bytes]
+    head, tail = hf.split(".experts.", 1)
+    out = {}
+    with warnings.catch_warnings():             # the map is read-only; the kernels only read it
+        warnings.simplefilter("ignore", UserWarning)
+        for e in range(e_count):
+            out[f"{head}.experts.{e}.{tail}"] = BlockMatrix([BlockWeight(torch.from_numpy(raw[e]),
+                                                                         FORMATS[t.tensor_type.name], n, k)])
+    return out
+
+
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
               progress: bool = True, in_place: bool = False) -> LoadedWeights:
     """Read a GGUF file, dequantize every tensor (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K/...); with
@@ -187,6 +207,10 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                disable=not progress, file=sys.stderr, leave=False)
     for t in bar:
         hf = gguf_to_hf_name(t.name, cfg.arch)
+        if in_place and hf and len(t.shape) == 3 and cfg.arch in _PER_EXPERT_ARCHS \
+                and t.tensor_type.name in FORMATS and ".experts." in hf:
+            tensors.update(expert_block_matrices(t, hf))
+            continue
         if in_place and hf and len(t.shape) == 2 and t.tensor_type.name in FORMATS:
             qk = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
             tensors[hf] = block_matrix(t, (cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)

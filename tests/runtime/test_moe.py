@@ -211,7 +211,8 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
 @pytest.mark.parametrize("name", ["qwen2moe", "gpt_oss"])
 def test_moe_gguf_in_place_gives_the_dense_logits(tmp_path, name):
     """--gguf-in-place keeps a MoE GGUF's 2-D matrices in their block format (attention, the shared expert;
-    the router decoded, the stacked experts dequantized): the logits equal the dequantized load's."""
+    the router decoded; Qwen2-MoE's stacked experts as per-expert views, gpt-oss's dequantized): the logits
+    equal the dequantized load's (test_gguf_moe_in_place.py: the expert views of each family)."""
     from chatserve.runtime.models.linear_backends import BlockMatrix, TorchBlockLinear
     from chatserve_kernels import AttentionMetadata
     path = H.save_gguf(H.hf_model(name), tmp_path / "m.gguf")

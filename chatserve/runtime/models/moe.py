@@ -21,6 +21,8 @@ from chatserve_kernels import block_formats
 class WeightReader(Protocol):
     """What reading experts needs of decoder.WeightReader (which imports this module)."""
 
+    dtype: torch.dtype
+
     def __call__(self, name: str, when: bool = True) -> Any: ...
 
     def has(self, name: str) -> bool: ...
@@ -155,20 +157,21 @@ def read_moe(r: WeightReader, m: str, spec: MoESpec, lin: Callable[[torch.Tensor
         shared = (sg, su, sd)
     if router is None or experts is None:
         return None
-    return build_moe(experts, router, spec, lin, act, ops, shared, gate)
+    return build_moe(experts, router, spec, lin, act, ops, shared, gate, r.dtype)
 
 
 def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec,
               lin: Callable[[torch.Tensor | BlockMatrix], AnyLinear],
               act: str, ops: TorchOps, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              shared_gate: torch.Tensor | None = None) -> MoE:
+              shared_gate: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> MoE:
     """The MoE layer on read weights: gate and up fused per expert, every matrix through lin (a
     layers.Linear, or a block backend for a GGUF matrix kept in place); the router and the shared
-    expert's gate dense (their float32 logits decide the routing)."""
-    mlps = [GatedMLP(lin(torch.cat([g, u])), lin(d), act, ops) for g, u, d in experts]
+    expert's gate dense (their float32 logits decide the routing), in dtype (default: the experts')."""
+    dtype = dtype or experts[0][0].dtype
+    mlps = [GatedMLP(lin(cat_rows([g, u])), lin(d), act, ops) for g, u, d in experts]
     sh = None if shared is None else GatedMLP(lin(cat_rows(list(shared[:2]))), lin(shared[2]), act, ops)
-    return MoE(Linear(dense(router, experts[0][0].dtype)), mlps, spec.top_k, spec.norm_topk_prob, sh,
-               None if shared_gate is None else Linear(dense(shared_gate, experts[0][0].dtype).reshape(1, -1)))
+    return MoE(Linear(dense(router, dtype)), mlps, spec.top_k, spec.norm_topk_prob, sh,
+               None if shared_gate is None else Linear(dense(shared_gate, dtype).reshape(1, -1)))
 
 
 def dense(w: torch.Tensor | BlockMatrix, dtype: torch.dtype) -> torch.Tensor:
