@@ -16,7 +16,7 @@ from chatserve_kernels import cpu_decode, cpu_ops, cpu_qmatmul, dispatch, env, k
 PROBES = [(cpu_attention, "available"), (cpu_attention, "supports"), (cpu_qmatmul, "available"),
           (cpu_ops, "usable"), (cpu_decode, "usable"), (attention_backend, "use_triton"),
           (attention, "use_triton"), (attention, "flash_supported"), (kv_store, "use_triton"),
-          (block_copy, "use_triton"), (layers, "_onednn_bf16"), (attention_backend, "pick_attention_backend"),
+          (block_copy, "use_triton"), (layers, "_onednn_packs"), (attention_backend, "pick_attention_backend"),
           (cpu_blockmm, "available"), (cpu_blockmm, "supported"), (cpu_blockmm, "detect_isa"),
           (cpu_blockq8, "available"), (cpu_blockq8, "supported"), (cpu_blockq8, "uses_vnni"),
           (cpu_build, "cpu_flags"), (cpu_build, "missing_flags"), (cpu_build, "compiler"),

@@ -50,13 +50,14 @@ ALL_GENERATED = RowSplit(True)
 ALL_PROMPT = RowSplit(False)
 
 
-@functools.lru_cache(maxsize=1)
-def _onednn_bf16() -> bool:
-    """oneDNN's packed bf16 linear runs on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+@functools.lru_cache(maxsize=2)
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear runs on this CPU for dtype (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
+    float32 any x86 CPU oneDNN supports)."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
     except RuntimeError:
         return False
     return True
@@ -65,7 +66,7 @@ def _onednn_bf16() -> bool:
 @functools.lru_cache(maxsize=1)
 def _onednn_amx() -> bool:
     """oneDNN's packed bf16 GEMM runs on AMX tiles here (its row bits then depend on M: AMX_ROWS)."""
-    return _onednn_bf16() and "amx_bf16" in cpu_build.cpu_flags()
+    return _onednn_packs(torch.bfloat16) and "amx_bf16" in cpu_build.cpu_flags()
 
 
 class Linear:
@@ -77,17 +78,20 @@ class Linear:
       torch's kernels otherwise: int8 with per-output-channel scales (torch._weight_int8pack_mm), int4 in
             groups of 32 (torch._weight_int4pack_mm_for_cpu), both with bf16 activations (fp32 ones take a
             generic path several times slower).
-    Dense bf16 weights on CPU are reordered once into oneDNN's blocked layout (mkldnn._linear_pointwise),
-    since aten's bf16 matmul reorders W on every call. small_m None takes the measured crossover of the
-    kernel in use: SMALL_M, PACKED_SMALL_M beside packed GEMMs, QMM_SMALL_M for cpu_qmatmul
+    Dense bf16 and fp32 weights on CPU are reordered once into oneDNN's blocked layout
+    (mkldnn._linear_pointwise): aten's bf16 matmul reorders W on every call, and MKL's fp32 GEMM picks its
+    kernel by M and shape on some CPUs (Sapphire Rapids: rows differ between M = 4..15, 16+ and others),
+    while oneDNN's fp32 GEMM gives a row the same bits at every M from 2 up. small_m None takes the
+    measured crossover of the kernel in use: SMALL_M, PACKED_SMALL_M beside packed GEMMs, QMM_SMALL_M for cpu_qmatmul
     (docs/benchmarks.md has the figures).
 
     A model passes each step's RowSplit instead: generated-token rows take the quantized copy and
     prompt rows the dense weight at every step size (batch invariance); rows=None keeps the crossover
     by step size (benchmarks, kernels tests)."""
 
-    __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed", "n_out", "fixed_m")
-    w: torch.Tensor | None                 # [N, K]; None once the packed bf16 copy replaces it
+    __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed", "n_out", "fixed_m",
+                 "dense_bytes", "packed_dtype")
+    w: torch.Tensor | None                 # [N, K]; None once the packed oneDNN copy replaces it
     wt: torch.Tensor | None                # [K, N] view of w
     b: torch.Tensor | None                 # [N]
     wq: torch.Tensor | None                # torch's int8 [N, K] / int4-packed weight
@@ -105,6 +109,8 @@ class Linear:
         self.wq = self.scales = self.packed = self.qw = None
         N, K = w.shape
         self.n_out = N
+        self.dense_bytes = w.numel() * w.element_size()
+        self.packed_dtype = w.dtype
         cpu = w.device.type == "cpu"
         if weight_quant and cpu and K % INT4_GROUP == 0 and cpu_qmatmul.available() \
                 and float(w.abs().max()) < cpu_qmatmul.FP16_MAX:
@@ -112,11 +118,11 @@ class Linear:
             self.qw = cpu_qmatmul.pack(*cpu_qmatmul.quantize(w, bits), bits)
         elif weight_quant:
             self._torch_quantized(w)
-        if w.dtype == torch.bfloat16 and cpu and _onednn_bf16():
+        if w.dtype in (torch.bfloat16, torch.float32) and cpu and _onednn_packs(w.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
             self.w = None        # the packed copy replaces it (no second copy of the weights)
         # rows of a batch-invariant call go through oneDNN on AMX in calls of exactly AMX_ROWS rows (padded)
-        self.fixed_m = AMX_ROWS if self.packed is not None and _onednn_amx() else 0
+        self.fixed_m = AMX_ROWS if self.packed is not None and w.dtype == torch.bfloat16 and _onednn_amx() else 0
         if small_m is None:
             small_m = QMM_SMALL_M if self.qw is not None else PACKED_SMALL_M if self.packed is not None else SMALL_M
         self.small_m = small_m
@@ -148,10 +154,7 @@ class Linear:
         if self.wq is not None and self.scales is not None and rows <= self.small_m:
             return (self.wq.numel() * self.wq.element_size()
                     + self.scales.numel() * self.scales.element_size() + bias)
-        if self.packed is not None:
-            return int(self.packed.size(0) * self.packed.size(1) * 2) + bias
-        assert self.w is not None
-        return self.w.numel() * self.w.element_size() + bias
+        return self.dense_bytes + bias
 
     def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         # x: [T, K] → [T, N]
@@ -185,25 +188,24 @@ class Linear:
         return y if self.b is None else y + self.b
 
     def _dense(self, x: torch.Tensor, fixed: bool = True) -> torch.Tensor:
-        """x [T, K] through the dense weight (oneDNN's packed bf16, else mm; fp32 steps of 1-3 rows are
-        padded to 4, whose kernel every larger step shares). fixed: on AMX, in calls of exactly
+        """x [T, K] through the dense weight (oneDNN's packed bf16 / fp32, else mm; fp32 steps of 1-3 rows
+        are padded to 4, whose kernel every larger step shares). fixed: on AMX, in calls of exactly
         fixed_m rows, the last one zero-padded, so a row's bits never depend on T (batch invariance)."""
+        T = x.shape[0]
+        if x.dim() == 2 and 0 < T < DENSE_MIN_M and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self._dense(torch.cat([x, x.new_zeros(DENSE_MIN_M - T, x.shape[1])]), fixed)[:T]
         if self.packed is not None:
-            xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+            xb = x if x.dtype == self.packed_dtype else x.to(self.packed_dtype)
             y: torch.Tensor = (self._fixed_rows(xb) if fixed and self.fixed_m and xb.dim() == 2 else
                                torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], ""))
             return y if y.dtype == x.dtype else y.to(x.dtype)
         assert self.w is not None and self.wt is not None
         if x.dim() != 2:
             return F.linear(x, self.w, self.b)
-        T = x.shape[0]
-        if 0 < T < DENSE_MIN_M and x.dtype == torch.float32 and x.device.type == "cpu":
-            x = torch.cat([x, x.new_zeros(DENSE_MIN_M - T, x.shape[1])])
-        out = torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
-        return out[:T] if out.shape[0] != T else out
+        return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
 
     def _fixed_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] bf16 → [T, N] through oneDNN in calls of exactly fixed_m rows (the tail zero-padded)."""
+        """x [T, K] → [T, N] through oneDNN in calls of exactly fixed_m rows (the tail zero-padded)."""
         T, m = x.shape[0], self.fixed_m
         pad = -T % m
         if pad:

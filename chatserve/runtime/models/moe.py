@@ -77,7 +77,7 @@ class MoE:
             out = out + ys[j] * w[:, j:j + 1]
         if self.shared is not None:
             assert self.shared_gate is not None
-            gate = torch.sigmoid(self.shared_gate(x))                        # [T, 1] (dense)
+            gate = torch.sigmoid(self.shared_gate(x, rows))                  # [T, 1] (dense)
             out = out + gate * self.shared(x, rows)
         return out
 
