@@ -31,8 +31,10 @@ lint: install
 	$(BIN)/ruff check chatserve kernels tests
 	$(BIN)/mypy
 
+# Two workers (pytest-xdist), whole files each: many tests wait on servers, browsers and Redis; the slowest
+# files are handed out first (tests/conftest.py SLOW_FIRST). The 15 slowest tests are listed at the end.
 test: install lint
-	$(BIN)/pytest -q --durations=15 $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow and not browser" $(PYTEST_ARGS)

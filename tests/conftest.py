@@ -71,7 +71,27 @@ def live_server(tmp_path_factory):
     srv.stop()
 
 
+# `make test` runs two pytest-xdist workers that take whole files (--dist loadfile) in collection order; these
+# files hold the longest tests (real servers, a real browser; `--durations` of a full run), so they go first
+# and no worker is left running one of them alone at the end. Order only: every test still runs.
+SLOW_FIRST = (
+    "tests/browser/test_ui_first_answer.py", "tests/server/test_batch_invariance.py",
+    "tests/model_source/test_serve_by_name.py", "tests/server/test_live_openai.py",
+    "tests/server/test_multi_model_kv.py", "tests/runtime/test_llama_vs_hf.py", "tests/server/test_multi_model.py",
+    "tests/server/test_speculative_server.py", "tests/structured/test_openai_structured.py",
+    "tests/hardening/test_overload.py", "tests/runtime/test_weights.py", "tests/hardening/test_redis_operator.py",
+    "tests/hardening/test_faults.py", "tests/hardening/test_redis_fault.py", "tests/browser/test_ui_stream.py",
+    "tests/browser/test_ui_chat.py",
+)
+
+
+def _slow_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slow_rank)               # stable: the rest keep their order
     for item in items:                       # `-m "not redis"` deselects everything needing redis-server
         if "redis_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.redis)

@@ -7,7 +7,8 @@ them. What this does and does not show (docs/benchmarks.md, "The first answer"):
 - at these defaults the 135M model answers coherently, but names Paris for few seeds (about 1 in 15
   to 40), and which ones depends on the CPU's numerics (an AMX box rounds its prompt rows through other
   kernels than an AVX-512 box without AMX). So the test looks for the seed the way a user retrying would:
-  new chats with seeds 0, 1, 2, … until one names Paris (at most SEEDS), then asks twice more with that
+  new chats with the seeds that did on other boxes, then 0, 1, 2, … until one names Paris (at most SEEDS,
+  about 1.5 s each on a quiet box), then asks twice more with that
   seed and demands the same answer up to "Paris" (seeded sampling is reproducible, issue 28).
 - the question's prompt is in the prefix cache after the first chat; batch invariance makes a cached and
   a full prefill give the same bits, so every chat starts from the same numbers.
@@ -15,6 +16,7 @@ them. What this does and does not show (docs/benchmarks.md, "The first answer"):
 from __future__ import annotations
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from browser_support import ServeProcess
 from test_ui_chat import open_ui, send, wait_js, wait_until
@@ -23,7 +25,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(900)]
 
 QUESTION = "What is the capital of France? Then write e^{iπ}+1=0 in LaTeX and a Python hello world"
 SEEDS = 48           # seeds tried before the test gives up (1 of 14 named Paris on one box, 1 of 40 on another)
-CUTOFF = 400         # characters read of an answer without "Paris" before it is stopped
+KNOWN = (29, 12)     # the seeds that named Paris on the boxes seen so far (Xeon with AMX; EPYC AVX-512): tried first
+CUTOFF = 240         # characters read of an answer without "Paris" before it is stopped
 UI_DEFAULTS = {"temperature": "0.8", "top_k": "40", "top_p": "0.95", "min_p": "0.05"}
 LAST_REPLY = """(() => {
   const m = [...document.querySelectorAll('.msg.assistant')].pop();
@@ -50,7 +53,10 @@ def ask_in_a_new_chat(page, srv, seed: int) -> str:
     reply = wait_until(lambda: (r := page.evaluate(LAST_REPLY)) and (
         "Paris" in r["text"] or not r["streaming"] or len(r["text"]) >= CUTOFF) and r, timeout=600)
     if reply["streaming"]:
-        page.click("#stop")
+        try:
+            page.click("#stop", timeout=5_000)
+        except PlaywrightTimeout:
+            pass                                  # the reply ended as it was read: #stop is hidden again
         page.wait_for_selector(".msg.assistant:not(.streaming)", timeout=60_000)
     text: str = reply["text"]
     assert text.strip(), f"seed {seed}: an empty answer"
@@ -67,7 +73,7 @@ def test_the_default_model_answers_paris_with_the_ui_defaults(browser, tmp_path)
         with ServeProcess(model, tmp_path / "serve.log") as srv:
             open_ui(page, srv)
             tried = {}
-            for seed in range(SEEDS):
+            for seed in [*KNOWN, *(s for s in range(SEEDS) if s not in KNOWN)]:
                 tried[seed] = ask_in_a_new_chat(page, srv, seed)
                 if "Paris" in tried[seed]:
                     break
@@ -76,6 +82,7 @@ def test_the_default_model_answers_paris_with_the_ui_defaults(browser, tmp_path)
             wait_js(page, "!document.querySelector('.msg.assistant.streaming')")
         for a in again:
             assert "Paris" in a, (seed, a)
+        print(f"seed {seed} names Paris ({len(tried)} tried)")
         heads = {a[:a.index("Paris")] for a in [tried[seed], *again]}   # read mid-stream: up to Paris
         assert len(heads) == 1, heads                                 # seeded: the same answer each time
     finally:

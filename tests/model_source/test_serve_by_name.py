@@ -15,7 +15,8 @@ from server_support import real_model_available, start_real_server
 from chatserve.config import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-SMALL = ("--kv-blocks", "64", "--max-model-len", "512", "--dtype", "float32")
+# in place: serving by name is the check, and the mapped file is ready in seconds (no int4 repack)
+SMALL = ("--kv-blocks", "64", "--max-model-len", "512", "--dtype", "float32", "--gguf-in-place")
 
 
 @pytest.fixture
