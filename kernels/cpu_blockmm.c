@@ -81,23 +81,7 @@ static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
 #endif
 
 #if BMM_LEVEL
-static inline float h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
-static inline __m128i ld16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
-static inline __m128i lo4(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(0x0F)); }
-static inline __m128i hi4(__m128i b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)); }
-
-/* byte i = `value` where bit i of `bits` is set, else 0 */
-static inline __m128i bits16(uint32_t bits, char value) {
-    const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    __m128i v = _mm_shuffle_epi8(_mm_set1_epi16((short)bits),
-                                 _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, sel), sel), _mm_set1_epi8(value));
-}
-/* byte i = 0x10 where bit j of byte i of b is set */
-static inline __m128i bit_j(__m128i b, int j) {
-    const __m128i m = _mm_set1_epi8((char)(1 << j));
-    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b, m), m), _mm_set1_epi8(0x10));
-}
+/* h2f, ld16, lo4, hi4, bits16, bit_j, scale_min_k4: block_bytes.h, written before this source */
 
 /* ---- one block → fp32, per format (o: block_size floats) ---- */
 static void dq_q4_0(const uint8_t *b, float *o) {
@@ -126,10 +110,6 @@ static void dq_q8_0(const uint8_t *b, float *o) {
     emit16(o + 16, ld16(b + 18), d, 0.f, 0);
 }
 /* Q4_K/Q5_K: 6-bit scale and min of sub-block j from the 12 scale bytes */
-static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) { *sc = s[j] & 63; *mn = s[j + 4] & 63; }
-    else { *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
-}
 static void dq_qk(const uint8_t *b, float *o, int five) {
     const float d = h2f(b), dmin = h2f(b + 2);
     const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);

@@ -18,6 +18,7 @@ from chatserve_kernels import cpu_build
 from chatserve_kernels.block_formats import BlockWeight
 
 SOURCE = Path(__file__).with_name("cpu_blockmm.c")
+HELPERS = Path(__file__).with_name("block_bytes.h")    # written before each block kernel's source
 LEVELS = {"avx2": 2, "avx512": 3}
 _NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")}
 # prepended to the shared source per level; the AVX2 build switches AVX-512 off even under -march=native
@@ -70,9 +71,10 @@ def _level_source(isa: str) -> Path:
 
 
 def level_source(source: Path, tag: str, prelude: str) -> Path:
-    """One source with a level's prelude, written once into the kernel cache (named by content); shared by
-    the block kernels built at several ISA levels (cpu_blockmm, cpu_blockq8)."""
-    src = (prelude + source.read_text()).encode()
+    """One source with a level's prelude and the shared byte helpers (block_bytes.h), written once into the
+    kernel cache (named by content); shared by the block kernels built at several ISA levels (cpu_blockmm,
+    cpu_blockq8)."""
+    src = (prelude + HELPERS.read_text() + source.read_text()).encode()
     path = cpu_build.cache_dir() / f"{source.stem}_{tag}_{hashlib.sha256(src).hexdigest()[:12]}.c"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,9 @@ def dequantize(w: BlockWeight, isa: str) -> torch.Tensor:
     return out
 
 
-def _threads(asked: int | None, macs: int) -> int:
+def threads_for(asked: int | None, macs: int) -> int:
+    """Threads for a call of `macs` multiply-adds: one below ONE_THREAD_MACS (a parallel region costs more
+    than it saves there), else `asked` or torch's count. Results never depend on it (threads split columns)."""
     return 1 if macs < ONE_THREAD_MACS else asked or torch.get_num_threads()
 
 
@@ -115,7 +119,7 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
     rc = library(isa).chatserve_bmm(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, w.n, w.k,
                                     x.data_ptr(), x.shape[0], int(x.dtype == torch.bfloat16),
                                     y.data_ptr(), y.stride(0), int(y.dtype == torch.bfloat16),
-                                    _threads(threads, x.shape[0] * w.n * w.k))
+                                    threads_for(threads, x.shape[0] * w.n * w.k))
     if rc:
         raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockmm failed ({rc}) on {w.fmt.name}")
     return y

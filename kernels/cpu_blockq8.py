@@ -27,7 +27,6 @@ _PRELUDE = {"avx2": '#pragma GCC target("no-avx512f")\n#define BQ8_LEVEL 2\n',
             "avx2-maddubs": '#pragma GCC target("no-avx512f,no-avxvnni")\n#define BQ8_LEVEL 2\n',
             "avx512": "#define BQ8_LEVEL 3\n"}
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-ONE_THREAD_MACS = cpu_blockmm.ONE_THREAD_MACS
 
 
 def supported(isa: str) -> bool:
@@ -104,10 +103,6 @@ def dots(q: torch.Tensor, w: BlockWeight, isa: str, x_bits: int = 8) -> torch.Te
     return out
 
 
-def _threads(asked: int | None, macs: int) -> int:
-    return 1 if macs < ONE_THREAD_MACS else asked or torch.get_num_threads()
-
-
 def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | None = None,
            threads: int | None = None, out: torch.Tensor | None = None, x_bits: int = 8) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] in out_dtype (float32 or bfloat16; default x's), x
@@ -121,7 +116,7 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
     rc = library(isa).chatserve_bq8(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, w.n, w.k,
                                     x.data_ptr(), x.shape[0], int(x.dtype == torch.bfloat16), x_bits,
                                     y.data_ptr(), y.stride(0), int(y.dtype == torch.bfloat16),
-                                    _threads(threads, x.shape[0] * w.n * w.k))
+                                    cpu_blockmm.threads_for(threads, x.shape[0] * w.n * w.k))
     if rc:
         raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockq8 failed ({rc}) on {w.fmt.name}")
     return y

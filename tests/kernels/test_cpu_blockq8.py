@@ -10,7 +10,7 @@ import torch
 from test_cpu_blockmm import gguf_reference, make_weight
 
 from chatserve_kernels import block_formats as bf
-from chatserve_kernels import block_q8, cpu_blockq8
+from chatserve_kernels import block_q8, cpu_blockmm, cpu_blockq8
 
 # the levels this CPU runs: not a skip, a parametrization over what exists
 LEVELS = [isa for isa in cpu_blockq8.LEVELS if cpu_blockq8.supported(isa)]
@@ -108,7 +108,7 @@ def test_matmul_matches_the_twin_and_the_dense_matmul(isa, name, dtype, x_bits):
 @pytest.mark.parametrize("x_bits", [8, 15])
 def test_rows_are_batch_invariant(isa, name, x_bits, monkeypatch):
     """Row i's bits do not depend on M, on the rows beside it, or on 1 or 2 threads."""
-    monkeypatch.setattr(cpu_blockq8, "ONE_THREAD_MACS", 0)     # small calls too take the threads asked for
+    monkeypatch.setattr(cpu_blockmm, "ONE_THREAD_MACS", 0)     # small calls too take the threads asked for (threads_for)
     n, k = 37, 2 * bf.FORMATS[name].block + (32 if bf.FORMATS[name].block == 32 else 0)
     w = make_weight(name, n, k, seed=11)
     g = torch.Generator().manual_seed(5)
