@@ -67,26 +67,17 @@ def test_moe_shape_has_qwen3moe_tensors_and_keys(tmp_path):
 
 @pytest.mark.parametrize("shape,dims", [("llama-3.2-1b", SMALL), ("qwen3-30b-a3b-2l", MOE)])
 def test_chatserve_loads_it_dequantized_and_in_place_to_the_same_logits(tmp_path, shape, dims):
-    from chatserve.runtime.models import build_model
-    from chatserve.runtime.models.linear_backends import BlockMatrix, TorchBlockLinear
-    from chatserve.runtime.weights import load_weights
-    from chatserve_kernels import AttentionMetadata
+    from chatserve.runtime.models.linear_backends import BlockMatrix
+    from runtime.hf_checkpoints import prefill_logits
 
     path = build_gguf(tmp_path / "x.gguf", "Q4_K_M", shape=shape, layers=2, **dims)
     logits = []
     for in_place in (False, True):
-        w = load_weights(path, "float32", progress=False, in_place=in_place)
-        assert w.config.arch == SHAPES[shape].arch and w.config.num_layers == 2
-        assert (w.config.moe is not None) == bool(SHAPES[shape].experts)
-        blocks = [n for n, t in w.tensors.items() if isinstance(t, BlockMatrix)]
-        assert bool(blocks) == in_place
-        m = build_model(w.config, w.tensors, torch.float32, "cpu", 64, block_backend=TorchBlockLinear)
-        c = m.config
-        caches = [(torch.zeros(2, 8, c.num_kv_heads, c.head_dim), torch.zeros(2, 8, c.num_kv_heads, c.head_dim))
-                  for _ in range(c.num_layers)]
-        meta = AttentionMetadata.build([10], [10], [[0, 1]], 8)
-        with torch.inference_mode():
-            logits.append(m.compute_logits(m.forward(torch.arange(5, 15), torch.arange(10), caches, meta)))
+        out, tensors, m = prefill_logits(path, in_place)
+        assert m.config.arch == SHAPES[shape].arch and m.config.num_layers == 2
+        assert (m.config.moe is not None) == bool(SHAPES[shape].experts)
+        assert any(isinstance(t, BlockMatrix) for t in tensors.values()) == in_place
+        logits.append(out)
     assert torch.isfinite(logits[0]).all() and logits[0].abs().max() > 0
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -307,3 +308,21 @@ def build_exact(path: str):
     from chatserve.runtime.weights import load_weights
     w = load_weights(path, "float32", progress=False)
     return build_model(w.config, w.tensors, torch.float32, "cpu", 64)
+
+
+def prefill_logits(path: str, in_place: bool) -> tuple[torch.Tensor, dict, Any]:
+    """A 12-token prefill of the model file at `path` in float32, GGUF block matrices on the torch twin (dense
+    when loaded dequantized, in place when in_place): (the last row's logits [1, V], the loaded tensors, the
+    model)."""
+    from chatserve.runtime.models import build_model
+    from chatserve.runtime.models.linear_backends import TorchBlockLinear
+    from chatserve.runtime.weights import load_weights
+    from chatserve_kernels import AttentionMetadata
+    w = load_weights(path, "float32", progress=False, in_place=in_place)
+    m = build_model(w.config, w.tensors, torch.float32, "cpu", 64, block_backend=TorchBlockLinear)
+    c = m.config
+    caches = [(torch.zeros(4, 8, c.num_kv_heads, c.head_dim), torch.zeros(4, 8, c.num_kv_heads, c.head_dim))
+              for _ in range(c.num_layers)]
+    meta = AttentionMetadata.build([12], [12], [[0, 1]], 8)
+    with torch.inference_mode():
+        return m.compute_logits(m.forward(torch.arange(3, 15), torch.arange(12), caches, meta)), w.tensors, m

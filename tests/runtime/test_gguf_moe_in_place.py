@@ -8,28 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from chatserve.runtime.models import build_model
-from chatserve.runtime.models.linear_backends import BlockMatrix, TorchBlockLinear
+from chatserve.runtime.models.linear_backends import BlockMatrix
 from chatserve.runtime.weights import load_weights
-from chatserve_kernels import AttentionMetadata
-
-
-def _logits(path: str, in_place: bool) -> tuple[torch.Tensor, dict]:
-    w = load_weights(path, "float32", progress=False, in_place=in_place)
-    m = build_model(w.config, w.tensors, torch.float32, "cpu", 64, block_backend=TorchBlockLinear)
-    c = m.config
-    caches = [(torch.zeros(4, 8, c.num_kv_heads, c.head_dim), torch.zeros(4, 8, c.num_kv_heads, c.head_dim))
-              for _ in range(c.num_layers)]
-    meta = AttentionMetadata.build([12], [12], [[0, 1]], 8)
-    with torch.inference_mode():
-        return m.compute_logits(m.forward(torch.arange(3, 15), torch.arange(12), caches, meta)), w.tensors
 
 
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe"])
 def test_stacked_experts_stay_blocks_and_give_the_dense_logits(tmp_path, name):
     path = H.save_gguf(H.hf_model(name), tmp_path / "m.gguf")
-    want, _ = _logits(path, False)
-    got, tensors = _logits(path, True)
+    want = H.prefill_logits(path, False)[0]
+    got, tensors, _ = H.prefill_logits(path, True)
     experts = {n: t for n, t in tensors.items() if ".experts." in n and "shared" not in n}
     assert experts and all(isinstance(t, BlockMatrix) for t in experts.values())
     n_experts = H.hf_model(name).config.num_local_experts if name == "mixtral" else \

@@ -216,18 +216,11 @@ def test_moe_gguf_in_place_gives_the_dense_logits(tmp_path, name):
     the router decoded; Qwen2-MoE's stacked experts as per-expert views, gpt-oss's dequantized): the logits
     equal the dequantized load's (test_gguf_moe_in_place.py: the expert views of each family)."""
     from chatserve.runtime.models.linear_backends import BlockMatrix, TorchBlockLinear
-    from chatserve_kernels import AttentionMetadata
     path = H.save_gguf(H.hf_model(name), tmp_path / "m.gguf")
     logits = []
     for in_place in (False, True):
-        w = load_weights(path, "float32", progress=False, in_place=in_place)
-        assert any(isinstance(t, BlockMatrix) for t in w.tensors.values()) == in_place
-        m = build_model(w.config, w.tensors, torch.float32, "cpu", 64, block_backend=TorchBlockLinear)
-        c = m.config
-        caches = [(torch.zeros(4, 8, c.num_kv_heads, c.head_dim), torch.zeros(4, 8, c.num_kv_heads, c.head_dim))
-                  for _ in range(c.num_layers)]
-        meta = AttentionMetadata.build([12], [12], [[0, 1]], 8)
-        with torch.inference_mode():
-            logits.append(m.compute_logits(m.forward(torch.arange(3, 15), torch.arange(12), caches, meta)))
+        out, tensors, m = H.prefill_logits(path, in_place)
+        assert any(isinstance(t, BlockMatrix) for t in tensors.values()) == in_place
+        logits.append(out)
     assert isinstance(m.layers[0].qkv, TorchBlockLinear)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
