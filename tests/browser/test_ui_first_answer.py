@@ -43,11 +43,13 @@ def ask_in_a_new_chat(page, srv, seed: int) -> str:
     assert shown == UI_DEFAULTS                                   # shown and editable in Settings
     page.fill("#p-seed", str(seed))
     page.click("#save-settings")
-    page.wait_for_selector("#save-settings:has-text('Saved')")
+    want = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": seed}
+
+    def stored() -> bool:          # the server's copy, not the button's 1.2 s "Saved" (missed on a busy box)
+        sid = page.evaluate("location.hash.slice(1)")
+        return bool(sid) and page.request.get(f"{srv.url}/v1/sessions/{sid}").json().get("params") == want
+    wait_until(stored, timeout=60)
     page.click("#toggle-settings")
-    sid = page.evaluate("location.hash.slice(1)")
-    params = page.request.get(f"{srv.url}/v1/sessions/{sid}").json()["params"]
-    assert params == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": seed}
     send(page, QUESTION)
     page.wait_for_selector(".msg.assistant", timeout=120_000)
     reply = wait_until(lambda: (r := page.evaluate(LAST_REPLY)) and (
