@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from chatserve_kernels import AttentionMetadata, cpu_build, cpu_ops, cpu_qmatmul
-from chatserve.runtime.models.linear_backends import BlockLinear
+from chatserve.runtime.models.linear_backends import BlockLinear, by_row_kind
 from chatserve_kernels.attention_backend import AttentionBackend
 
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
@@ -163,14 +163,7 @@ class Linear:
             if quant and x.dim() == 2 and x.shape[0] <= self.small_m:
                 return self._quantized(x)
             return self._dense(x, fixed=rows is not None)         # rows None: no invariance asked
-        if rows.all_gen:
-            return self._quantized(x)
-        if rows.gen is None:
-            return self._dense(x)
-        y = x.new_empty(x.shape[0], self.n_out)
-        y[rows.gen] = self._quantized(x[rows.gen])
-        y[rows.prompt] = self._dense(x[rows.prompt])
-        return y
+        return by_row_kind(x, rows, self.n_out, self._quantized, self._dense)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] through the quantized copy, at any T (cpu_qmatmul, else torch's int8/int4 kernels)."""

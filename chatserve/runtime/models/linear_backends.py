@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
@@ -32,6 +32,23 @@ class RowKinds(Protocol):
     def gen(self) -> torch.Tensor | None: ...
     @property
     def prompt(self) -> torch.Tensor | None: ...
+
+
+
+def by_row_kind(x: torch.Tensor, rows: RowKinds, n: int, gen: Callable[[torch.Tensor], torch.Tensor],
+                prompt: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [T, K] → [T, n]: generated rows through `gen`, prompt rows through `prompt` (each kind's own
+    arithmetic whatever shares the step: batch invariance), one call when the step has one kind."""
+    if rows.all_gen:
+        return gen(x)
+    if rows.gen is None:
+        return prompt(x)
+    assert rows.prompt is not None
+    y = x.new_empty(x.shape[0], n)
+    y[rows.gen] = gen(x[rows.gen])
+    y[rows.prompt] = prompt(x[rows.prompt])
+    return y
+
 
 log = logging.getLogger(__name__)
 CPU_ISAS = ("auto", "avx512", "avx2", "torch")
@@ -127,13 +144,8 @@ class BlockLinear:
         # x: [T, K] → [T, N]
         if rows is None:
             return self._run(x, x.dtype, x.shape[0] <= self.small_m)
-        if rows.all_gen or rows.gen is None:
-            return self._run(x, x.dtype, rows.all_gen)
-        assert rows.prompt is not None
-        y = x.new_empty(x.shape[0], self.n)
-        y[rows.gen] = self._run(x[rows.gen], x.dtype, True)
-        y[rows.prompt] = self._run(x[rows.prompt], x.dtype, False)
-        return y
+        return by_row_kind(x, rows, self.n, lambda g: self._run(g, x.dtype, True),
+                           lambda p: self._run(p, x.dtype, False))
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ + b in float32, never rounded through bf16 (the LM head's logits), through the int8-activation
