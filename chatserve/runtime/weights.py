@@ -160,10 +160,15 @@ def block_matrix(t: Any, n_heads: int | None = None) -> BlockMatrix:
     raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
     if n_heads:
         raw = raw[unpermute_qk(np.arange(n), n_heads)]
+    return _blocks(raw, t.tensor_type.name, n, k)
+
+
+def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> BlockMatrix:
+    """raw uint8 [n, row bytes] (a view of the reader's map) as a one-band BlockMatrix, without a copy."""
     with warnings.catch_warnings():             # the map is read-only; the kernels only read it
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(raw)
-    return BlockMatrix([BlockWeight(data, FORMATS[t.tensor_type.name], n, k)])
+    return BlockMatrix([BlockWeight(data, FORMATS[fmt], n, k)])
 
 
 # MoE families whose experts models/moe.read_experts also reads one tensor each (p.experts.{e}.…): a stacked
@@ -177,13 +182,7 @@ def expert_block_matrices(t: Any, hf: str) -> dict[str, BlockMatrix]:
     e_count, n, k = (int(x) for x in reversed(t.shape))
     raw = np.asarray(t.data).view(np.uint8).reshape(e_count, n, -1)          # [E, n, row bytes]
     head, tail = hf.split(".experts.", 1)
-    out = {}
-    with warnings.catch_warnings():             # the map is read-only; the kernels only read it
-        warnings.simplefilter("ignore", UserWarning)
-        for e in range(e_count):
-            out[f"{head}.experts.{e}.{tail}"] = BlockMatrix([BlockWeight(torch.from_numpy(raw[e]),
-                                                                         FORMATS[t.tensor_type.name], n, k)])
-    return out
+    return {f"{head}.experts.{e}.{tail}": _blocks(raw[e], t.tensor_type.name, n, k) for e in range(e_count)}
 
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
