@@ -82,6 +82,30 @@ class Stack:
             time.sleep(1)
         raise AssertionError("the proxy never served /v1/models")
 
+    def wait_routed(self, timeout: float = 300) -> None:
+        """Until the proxy routes to every replica: Docker's "healthy" comes first, then HAProxy needs
+        its own checks (rise 2 at 1 s) and, after a restart, the replica's new address from DNS; a
+        request in between gets HAProxy's 503 "No server is available"."""
+        deadline, seen = time.time() + timeout, set()
+        while time.time() < deadline:
+            for i in range(16):
+                try:
+                    r = httpx.get(self.url + "/v1/models", headers={"X-Session-Id": f"route-{i:03d}"}, timeout=5)
+                except httpx.HTTPError:
+                    continue
+                if r.status_code == 200:
+                    seen.add(r.headers.get("x-chatserve-replica", ""))
+            if set(REPLICAS) <= seen:
+                return
+            seen.clear()
+            time.sleep(1)
+        raise AssertionError(f"the proxy routed only to {sorted(seen)} in {timeout}s")
+
+    def wait_back(self, services: tuple[str, ...]) -> None:
+        """Containers healthy and both replicas taking requests through the proxy."""
+        self.wait_healthy(services)
+        self.wait_routed()
+
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=300, **kw)
 
@@ -95,8 +119,7 @@ def stack():
     s.compose("down", "-v", check=False)
     try:
         s.compose("up", "-d", "--no-build")
-        s.wait_healthy(("redis", "chatserve-1", "chatserve-2"))
-        s.wait_serving()
+        s.wait_back(("redis", "chatserve-1", "chatserve-2"))
         yield s
     finally:
         s.compose("down", "-v", check=False)
@@ -186,7 +209,7 @@ def test_affinity_and_failover_to_the_other_replica(stack):
         assert [m["role"] for m in msgs] == ["user", "assistant"] * 3, msgs
         assert msgs[0]["content"] == "My name is Ada."
     stack.compose("start", REPLICAS[first])
-    stack.wait_healthy(("chatserve-1", "chatserve-2"))
+    stack.wait_back(("chatserve-1", "chatserve-2"))
 
 
 def test_proxy_restarts_while_a_replica_is_down(stack):
@@ -196,7 +219,7 @@ def test_proxy_restarts_while_a_replica_is_down(stack):
     with stack.client() as c:
         assert {_chat_stream(c, {"X-Session-Id": f"s-{i:03d}"}, 2)[0] for i in range(6)} == {"replica1"}
     stack.compose("start", "chatserve-2")
-    stack.wait_healthy(("chatserve-1", "chatserve-2"))
+    stack.wait_back(("chatserve-1", "chatserve-2"))
     deadline, seen = time.time() + 120, set()
     with stack.client() as c:
         while seen != set(REPLICAS) and time.time() < deadline:   # picked up again, no proxy restart
@@ -222,7 +245,7 @@ def test_drain_on_stop_finishes_the_stream(stack):
     replica, text, reasons = result["out"]
     assert replica == "replica1" and text and reasons and reasons[0] in ("length", "stop")
     stack.compose("start", "chatserve-1")
-    stack.wait_healthy(("chatserve-1", "chatserve-2"))
+    stack.wait_back(("chatserve-1", "chatserve-2"))
 
 
 def test_sessions_survive_restarts_of_replicas_redis_and_the_stack(stack):
@@ -232,15 +255,14 @@ def test_sessions_survive_restarts_of_replicas_redis_and_the_stack(stack):
         want = _messages(c, sid)
         assert len(want) == 2
         stack.compose("restart", "chatserve-1", "chatserve-2")
-        stack.wait_healthy(("chatserve-1", "chatserve-2"))
+        stack.wait_back(("chatserve-1", "chatserve-2"))
         assert _messages(c, sid) == want
         stack.compose("restart", "redis")
-        stack.wait_healthy(("redis", "chatserve-1", "chatserve-2"))
+        stack.wait_back(("redis", "chatserve-1", "chatserve-2"))
         assert _messages(c, sid) == want
         stack.compose("down")                           # volumes kept
         stack.compose("up", "-d", "--no-build")
-        stack.wait_healthy(("redis", "chatserve-1", "chatserve-2"))
-        stack.wait_serving()
+        stack.wait_back(("redis", "chatserve-1", "chatserve-2"))
         assert _messages(c, sid) == want
 
 
