@@ -392,8 +392,9 @@ def _bench_dtype(runner, dtype: str, args: argparse.Namespace, batches: list[int
 
 
 def _decode_plan(runner, batches: list[int], ab_rounds: int):
-    """(batch, label) per decode measurement; with ab_rounds, per batch `ab_rounds` × (the MoE layers with
-    cpu_moe's one call: "moe-c", then without it: "moe-loop"), switched on the loaded model between runs."""
+    """(batch, label) per decode measurement; with ab_rounds, per batch `ab_rounds` rounds of the MoE layers
+    with cpu_moe's one call ("moe-c") and without it ("moe-loop"), in alternating order, switched on the
+    loaded model between runs."""
     if not ab_rounds:
         yield from ((b, "") for b in batches)
         return
@@ -403,8 +404,8 @@ def _decode_plan(runner, batches: list[int], ab_rounds: int):
                          "cpu_qmatmul experts, or CHATSERVE_MOE_KERNEL=0)")
     packed = [m.packed for m in moes]
     for b in batches:
-        for _ in range(ab_rounds):
-            for label in ("moe-c", "moe-loop"):
+        for r in range(ab_rounds):                       # A B, B A, …: neither variant always runs first
+            for label in ("moe-c", "moe-loop")[::1 if r % 2 == 0 else -1]:
                 for m, pk in zip(moes, packed):
                     m.packed = pk if label == "moe-c" else None
                 yield b, label
