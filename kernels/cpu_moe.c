@@ -16,9 +16,14 @@
  * slot's output never depends on the slots beside it: the tile kernels sum exact integer dots per group and
  * scale them in a fixed order whatever the row block (1, 2, 4 or 8 rows) or the thread that runs them.
  *
+ * cpu_moe.py loads the concatenation, not an #include, so that the cache key covers both files' bytes.
  * Weights: int64 arrays of per-expert pointers (codes, scales+lows) for gate_up [2I, H] and down [H, I].
  */
 #include <string.h>
+
+#ifndef QMM_TILE          /* compiled alone (cpu_build's check of every source): the tile kernels by include */
+#include "cpu_qmatmul.c"
+#endif
 
 static inline uint16_t moe_f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
     union { float f; uint32_t u; } c = {f};
