@@ -201,10 +201,11 @@ def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec,
 
 def packed_experts(mlps: Sequence[GatedMLP], act: str, ops: TorchOps) -> cpu_moe.PackedExperts | None:
     """The experts' cpu_qmatmul copies as one cpu_moe table, when the C call gives their loop's bits: SiLU
-    through cpu_ops (FusedCpuOps: the C call's SiLU·mul is its arithmetic), every gate_up and down a
+    through cpu_ops (FusedCpuOps: the C call's SiLU·mul is its arithmetic), plain GatedMLPs, every gate_up and down a
     layers.Linear packed for cpu_qmatmul at one bit width, no biases, and CHATSERVE_MOE_KERNEL not 0.
     None otherwise (the expert loop runs)."""
-    if act != "silu" or not isinstance(ops, FusedCpuOps) or not env.moe_kernel_enabled():
+    if act != "silu" or not isinstance(ops, FusedCpuOps) or not env.moe_kernel_enabled() \
+            or any(type(m) is not GatedMLP for m in mlps):      # a subclass (gpt-oss) has its own arithmetic
         return None
     lins = [(m.gate_up, m.down) for m in mlps]
     if not all(isinstance(a, Linear) and a.qw is not None and a.b is None for pair in lins for a in pair):
