@@ -35,6 +35,8 @@ OFFLINE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "device": "cpu", "weight
 # checks that the names here and there agree.
 PROCESS_ENV = {
     "CHATSERVE_CPU_KERNELS": "0: never build or load the C kernels; the torch path runs",
+    "CHATSERVE_MOE_KERNEL": "0: a MoE layer's decode rows run the expert loop, not cpu_moe's one C call "
+                            "(same results; for before/after benchmarks)",
     "CHATSERVE_FORCE_TRITON": "1: the Triton kernels on CPU tensors too, through TRITON_INTERPRET=1 (tests)",
     "CHATSERVE_CACHE_DIR": "the per-user disk cache root (converted tokenizers, compiled kernels); "
                            "default $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve",

@@ -82,14 +82,22 @@ static inline void store_row(void *out, int bf16, int64_t off, __m512 v, __mmask
 
 /* Tiles [t0, t1) for MB rows of x: the accumulators stay in registers across the K loop, and each row's
  * dot products run in NC independent chains (4/MB for 8-bit; half that for 4-bit, whose two planes already
- * double them) so that the dot instructions' latency is hidden. */
+ * double them) so that the dot instructions' latency is hidden. 4-bit codes and their scales are prefetched
+ * QMM_PREFETCH bytes (the scales QMM_PREFETCH / 2) ahead: a one-row pass over weights streaming from memory was
+ * bound by the hardware prefetcher (issue 32, EPYC Zen 4, 1 thread: a MoE layer's 8 experts -15 % time, a
+ * 5120 x 2048 matrix -40 %; the results are unchanged). */
+#define QMM_PREFETCH 4096
 #define TILE_HEAD(MB, GB)                                                                                  \
         for (int64_t t = t0; t < t1; t++) {                                                                \
             const uint8_t *wt = w + t * G * (GB);                                                          \
             __m512 acc[MB], accl[MB];                                                                      \
             for (int m = 0; m < MB; m++) acc[m] = accl[m] = _mm512_setzero_ps();                           \
             for (int64_t g = 0; g < G; g++) {                                                              \
-                const uint8_t *wg = wt + g * (GB);
+                const uint8_t *wg = wt + g * (GB);                                                         \
+                if ((GB) == 256) {              /* 4-bit codes (8-bit ones measured no faster with it) */  \
+                    for (int pl = 0; pl < (GB); pl += 64) __builtin_prefetch(wg + QMM_PREFETCH + pl);      \
+                    __builtin_prefetch(sl + (t * G + g) * 32 + QMM_PREFETCH / 4);                          \
+                }
 /* The group's exact int32 dots ia[MB][NC] → acc += Σ dots · scale · sx, accl += low · Σx; then the tile's rows. */
 #define TILE_TAIL(MB, NC)                                                                                  \
                 const __m512i slv = _mm512_loadu_si512(sl + (t * G + g) * 32);                             \

@@ -13,7 +13,8 @@ from pathlib import Path
 CPU_KERNELS = "CHATSERVE_CPU_KERNELS"    # "0": never build or load the C kernels (the torch path runs)
 FORCE_TRITON = "CHATSERVE_FORCE_TRITON"  # "1": Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1)
 CACHE_DIR = "CHATSERVE_CACHE_DIR"        # the per-user cache root (compiled kernels live in <root>/kernels)
-NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR)
+MOE_KERNEL = "CHATSERVE_MOE_KERNEL"      # "0": MoE decode rows through the expert loop, not cpu_moe's one call
+NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL)
 # other programs' variables the kernels honour (config.FOREIGN_ENV declares them too)
 CC = "CC"                                # the C compiler for the CPU kernels
 TRITON_INTERPRET = "TRITON_INTERPRET"    # triton's own switch: "1" runs kernels in its CPU interpreter
@@ -23,6 +24,11 @@ FOREIGN = (CC, TRITON_INTERPRET, XDG_CACHE_HOME)
 
 def cpu_kernels_enabled() -> bool:
     return os.environ.get(CPU_KERNELS, "1") != "0"
+
+
+def moe_kernel_enabled() -> bool:
+    """cpu_moe's one call per MoE layer for decode rows (read when a model is built; "0" for A/B runs)."""
+    return os.environ.get(MOE_KERNEL, "1") != "0"
 
 
 def force_triton() -> bool:

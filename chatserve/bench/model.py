@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of timings: greedy outputs of each --dtypes variant against fp32 dense "
                         "weights, over the 20 chat prompts of `bench kernels --quality`")
     p.add_argument("--max-tokens", type=int, default=32, help="for --agreement")
+    p.add_argument("--moe-ab", type=int, default=0,
+                   help="MoE models: for each batch, this many rounds of decode with cpu_moe's one call per "
+                        "layer then with the expert loop (the same model, alternating), each reported")
     p.add_argument("--profile", type=int, default=0,
                    help="instead of timings: torch.profiler over this many batch-1 decode steps of the "
                         "first --dtypes variant; prints ops per step, op time against wall time, top ops")
@@ -347,8 +350,10 @@ def _bench_dtype(runner, dtype: str, args: argparse.Namespace, batches: list[int
     """One --dtypes entry on its runner: decode per batch size, prefill per length, interference per cap."""
     entry: dict = {"dtype": dtype, "resolved_dtype": str(runner.dtype).replace("torch.", ""),
                    "weight_quant": runner.weight_quant, "decode": [], "prefill": []}
-    for b in batches:
+    for b, label in _decode_plan(runner, batches, args.moe_ab):
         d = _decode(runner, b, args.context, args.steps)
+        if label:
+            d["moe"] = label
         if bandwidth:
             d["weight_bytes_per_step"] = runner.model.decode_weight_bytes(b)
             d["floor_ms"] = d["weight_bytes_per_step"] / bandwidth * 1e3
@@ -357,7 +362,7 @@ def _bench_dtype(runner, dtype: str, args: argparse.Namespace, batches: list[int
         if not args.json:
             floor = (f"; floor {d['floor_ms']:.1f} ms = {d['weight_bytes_per_step'] / 1e6:.0f} MB of weights "
                      f"/ bandwidth, step {d['vs_floor']:.2f}x it" if bandwidth else "")
-            print(f"{dtype:12s} decode batch {b:3d}: {d['tokens_per_s']:8.1f} tok/s "
+            print(f"{dtype:12s}{' ' + label if label else ''} decode batch {b:3d}: {d['tokens_per_s']:8.1f} tok/s "
                   f"(step {d['step_ms_median']:.1f} ms median, best {d['tokens_per_s_best']:.1f} tok/s{floor})",
                   file=sys.stderr, flush=True)
     rss0 = _peak_rss_mib()
@@ -384,6 +389,28 @@ def _bench_dtype(runner, dtype: str, args: argparse.Namespace, batches: list[int
                   f"{it['itl_mixed_cpu_ms_p99']:.1f} beside it (p99 {it['itl_cpu_p99_ratio']:.2f}x), "
                   f"TTFT {it['prompt_ttft_cpu_s']:.2f} s", file=sys.stderr, flush=True)
     return entry
+
+
+def _decode_plan(runner, batches: list[int], ab_rounds: int):
+    """(batch, label) per decode measurement; with ab_rounds, per batch `ab_rounds` rounds of the MoE layers
+    with cpu_moe's one call ("moe-c") and without it ("moe-loop"), in alternating order, switched on the
+    loaded model between runs."""
+    if not ab_rounds:
+        yield from ((b, "") for b in batches)
+        return
+    moes = [ly.mlp for ly in runner.model.layers if getattr(ly.mlp, "packed", None) is not None]
+    if not moes:
+        raise SystemExit("--moe-ab: no MoE layer of this model runs cpu_moe (not a MoE model, or no int4/int8 "
+                         "cpu_qmatmul experts, or CHATSERVE_MOE_KERNEL=0)")
+    packed = [m.packed for m in moes]
+    for b in batches:
+        for r in range(ab_rounds):                       # A B, B A, …: neither variant always runs first
+            for label in ("moe-c", "moe-loop")[::1 if r % 2 == 0 else -1]:
+                for m, pk in zip(moes, packed):
+                    m.packed = pk if label == "moe-c" else None
+                yield b, label
+    for m, pk in zip(moes, packed):
+        m.packed = pk
 
 
 def _model_path(args: argparse.Namespace) -> str:
@@ -422,7 +449,8 @@ def main(argv: list[str]) -> int:
         for e in report["results"]:
             for d in e["decode"]:
                 floor = f"  (floor {d['floor_ms']:.1f} ms, {d['vs_floor']:.2f}x)" if "floor_ms" in d else ""
-                print(f"{e['dtype']:14s}{d['batch']:6d}{d['tokens_per_s']:10.1f}{d['step_ms_median']:10.1f}{floor}")
+                name = e["dtype"] + (" " + d["moe"] if "moe" in d else "")
+                print(f"{name:14s}{d['batch']:6d}{d['tokens_per_s']:10.1f}{d['step_ms_median']:10.1f}{floor}")
             for p in e["prefill"]:
                 print(f"{e['dtype']:14s}{'pf' + str(p['tokens']):>6s}{p['tokens_per_s']:10.1f}{p['ms_median']:10.1f}"
                       f"  ({p['vs_shortest']:.2f}x, peak RSS +{p['peak_rss_growth_mib']:.0f} MiB)")

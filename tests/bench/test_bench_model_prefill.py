@@ -33,3 +33,23 @@ def test_parser_takes_a_list_of_prefill_lengths():
     args = bench_model.build_parser().parse_args(["--prefill-tokens", "512,4000,8000", "--interference", "64,512"])
     assert bench_model._parse_list(args.prefill_tokens, int) == [512, 4000, 8000]
     assert bench_model._parse_list(args.interference, int) == [64, 512]
+
+
+def test_moe_ab_alternates_the_one_call_and_the_loop_and_restores_it():
+    """--moe-ab: per batch, rounds of (one call, loop) in alternating order, the layers switched between
+    runs and left as they were; a model without cpu_moe layers is refused."""
+    from types import SimpleNamespace as NS
+
+    layers = [NS(mlp=NS(packed="table0")), NS(mlp=NS(packed="table1")), NS(mlp=object())]
+    runner = NS(model=NS(layers=layers))
+    seen = []
+    for b, label in bench_model._decode_plan(runner, [1, 16], 2):
+        seen.append((b, label, layers[0].mlp.packed, layers[1].mlp.packed))
+    assert seen == [(1, "moe-c", "table0", "table1"), (1, "moe-loop", None, None),
+                    (1, "moe-loop", None, None), (1, "moe-c", "table0", "table1"),
+                    (16, "moe-c", "table0", "table1"), (16, "moe-loop", None, None),
+                    (16, "moe-loop", None, None), (16, "moe-c", "table0", "table1")]
+    assert (layers[0].mlp.packed, layers[1].mlp.packed) == ("table0", "table1")
+    assert list(bench_model._decode_plan(runner, [4], 0)) == [(4, "")]
+    with pytest.raises(SystemExit, match="no MoE layer"):
+        list(bench_model._decode_plan(NS(model=NS(layers=[NS(mlp=object())])), [1], 1))

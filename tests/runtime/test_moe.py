@@ -224,3 +224,26 @@ def test_moe_gguf_in_place_gives_the_dense_logits(tmp_path, name):
         logits.append(out)
     assert isinstance(m.layers[0].qkv, TorchBlockLinear)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])
+def test_a_loaded_moe_models_decode_rows_take_cpu_moes_one_call_with_the_loops_bits(tmp_path, name, monkeypatch):
+    """A CPU model with int4 experts gets the cpu_moe table per MoE layer (CHATSERVE_MOE_KERNEL=0: none), and
+    its generated rows (Qwen2-MoE: plus the shared expert) come out as the expert loop's, bit for bit."""
+    from chatserve_kernels import cpu_moe
+
+    if not cpu_moe.available():
+        pytest.skip("cpu_moe needs cpu_qmatmul (AVX-512 VNNI)")
+    path = H.save_safetensors(H.hf_model(name), tmp_path / "m")
+    w = load_weights(path, "bfloat16", progress=False)
+    m = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, weight_quant="int4")
+    moe = m.layers[0].mlp
+    assert isinstance(moe, MoE) and moe.packed is not None
+    x = torch.randn(5, w.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got = moe(x, ALL_GENERATED)
+    packed, moe.packed = moe.packed, None
+    torch.testing.assert_close(got, moe(x, ALL_GENERATED), rtol=0, atol=0)
+    moe.packed = packed
+    monkeypatch.setenv("CHATSERVE_MOE_KERNEL", "0")
+    off = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, weight_quant="int4").layers[0].mlp
+    assert isinstance(off, MoE) and off.packed is None

@@ -13,9 +13,9 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from chatserve.runtime.arch_config import MoESpec, UnsupportedModelError
-from chatserve.runtime.models.layers import AnyLinear, GatedMLP, Linear, RowSplit, TorchOps
+from chatserve.runtime.models.layers import ALL_PROMPT, AnyLinear, FusedCpuOps, GatedMLP, Linear, RowSplit, TorchOps
 from chatserve.runtime.models.linear_backends import BlockMatrix, cat_rows
-from chatserve_kernels import block_formats
+from chatserve_kernels import block_formats, cpu_moe, env
 
 
 class WeightReader(Protocol):
@@ -30,12 +30,17 @@ class WeightReader(Protocol):
 
 class MoE:
     """sum_k w_k · expert_{i_k}(x) over the row's top-k experts (+ sigmoid(x·g) · shared(x), Qwen2-MoE).
-    Routing: p = softmax(router(x)) in float32, (w, i) = topk(p, k), w /= sum(w) when norm_topk_prob."""
+    Routing: p = softmax(router(x)) in float32, (w, i) = topk(p, k), w /= sum(w) when norm_topk_prob.
+    packed (cpu_moe, see packed_experts): the generated rows' routed experts in one C call, the same bits as
+    the expert loop below (which prompt rows, and every row without it, take)."""
 
     def __init__(self, router: Linear, experts: Sequence[GatedMLP], top_k: int, norm_topk_prob: bool,
-                 shared: GatedMLP | None = None, shared_gate: Linear | None = None) -> None:
+                 shared: GatedMLP | None = None, shared_gate: Linear | None = None,
+                 packed: cpu_moe.PackedExperts | None = None) -> None:
         self.router, self.experts, self.top_k, self.norm = router, experts, top_k, norm_topk_prob
-        self.shared, self.shared_gate = shared, shared_gate
+        self.shared, self.shared_gate, self.packed = shared, shared_gate, packed
+        # rows=None (benchmarks, kernel tests): steps of up to small_m rows take the quantized copies
+        self.small_m = experts[0].gate_up.small_m
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] → (weights [T, k] in x's dtype, expert ids [T, k] int64), best first."""
@@ -47,10 +52,25 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         # x: [T, H] → [T, H]; rows: the step's generated / prompt rows (layers.RowSplit)
-        T, k = x.shape[0], self.top_k
         w, idx = self.route(x)
+        if self.packed is None or (rows is None and x.shape[0] > self.small_m) \
+                or (rows is not None and rows.gen is None and not rows.all_gen):
+            out = self._routed(x, w, idx, rows)
+        elif rows is None or rows.all_gen:                       # every row generated: one C call
+            out = cpu_moe.moe(x, idx, w, self.packed)
+        else:                                                    # a mixed step: each kind its own way
+            assert rows.gen is not None and rows.prompt is not None
+            out = x.new_empty(x.shape)
+            out[rows.gen] = cpu_moe.moe(x[rows.gen], idx[rows.gen], w[rows.gen], self.packed)
+            p = rows.prompt
+            out[p] = self._routed(x[p], w[p], idx[p], ALL_PROMPT)
+        return self._add_shared(out, x, rows)
+
+    def _routed(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, rows: RowSplit | None) -> torch.Tensor:
+        """Σ_j w[:, j] · expert_{idx[:, j]}(x) through the experts' own Linears. x: [T, H]; w, idx: [T, k]."""
+        T, k = x.shape[0], self.top_k
         if T == 1:                     # one row (a one-stream decode step): its experts in rank order
-            return self._combine([self.experts[e](x, rows) for e in idx[0].tolist()], w, x, rows)
+            return self._combine([self.experts[e](x, rows) for e in idx[0].tolist()], w)
         flat = idx.reshape(-1)                                               # [T·k] slot t·k + j
         order = torch.argsort(flat, stable=True)                             # slots grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -66,15 +86,19 @@ class MoE:
         y = torch.empty_like(ys)
         y[order] = ys
         y = y.view(T, k, -1)                                                 # [T, k, H] by the row's rank
-        return self._combine([y[:, j] for j in range(k)], w, x, rows)
+        return self._combine([y[:, j] for j in range(k)], w)
 
-    def _combine(self, ys: list[torch.Tensor], w: torch.Tensor, x: torch.Tensor,
-                 rows: RowSplit | None) -> torch.Tensor:
+    @staticmethod
+    def _combine(ys: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
         """Σ_j w[:, j] · ys[j] in rank order j = 0, 1, … (the same arithmetic for a row whatever its
-        batch), plus the gated shared expert. ys: k of [T, H]; w: [T, k] → [T, H]."""
+        batch). ys: k of [T, H]; w: [T, k] → [T, H]."""
         out = ys[0] * w[:, :1]
         for j in range(1, len(ys)):
             out = out + ys[j] * w[:, j:j + 1]
+        return out
+
+    def _add_shared(self, out: torch.Tensor, x: torch.Tensor, rows: RowSplit | None) -> torch.Tensor:
+        """out + sigmoid(x·g) · shared(x) (Qwen2-MoE's gated shared expert), or out. [T, H]."""
         if self.shared is not None:
             assert self.shared_gate is not None
             gate = torch.sigmoid(self.shared_gate(x, rows))                  # [T, 1] (dense)
@@ -171,7 +195,28 @@ def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec,
     mlps = [GatedMLP(lin(cat_rows([g, u])), lin(d), act, ops) for g, u, d in experts]
     sh = None if shared is None else GatedMLP(lin(cat_rows(list(shared[:2]))), lin(shared[2]), act, ops)
     return MoE(Linear(dense(router, dtype)), mlps, spec.top_k, spec.norm_topk_prob, sh,
-               None if shared_gate is None else Linear(dense(shared_gate, dtype).reshape(1, -1)))
+               None if shared_gate is None else Linear(dense(shared_gate, dtype).reshape(1, -1)),
+               packed_experts(mlps, act, ops))
+
+
+def packed_experts(mlps: Sequence[GatedMLP], act: str, ops: TorchOps) -> cpu_moe.PackedExperts | None:
+    """The experts' cpu_qmatmul copies as one cpu_moe table, when the C call gives their loop's bits: SiLU
+    through cpu_ops (FusedCpuOps: the C call's SiLU·mul is its arithmetic), plain GatedMLPs, every gate_up and down a
+    layers.Linear packed for cpu_qmatmul at one bit width, no biases, and CHATSERVE_MOE_KERNEL not 0.
+    None otherwise (the expert loop runs)."""
+    if act != "silu" or not isinstance(ops, FusedCpuOps) or not env.moe_kernel_enabled() \
+            or any(type(m) is not GatedMLP for m in mlps):      # a subclass (gpt-oss) has its own arithmetic
+        return None
+    lins = [(m.gate_up, m.down) for m in mlps]
+    if not all(isinstance(a, Linear) and a.qw is not None and a.b is None for pair in lins for a in pair):
+        return None
+    gu = [a.qw for a, _ in lins]
+    dn = [d.qw for _, d in lins]
+    assert all(q is not None for q in gu + dn)
+    bits = {q.bits for q in gu + dn if q is not None}
+    if len(bits) != 1 or not cpu_moe.available():
+        return None
+    return cpu_moe.PackedExperts([q for q in gu if q is not None], [q for q in dn if q is not None])
 
 
 def dense(w: torch.Tensor | BlockMatrix, dtype: torch.dtype) -> torch.Tensor:

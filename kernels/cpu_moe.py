@@ -1,0 +1,106 @@
+"""A MoE layer's routed experts for decode rows in one C call (cpu_moe.c, issue 32): every selected expert's
+gate_up, SiLU·up and down over cpu_qmatmul's packed 4/8-bit weights, and the rank-order combine, with the
+expert ids and routing weights as arguments. `reference` is the plain-torch twin (dequantized weights, float
+matmuls); the model's layer loop (models/moe.py over layers.Linear) gives the same bits as the C call.
+Not the router (models/moe.py routes) and not the shared expert (the model adds it).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from chatserve_kernels import cpu_build, cpu_qmatmul
+from chatserve_kernels.cpu_qmatmul import PackedWeight
+
+SOURCE = Path(__file__).with_name("cpu_moe.c")
+_i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+def _source() -> Path:
+    """cpu_qmatmul.c then cpu_moe.c as one source (cpu_moe.c calls the tile kernels, which are static), written
+    once into the kernel cache under a name of its content, so an edit to either file rebuilds it."""
+    src = (cpu_qmatmul.SOURCE.read_text() + "\n" + SOURCE.read_text()).encode()
+    path = cpu_build.cache_dir() / f"cpu_moe_{hashlib.sha256(src).hexdigest()[:12]}.c"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".c")
+        with os.fdopen(fd, "wb") as f:
+            f.write(src)
+        os.replace(tmp, path)            # atomic: concurrent writers write the same bytes
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def library():
+    """The compiled MoE call (ctypes), or None where cpu_qmatmul cannot run (no VNNI, switched off, no compiler)."""
+    if not cpu_qmatmul.available():
+        return None
+    lib = cpu_build.load(_source())
+    if lib is None or lib.chatserve_moe_tile() != cpu_qmatmul.TILE:
+        return None
+    lib.chatserve_moe.argtypes = [_vp, _vp, _i32, _i64, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _i32, _i32]
+    lib.chatserve_moe.restype = _i32
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+class PackedExperts:
+    """E experts' packed SwiGLU weights for the C call: gate_up [2I, H] (gate rows, then up rows) and down
+    [H, I] per expert, all of one bit width; the pointer tables are built once (the weights never move)."""
+
+    def __init__(self, gate_up: list[PackedWeight], down: list[PackedWeight]) -> None:
+        assert len(gate_up) == len(down) > 0
+        self.gate_up, self.down = gate_up, down
+        self.bits = gate_up[0].bits
+        self.hidden, self.inter = gate_up[0].k, down[0].k
+        for gu, d in zip(gate_up, down):
+            assert gu.bits == d.bits == self.bits
+            assert (gu.n, gu.k, d.n, d.k) == (2 * self.inter, self.hidden, self.hidden, self.inter)
+        # [E, 2] int64: (codes, scales+lows) data pointers
+        self.gu_ptrs = torch.tensor([list(w.ptrs) for w in gate_up], dtype=torch.int64)
+        self.dn_ptrs = torch.tensor([list(w.ptrs) for w in down], dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.gate_up)
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedExperts) -> torch.Tensor:
+    """x [T, H] fp32/bf16, ids [T, k] int64, weights [T, k] (x's dtype) → Σ_j weights[:, j] ·
+    expert_{ids[:, j]}(x) [T, H] in x's dtype, combined in rank order j = 0, 1, …"""
+    T, H = x.shape
+    assert H == experts.hidden and x.dtype in (torch.float32, torch.bfloat16) and ids.shape == weights.shape
+    x = x.contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    w = weights.float().contiguous()                         # exact: bf16 → fp32
+    out = torch.empty(T, H, dtype=x.dtype)
+    rc = library().chatserve_moe(experts.gu_ptrs.data_ptr(), experts.dn_ptrs.data_ptr(), experts.bits, H,
+                                 experts.inter, len(experts), x.data_ptr(), T, ids.shape[1], ids.data_ptr(),
+                                 w.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
+                                 torch.get_num_threads())
+    if rc:
+        raise (MemoryError if rc == -2 else ValueError)(f"cpu_moe failed ({rc})")
+    return out
+
+
+def reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              experts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The plain-torch twin: experts as dense (gate_up [2I, H], down [H, I]) float32 weights (e.g.
+    cpu_qmatmul.dequantize of the packed codes), float32 matmuls, the rank-order combine; x's dtype out.
+    It differs from the C call only by the C call's quantized activations and its roundings to x's dtype."""
+    xf = x.float()
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for j in range(ids.shape[1]):
+        for t in range(x.shape[0]):
+            gu, down = experts[int(ids[t, j])]
+            g, u = (xf[t] @ gu.t()).chunk(2)                                         # [I] each
+            out[t] += weights[t, j].float() * ((torch.nn.functional.silu(g) * u) @ down.t())
+    return out.to(x.dtype)
