@@ -110,6 +110,55 @@ def test_silu_mul_matches_torch(dt):
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+def _silu_inputs(rows: int, I: int, dt: torch.dtype) -> torch.Tensor:
+    """gu [rows, 2I]: gates from N(0, 4²) plus a sweep over [-120, 120] and ±inf, NaN, ±0 (row 0), ups N(0, 1)."""
+    g = torch.Generator().manual_seed(rows * I)
+    gate = torch.randn(rows, I, generator=g) * 4
+    gate[0] = torch.linspace(-120, 120, I)
+    gate[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    return torch.cat([gate, torch.randn(rows, I, generator=g)], 1).to(dt).contiguous()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("I", [1536, 77])             # 77: a masked tail after 4 full vectors
+def test_silu_mul_vector_path_matches_torch(dt, I):
+    """The vectorized silu·up (AVX-512: exp16 + exact bf16 rounding) against F.silu(g) * u: bf16 results
+    identical to torch's on every element (both round silu to bf16, then the product), fp32 within
+    2 ulp of it (two ~1-ulp exps)."""
+    gu = _silu_inputs(33, I, dt)
+    out = cpu_ops.silu_mul(gu)
+    gate, up = gu.chunk(2, -1)
+    ref = torch.nn.functional.silu(gate) * up
+    if dt == torch.bfloat16:
+        assert _same(out, ref)
+    else:
+        fin = ref.isfinite() & (ref.abs() > 1e-30)
+        assert _same(out[~fin & ~ref.isfinite()], ref[~fin & ~ref.isfinite()])
+        assert torch.allclose(out[fin], ref[fin], rtol=3e-7, atol=0)
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+def test_silu_mul_row_bits_do_not_depend_on_the_row_count(dt):
+    """Batch invariance: a row alone, among 3 or among 96 rows (two threads from 22 rows of 1,536 up)
+    gets the same bits."""
+    gu = _silu_inputs(96, 1536, dt)
+    many = cpu_ops.silu_mul(gu)
+    for lo, hi in [(0, 1), (5, 6), (40, 43)]:
+        assert _same(cpu_ops.silu_mul(gu[lo:hi].contiguous()), many[lo:hi])
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _same(cpu_ops.silu_mul(gu), many)
+    finally:
+        torch.set_num_threads(n)
+
+
 @needs_lib
 def test_store_rows_writes_each_slot_and_skips_minus_one():
     k_cache, v_cache = torch.zeros(4, 2, 3, 8), torch.zeros(4, 2, 3, 8)      # [blocks, block_size, hkv, d]
