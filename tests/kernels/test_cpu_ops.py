@@ -170,3 +170,25 @@ def test_store_rows_writes_each_slot_and_skips_minus_one():
     assert torch.equal(flat_k[5], src[0, :24]) and torch.equal(flat_v[5], src[0, 24:48])
     assert torch.equal(flat_k[0], src[2, :24]) and torch.equal(flat_v[0], src[2, 24:48])
     assert int((flat_k != 0).any(-1).sum()) == 2                          # the -1 row wrote nothing
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+def test_store_rows_from_a_fused_qkv_matches_the_torch_store(dt):
+    """cpu_ops.store_rows (the cpu-c backend's store) on K/V views of a fused qkv [T, hq + 2 hkv, d] writes
+    the bytes store_kv_torch writes, skipping -1 slots; tensors it does not take are declined untouched."""
+    from chatserve_kernels.kv_store import store_kv_torch
+
+    g = torch.Generator().manual_seed(3)
+    T, hq, hkv, d = 7, 9, 3, 64
+    qkv = torch.randn(T, hq + 2 * hkv, d, generator=g).to(dt)
+    k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    slots = torch.tensor([5, 6, -1, 17, 40, 0, 63])
+    caches = [torch.zeros(4, 16, hkv, d, dtype=dt) for _ in range(4)]
+    assert cpu_ops.store_rows(k, v, caches[0], caches[1], slots)
+    store_kv_torch(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    other = torch.float32 if dt == torch.bfloat16 else torch.bfloat16
+    assert not cpu_ops.store_rows(k.to(other), v.to(other), caches[0], caches[1], slots)
+    assert not cpu_ops.store_rows(k.transpose(1, 2), v.transpose(1, 2), caches[0], caches[1], slots)
+    assert not cpu_ops.store_rows(k, v, caches[0], caches[1], slots.int())
