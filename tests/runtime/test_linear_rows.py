@@ -1,6 +1,7 @@
 """A prompt row's bits through a Linear's dense weight do not depend on how many rows share the call
-(batch invariance, issue 28): on AMX CPUs oneDNN's bf16 GEMM picks its kernel by M, so the Linear runs
-batch-invariant rows in calls of exactly AMX_ROWS rows (layers.Linear._fixed_rows); MKL's fp32 GEMM picks
+(batch invariance, issue 28): oneDNN's bf16 GEMM picks its kernel by M (on AMX, and on AVX-512 BF16 without
+it: Zen 4, K = 1,536 from M = 11), so the Linear runs batch-invariant bf16 rows in calls of exactly AMX_ROWS
+rows on AMX and BF16_ROWS elsewhere (layers.Linear._fixed_rows); MKL's fp32 GEMM picks
 its kernel by M and shape on some CPUs (Sapphire Rapids), so fp32 weights go through oneDNN's packed fp32
 GEMM, padded to 4 rows."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatserve.runtime.models.layers import ALL_PROMPT, AMX_ROWS, Linear, _onednn_amx
+from chatserve.runtime.models.layers import ALL_PROMPT, AMX_ROWS, BF16_ROWS, Linear, _onednn_amx
 
 
 @pytest.mark.parametrize("n,k", [(576, 576), (3072, 576), (576, 1536), (960, 576), (1536, 2048)])
@@ -30,9 +31,9 @@ def test_prompt_rows_keep_their_bits_at_any_row_count(n, k, threads, dtype, quan
         torch.set_num_threads(old)
 
 
-def test_fixed_rows_only_where_onednn_runs_on_amx():
+def test_fixed_rows_wherever_onednn_runs_bf16():
     lin = Linear(torch.randn(64, 64).bfloat16())
-    assert lin.fixed_m == (AMX_ROWS if lin.packed is not None and _onednn_amx() else 0)
+    assert lin.fixed_m == (0 if lin.packed is None else AMX_ROWS if _onednn_amx() else BF16_ROWS)
     assert Linear(torch.randn(64, 64)).fixed_m == 0                  # fp32 never takes AMX tiles
     x = torch.randn(5, 64).bfloat16()
     assert lin(x, ALL_PROMPT).shape == (5, 64)

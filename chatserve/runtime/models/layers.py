@@ -24,6 +24,9 @@ QMM_SMALL_M = 16     # cpu_qmatmul beats packed bf16 up to here in a whole model
 DENSE_MIN_M = 4      # fp32 GEMMs of 1-3 rows take other kernels than 4+ (other rounding): pad up to 4
 AMX_ROWS = 64        # oneDNN's bf16 GEMM on AMX picks its kernel by M (rows differ at M <= 32 vs 33+, and
                      # again at large M by thread count): prompt rows go in calls of exactly this many rows
+BF16_ROWS = 16       # without AMX too (AVX-512 BF16, AMD Zen 4) it does: a row of a K = 1,536 matrix differs
+                     # between M <= 10 and M >= 11. Prompt rows go in calls of exactly this many rows there: a
+                     # 16-token turn pays nothing, a 512-token chunk ~+15-30 % on its linears (docs/benchmarks.md)
 
 
 @dataclass(frozen=True)
@@ -121,8 +124,11 @@ class Linear:
         if w.dtype in (torch.bfloat16, torch.float32) and cpu and _onednn_packs(w.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
             self.w = None        # the packed copy replaces it (no second copy of the weights)
-        # rows of a batch-invariant call go through oneDNN on AMX in calls of exactly AMX_ROWS rows (padded)
-        self.fixed_m = AMX_ROWS if self.packed is not None and w.dtype == torch.bfloat16 and _onednn_amx() else 0
+        # rows of a batch-invariant call go through oneDNN's bf16 GEMM in calls of exactly fixed_m rows (padded):
+        # the kernel it picks, and so a row's bits, depend on M on AMX and on AVX-512 BF16 alike
+        self.fixed_m = 0
+        if self.packed is not None and w.dtype == torch.bfloat16:
+            self.fixed_m = AMX_ROWS if _onednn_amx() else BF16_ROWS
         if small_m is None:
             small_m = QMM_SMALL_M if self.qw is not None else PACKED_SMALL_M if self.packed is not None else SMALL_M
         self.small_m = small_m
@@ -182,7 +188,7 @@ class Linear:
 
     def _dense(self, x: torch.Tensor, fixed: bool = True) -> torch.Tensor:
         """x [T, K] through the dense weight (oneDNN's packed bf16 / fp32, else mm; fp32 steps of 1-3 rows
-        are padded to 4, whose kernel every larger step shares). fixed: on AMX, in calls of exactly
+        are padded to 4, whose kernel every larger step shares). fixed: bf16 rows in calls of exactly
         fixed_m rows, the last one zero-padded, so a row's bits never depend on T (batch invariance)."""
         T = x.shape[0]
         if x.dim() == 2 and 0 < T < DENSE_MIN_M and x.dtype == torch.float32 and x.device.type == "cpu":
