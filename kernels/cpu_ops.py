@@ -1,7 +1,7 @@
 """Fused elementwise ops of a decoder layer on CPU (cpu_ops.c via ctypes): residual add + RMSNorm and
 RoPE, each one call instead of 4-8 torch ops; SiLU·mul and the K/V row store serve the decode chain
-(cpu_decode.py) and the model's CPU path alike (store_rows: the cpu-c attention backend's store). The model uses them where usable() says so and
-keeps its torch code otherwise; that code is the oracle.
+(cpu_decode.py) and the model's CPU path alike (store_rows: the cpu-c attention backend's store). The
+model uses them where usable() says so and keeps its torch code otherwise; that code is the oracle.
 """
 from __future__ import annotations
 
