@@ -22,6 +22,7 @@ BENCH_HELP: dict[str, str] = {                     # `chatserve bench NAME` → 
     "kernels": "GPU paged-attention bandwidth",
     "blockmm": "CPU matmul on GGUF block formats vs today's paths",
     "invariance": "what --batch-invariant costs a mixed step, and serving",
+    "turn": "cached-prefix chat turn: step time by op class vs a decode step",
     "quality": "GGUF: logits vs transformers on the file's weights (and llama.cpp)",
     "launch": "GGUF: load time, peak RSS, decode step of chatserve and llama.cpp on one file",
     "serve": "OpenAI-API serving benchmark",

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from chatserve_kernels import cpu_attention
+from chatserve_kernels import cpu_attention, cpu_ops
 from chatserve_kernels.attention import paged_attention_torch, paged_attention_triton
 from chatserve_kernels.dispatch import use_triton
 from chatserve_kernels.kv_store import store_kv_torch, store_kv_triton
@@ -48,6 +48,13 @@ class CpuAttention(TorchAttention):
 
     def __init__(self) -> None:
         self.fn = cpu_attention.c_paged_attention()
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, cache: Cache, slots: torch.Tensor, all_valid: bool) -> None:
+        """k, v: [T, kv_heads, d] into the plain cache through cpu_ops' row copy (the decode chain's), else
+        the twin's index_copy_; the same bytes either way."""
+        if len(cache) == 2 and cpu_ops.store_rows(k, v, cache[0], cache[1], slots):
+            return
+        super().store(k, v, cache, slots, all_valid)
 
     def attend(self, q: torch.Tensor, cache: Cache, meta: AttentionMetadata, scale: float,
                window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:

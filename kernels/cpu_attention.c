@@ -305,8 +305,8 @@ static inline __attribute__((always_inline)) void run_seg_avx512(const job_t *j,
         const int64_t nbase = blk0 + bs < sl ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1;
         const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
         for (int hk = 0; hk < hkv; hk++) {
-            __m512 qv[8][8], av[G][NV];         /* qv: G x NV used (sized for tile_scores) */
-            float alpha[G];
+            __m512 qv[8][8], av[8][8];           /* G x NV used; fixed sizes keep them in registers (VLAs spill) */
+            float alpha[8];
             for (int g = 0; g < G; g++)
                 for (int v = 0; v < NV; v++) qv[g][v] = _mm512_loadu_ps(w->q + (hk * G + g) * D + v * 16);
             if (bs % 16) {                                     /* scores, key by key */
@@ -320,7 +320,7 @@ static inline __attribute__((always_inline)) void run_seg_avx512(const job_t *j,
                             _mm_prefetch((const char *)j->v + nbase * esz + l * 64, _MM_HINT_T0);
                         }
                     }
-                    __m512 kv[NV];
+                    __m512 kv[8];
                     for (int v = 0; v < NV; v++) kv[v] = load16(j->dtype, j->k, off + v * 16);
                     for (int g = 0; g < G; g++) {
                         __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
@@ -355,7 +355,7 @@ static inline __attribute__((always_inline)) void run_seg_avx512(const job_t *j,
                                              _mm512_set1_ps(alpha[g]));
             for (int t = a; t < z; t++) {                      /* values */
                 const int64_t off = base + (int64_t)t * row + hk * D;
-                __m512 vv[NV];
+                __m512 vv[8];
                 for (int v = 0; v < NV; v++) vv[v] = load16(j->dtype, j->v, off + v * 16);
                 for (int g = 0; g < G; g++) {
                     const __m512 p = _mm512_set1_ps(w->s[(hk * G + g) * MAX_BS + t]);

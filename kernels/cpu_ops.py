@@ -1,7 +1,7 @@
 """Fused elementwise ops of a decoder layer on CPU (cpu_ops.c via ctypes): residual add + RMSNorm and
 RoPE, each one call instead of 4-8 torch ops; SiLU·mul and the K/V row store serve the decode chain
-(cpu_decode.py), the model's torch path keeps torch's. The model uses them where usable() says so and
-keeps its torch code otherwise; that code is the oracle.
+(cpu_decode.py) and the model's CPU path alike (store_rows: the cpu-c attention backend's store). The
+model uses them where usable() says so and keeps its torch code otherwise; that code is the oracle.
 """
 from __future__ import annotations
 
@@ -71,3 +71,24 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
         pos = pos.to(torch.int64).contiguous()
     library().chatserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
                              pos.data_ptr(), T, heads, D, torch.get_num_threads())
+
+
+def store_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slots: torch.Tensor) -> bool:
+    """Copy the K and V rows k, v [T, kv_heads, d] (heads contiguous; rows at one stride for both, e.g.
+    views of a fused qkv) into the paged caches [num_blocks, block_size, kv_heads, d] at slots [T] int64
+    (-1: skip): one C call of memcpys instead of two index_copy_ calls and their dispatch. The slots are
+    trusted (the runner checked the block tables). Returns False, copying nothing, for tensors it does not
+    take (another dtype than the cache's, other strides, no library): use the torch store then."""
+    lib = library()
+    if (lib is None or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.dtype != v.dtype
+            or k.dim() != 3 or v.shape != k.shape or k.shape[1:] != k_cache.shape[2:]
+            or k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(2) != 1 or v.stride(1) != v.shape[2]
+            or k.stride(0) != v.stride(0) or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != k.shape[0]
+            or k.device.type != "cpu"):
+        return False
+    esz = k.element_size()
+    lib.chatserve_store_rows(k.data_ptr(), v.data_ptr(), k.stride(0) * esz, k_cache.data_ptr(), v_cache.data_ptr(),
+                             slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * esz)
+    return True

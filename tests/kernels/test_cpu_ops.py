@@ -110,6 +110,55 @@ def test_silu_mul_matches_torch(dt):
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+def _silu_inputs(rows: int, I: int, dt: torch.dtype) -> torch.Tensor:
+    """gu [rows, 2I]: gates from N(0, 4²) plus a sweep over [-120, 120] and ±inf, NaN, ±0 (row 0), ups N(0, 1)."""
+    g = torch.Generator().manual_seed(rows * I)
+    gate = torch.randn(rows, I, generator=g) * 4
+    gate[0] = torch.linspace(-120, 120, I)
+    gate[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    return torch.cat([gate, torch.randn(rows, I, generator=g)], 1).to(dt).contiguous()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("I", [1536, 77])             # 77: a masked tail after 4 full vectors
+def test_silu_mul_vector_path_matches_torch(dt, I):
+    """The vectorized silu·up (AVX-512: exp16 + exact bf16 rounding) against F.silu(g) * u: bf16 results
+    identical to torch's on every element (both round silu to bf16, then the product), fp32 within
+    2 ulp of it (two ~1-ulp exps)."""
+    gu = _silu_inputs(33, I, dt)
+    out = cpu_ops.silu_mul(gu)
+    gate, up = gu.chunk(2, -1)
+    ref = torch.nn.functional.silu(gate) * up
+    if dt == torch.bfloat16:
+        assert _same(out, ref)
+    else:
+        fin = ref.isfinite() & (ref.abs() > 1e-30)
+        assert _same(out[~fin & ~ref.isfinite()], ref[~fin & ~ref.isfinite()])
+        assert torch.allclose(out[fin], ref[fin], rtol=3e-7, atol=0)
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+def test_silu_mul_row_bits_do_not_depend_on_the_row_count(dt):
+    """Batch invariance: a row alone, among 3 or among 96 rows (two threads from 22 rows of 1,536 up)
+    gets the same bits."""
+    gu = _silu_inputs(96, 1536, dt)
+    many = cpu_ops.silu_mul(gu)
+    for lo, hi in [(0, 1), (5, 6), (40, 43)]:
+        assert _same(cpu_ops.silu_mul(gu[lo:hi].contiguous()), many[lo:hi])
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _same(cpu_ops.silu_mul(gu), many)
+    finally:
+        torch.set_num_threads(n)
+
+
 @needs_lib
 def test_store_rows_writes_each_slot_and_skips_minus_one():
     k_cache, v_cache = torch.zeros(4, 2, 3, 8), torch.zeros(4, 2, 3, 8)      # [blocks, block_size, hkv, d]
@@ -121,3 +170,25 @@ def test_store_rows_writes_each_slot_and_skips_minus_one():
     assert torch.equal(flat_k[5], src[0, :24]) and torch.equal(flat_v[5], src[0, 24:48])
     assert torch.equal(flat_k[0], src[2, :24]) and torch.equal(flat_v[0], src[2, 24:48])
     assert int((flat_k != 0).any(-1).sum()) == 2                          # the -1 row wrote nothing
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+def test_store_rows_from_a_fused_qkv_matches_the_torch_store(dt):
+    """cpu_ops.store_rows (the cpu-c backend's store) on K/V views of a fused qkv [T, hq + 2 hkv, d] writes
+    the bytes store_kv_torch writes, skipping -1 slots; tensors it does not take are declined untouched."""
+    from chatserve_kernels.kv_store import store_kv_torch
+
+    g = torch.Generator().manual_seed(3)
+    T, hq, hkv, d = 7, 9, 3, 64
+    qkv = torch.randn(T, hq + 2 * hkv, d, generator=g).to(dt)
+    k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    slots = torch.tensor([5, 6, -1, 17, 40, 0, 63])
+    caches = [torch.zeros(4, 16, hkv, d, dtype=dt) for _ in range(4)]
+    assert cpu_ops.store_rows(k, v, caches[0], caches[1], slots)
+    store_kv_torch(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    other = torch.float32 if dt == torch.bfloat16 else torch.bfloat16
+    assert not cpu_ops.store_rows(k.to(other), v.to(other), caches[0], caches[1], slots)
+    assert not cpu_ops.store_rows(k.transpose(1, 2), v.transpose(1, 2), caches[0], caches[1], slots)
+    assert not cpu_ops.store_rows(k, v, caches[0], caches[1], slots.int())

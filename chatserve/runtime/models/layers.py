@@ -24,6 +24,9 @@ QMM_SMALL_M = 16     # cpu_qmatmul beats packed bf16 up to here in a whole model
 DENSE_MIN_M = 4      # fp32 GEMMs of 1-3 rows take other kernels than 4+ (other rounding): pad up to 4
 AMX_ROWS = 64        # oneDNN's bf16 GEMM on AMX picks its kernel by M (rows differ at M <= 32 vs 33+, and
                      # again at large M by thread count): prompt rows go in calls of exactly this many rows
+BF16_MIN_M = 16      # without AMX (AVX-512 BF16, AMD Zen 4) it picks one kernel for M <= 10 and another for every
+                     # M >= 11 (a K = 1,536 row's bits differ; M = 11..1,100, 1 or 2 threads agree): prompt-row
+                     # calls of fewer rows are zero-padded up to this many, larger ones run as they are
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class Linear:
     by step size (benchmarks, kernels tests)."""
 
     __slots__ = ("w", "wt", "b", "wq", "scales", "qw", "small_m", "kind", "act", "packed", "n_out", "fixed_m",
-                 "dense_bytes", "packed_dtype")
+                 "min_m", "dense_bytes", "packed_dtype")
     w: torch.Tensor | None                 # [N, K]; None once the packed oneDNN copy replaces it
     wt: torch.Tensor | None                # [K, N] view of w
     b: torch.Tensor | None                 # [N]
@@ -121,8 +124,14 @@ class Linear:
         if w.dtype in (torch.bfloat16, torch.float32) and cpu and _onednn_packs(w.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)   # opaque [N, K] mkldnn
             self.w = None        # the packed copy replaces it (no second copy of the weights)
-        # rows of a batch-invariant call go through oneDNN on AMX in calls of exactly AMX_ROWS rows (padded)
-        self.fixed_m = AMX_ROWS if self.packed is not None and w.dtype == torch.bfloat16 and _onednn_amx() else 0
+        # oneDNN's bf16 GEMM picks its kernel, and so a row's bits, by M: batch-invariant rows go in calls of
+        # exactly fixed_m rows on AMX (the last one padded), in calls of at least min_m rows elsewhere
+        self.fixed_m = self.min_m = 0
+        if self.packed is not None and w.dtype == torch.bfloat16:
+            if _onednn_amx():
+                self.fixed_m = AMX_ROWS
+            else:
+                self.min_m = BF16_MIN_M
         if small_m is None:
             small_m = QMM_SMALL_M if self.qw is not None else PACKED_SMALL_M if self.packed is not None else SMALL_M
         self.small_m = small_m
@@ -182,15 +191,21 @@ class Linear:
 
     def _dense(self, x: torch.Tensor, fixed: bool = True) -> torch.Tensor:
         """x [T, K] through the dense weight (oneDNN's packed bf16 / fp32, else mm; fp32 steps of 1-3 rows
-        are padded to 4, whose kernel every larger step shares). fixed: on AMX, in calls of exactly
-        fixed_m rows, the last one zero-padded, so a row's bits never depend on T (batch invariance)."""
+        are padded to 4, whose kernel every larger step shares). fixed: bf16 rows in calls of exactly
+        fixed_m rows (AMX), else of at least min_m rows, zero-padded, so a row's bits never depend on T
+        (batch invariance)."""
         T = x.shape[0]
         if x.dim() == 2 and 0 < T < DENSE_MIN_M and x.dtype == torch.float32 and x.device.type == "cpu":
             return self._dense(torch.cat([x, x.new_zeros(DENSE_MIN_M - T, x.shape[1])]), fixed)[:T]
         if self.packed is not None:
             xb = x if x.dtype == self.packed_dtype else x.to(self.packed_dtype)
-            y: torch.Tensor = (self._fixed_rows(xb) if fixed and self.fixed_m and xb.dim() == 2 else
-                               torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], ""))
+            if fixed and self.fixed_m and xb.dim() == 2:
+                y: torch.Tensor = self._fixed_rows(xb)
+            elif fixed and 0 < T < self.min_m and xb.dim() == 2:                   # [min_m, K] → [T, N]
+                xp = torch.cat([xb, xb.new_zeros(self.min_m - T, xb.shape[1])])
+                y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.b, "none", [], "")[:T]
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, self.b, "none", [], "")
             return y if y.dtype == x.dtype else y.to(x.dtype)
         assert self.w is not None and self.wt is not None
         if x.dim() != 2:
