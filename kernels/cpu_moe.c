@@ -9,7 +9,8 @@
  * cpu_qmatmul and cpu_ops' SiLU·mul), so both give the same bits:
  *   x quantized per row and group of 32 (quantize_rows), once for all the row's experts;
  *   gu = qmm(x, Wgu) stored in the activation dtype (bf16 rounded to nearest even, or fp32);
- *   h = store(store(silu(g)) · u), then quantized per row as the down matmul's input;
+ *   h = store(store(silu(g)) · u) by cpu_ops.c's own SiLU·mul (a pointer to it is an argument), then quantized
+ *   per row as the down matmul's input;
  *   y = qmm(h, Wdown) stored in the activation dtype;
  *   out = store(y_0 · w_0), then out = store(out + store(y_j · w_j)) for j = 1 .. k-1 (torch's bf16 ops).
  * Each expert runs once over all the (row, rank) slots routed to it (its weights stream once a step), and a
@@ -44,6 +45,9 @@ static inline void moe_store(void *p, int64_t i, float v, int bf16) {
 }
 
 int chatserve_moe_tile(void) { return QMM_TILE; }
+
+/* cpu_ops.c's chatserve_silu_mul(dtype, gu [T, 2I], out [T, I], T, I, nthreads) */
+typedef void (*silu_mul_fn)(int, const void *, void *, int64_t, int64_t, int);
 
 #if QMM_TILE
 /* Rows [0, M) of quantized input (codes xh [M, K] (and the low plane xl for 4-bit), sx, xs [M, G]) through
@@ -113,10 +117,11 @@ static void moe_combine(const char *yd, const int64_t *pos, const float *wts, in
 /* out[T, H] (x's dtype: fp32, or bf16 when bf16 != 0) = Σ_j wts[t, j] · expert_{ids[t, j]}(x[t]) for
  * x [T, H], ids [T, k] int64, wts [T, k] fp32 (the routing weights as the activation dtype holds them).
  * gu_w / dn_w: [E, 2] int64 (codes, scales+lows) of each expert's packed gate_up [2I, H] and down [H, I],
- * all of `bits` (4 or 8). Returns 0, -1 without the VNNI kernels, -2 when scratch could not be allocated. */
+ * all of `bits` (4 or 8). silu_mul: cpu_ops.c's chatserve_silu_mul, called on gu [S, 2I] = [gate | up] rows,
+ * so that SiLU·up is the layer loop's arithmetic by construction. Returns 0, -1 without the VNNI kernels, -2 when scratch could not be allocated. */
 int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H, int64_t I, int64_t E,
                   const void *x, int64_t T, int64_t k, const int64_t *ids, const float *wts, void *out,
-                  int bf16, int nthreads) {
+                  int bf16, int nthreads, silu_mul_fn silu_mul) {
 #if QMM_TILE
     const int64_t S = T * k, GH = H / GROUP, GI = I / GROUP, N1 = 2 * I;
     const size_t ab = bf16 ? 2 : 4, planes = bits == 4 ? 2 : 1;
@@ -171,36 +176,20 @@ int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H,
     moe_job *jobs2 = jobs + n1;
     const int64_t n2 = moe_jobs(jobs2, ngroups, tiles2, chunk2);
     const int nt = nthreads > 1 ? nthreads : 1;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t j = 0; j < n1; j++) {              /* gate_up of every group: gu [S, 2I] */
+        const int64_t g = jobs[j].g, r0 = gstart[g], M = gstart[g + 1] - r0, e = gexp[g];
+        moe_tiles(bits, (const uint8_t *)gu_w[2 * e], (const uint16_t *)gu_w[2 * e + 1], N1, H,
+                  gq + r0 * H, gq + S * H + r0 * H, gsx + r0 * GH, gsx + S * GH + r0 * GH, M,
+                  jobs[j].t0, jobs[j].t1, gu + (size_t)(r0 * N1) * ab, bf16);
+    }
+    silu_mul(bf16, gu, hh, S, I, nt);               /* h = store(store(silu(g)) · u): cpu_ops' own function */
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
-        for (int64_t j = 0; j < n1; j++) {          /* gate_up of every group: gu [S, 2I] */
-            const int64_t g = jobs[j].g, r0 = gstart[g], M = gstart[g + 1] - r0, e = gexp[g];
-            moe_tiles(bits, (const uint8_t *)gu_w[2 * e], (const uint16_t *)gu_w[2 * e + 1], N1, H,
-                      gq + r0 * H, gq + S * H + r0 * H, gsx + r0 * GH, gsx + S * GH + r0 * GH, M,
-                      jobs[j].t0, jobs[j].t1, gu + (size_t)(r0 * N1) * ab, bf16);
-        }
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < S; p++) {           /* h = store(store(silu(g)) · u), as cpu_ops' silu_mul */
-            const char *g = gu + (size_t)(p * N1) * ab, *u = g + (size_t)I * ab;
-            char *o = hh + (size_t)(p * I) * ab;
-            if (bf16) {
-                #pragma omp simd
-                for (int64_t i = 0; i < I; i++) {
-                    const float v = bf16_to_f32(((const uint16_t *)g)[i]);
-                    const float sv = bf16_to_f32(moe_f32_to_bf16(v / (1.0f + expf(-v))));
-                    ((uint16_t *)o)[i] = moe_f32_to_bf16(sv * bf16_to_f32(((const uint16_t *)u)[i]));
-                }
-            } else {
-                #pragma omp simd
-                for (int64_t i = 0; i < I; i++) {
-                    const float v = ((const float *)g)[i];
-                    ((float *)o)[i] = (v / (1.0f + expf(-v))) * ((const float *)u)[i];
-                }
-            }
-            quantize_rows(o, bf16, 1, I, top, hq + p * I, bits == 4 ? hq + S * I + p * I : NULL,
-                          hsx + p * GI, hsx + S * GI + p * GI);
-        }
+        for (int64_t p = 0; p < S; p++)             /* h quantized per slot as the down matmul's input */
+            quantize_rows(hh + (size_t)(p * I) * ab, bf16, 1, I, top, hq + p * I,
+                          bits == 4 ? hq + S * I + p * I : NULL, hsx + p * GI, hsx + S * GI + p * GI);
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < n2; j++) {          /* down of every group: yd [S, H] */
             const int64_t g = jobs2[j].g, r0 = gstart[g], M = gstart[g + 1] - r0, e = gexp[g];
@@ -216,7 +205,7 @@ done:
     return rc;
 #else
     (void)gu_w; (void)dn_w; (void)bits; (void)H; (void)I; (void)E; (void)x; (void)T; (void)k; (void)ids;
-    (void)wts; (void)out; (void)bf16; (void)nthreads;
+    (void)wts; (void)out; (void)bf16; (void)nthreads; (void)silu_mul;
     return -1;
 #endif
 }

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from chatserve_kernels import cpu_build, cpu_qmatmul
+from chatserve_kernels import cpu_build, cpu_ops, cpu_qmatmul
 from chatserve_kernels.cpu_qmatmul import PackedWeight
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
@@ -38,15 +38,22 @@ def _source() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def library():
-    """The compiled MoE call (ctypes), or None where cpu_qmatmul cannot run (no VNNI, switched off, no compiler)."""
-    if not cpu_qmatmul.available():
+    """The compiled MoE call (ctypes), or None where cpu_qmatmul or cpu_ops cannot run (no VNNI, switched off,
+    no compiler): the call runs cpu_ops' SiLU·mul through a pointer to it."""
+    if not cpu_qmatmul.available() or cpu_ops.library() is None:
         return None
     lib = cpu_build.load(_source())
     if lib is None or lib.chatserve_moe_tile() != cpu_qmatmul.TILE:
         return None
-    lib.chatserve_moe.argtypes = [_vp, _vp, _i32, _i64, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _i32, _i32]
+    lib.chatserve_moe.argtypes = [_vp, _vp, _i32, _i64, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _vp, _i32, _i32, _vp]
     lib.chatserve_moe.restype = _i32
     return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _silu_mul() -> int:
+    """The address of cpu_ops.c's chatserve_silu_mul, which the C call runs for SiLU·up."""
+    return ctypes.cast(cpu_ops.library().chatserve_silu_mul, ctypes.c_void_p).value or 0
 
 
 def available() -> bool:
@@ -85,7 +92,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Pack
     rc = library().chatserve_moe(experts.gu_ptrs.data_ptr(), experts.dn_ptrs.data_ptr(), experts.bits, H,
                                  experts.inter, len(experts), x.data_ptr(), T, ids.shape[1], ids.data_ptr(),
                                  w.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
-                                 torch.get_num_threads())
+                                 torch.get_num_threads(), _silu_mul())
     if rc:
         raise (MemoryError if rc == -2 else ValueError)(f"cpu_moe failed ({rc})")
     return out
