@@ -56,6 +56,10 @@ CPU_ISAS = ("auto", "avx512", "avx2", "torch")
 # logits as close to float32 as the int4 path's; 8 bits (one plane) moved them 4.5-6.6 % of their scale on
 # the quality test's file (docs/kernels.md, "Quality of int8 x")
 DECODE_X_BITS = 15
+# generated rows on Q4_0/Q4_1/Q8_0 bands at the AVX-512 level run a row-interleaved copy of the band's blocks
+# (cpu_blockq8's tiled kernel: a vector lane per output row, one float epilogue per block and 16 rows) instead
+# of the file's order (a float epilogue per lane of 4 products); False keeps the file's order (benchmarks)
+TILED_DECODE = True
 
 
 @dataclass
@@ -156,6 +160,10 @@ class BlockLinear:
         bias = 0 if self.b is None else self.b.numel() * self.b.element_size()
         return self.w.nbytes() + bias
 
+    def resident_bytes(self) -> int:
+        """Bytes this backend holds beside the mapped file (a re-laid copy of some bands; 0 here)."""
+        return 0
+
 
 class CpuBlockLinear(BlockLinear):
     isa: ClassVar[str] = ""
@@ -168,12 +176,24 @@ class CpuBlockLinear(BlockLinear):
         super().__init__(w, b)
         # at load: the int8-activation kernel of this level, else the twin's arithmetic (same results)
         self.q8 = cpu_blockq8.available(self.isa)
+        # and, where this level has one (AVX-512: Q4_0, Q4_1, Q8_0), the bands' blocks re-laid row-interleaved
+        # for the generated rows (same bytes in another order, a copy the size of the band: the mapped pages
+        # are then read only by prompt rows), keyed by the band's id (the parts live as long as self.w)
+        self.tiled: dict[int, cpu_blockq8.TiledWeight] = {}
+        if self.q8 and TILED_DECODE:
+            self.tiled = {id(p): cpu_blockq8.tile(p, self.isa) for p in w.parts if cpu_blockq8.tiles(self.isa, p)}
 
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
         cpu_blockmm.matmul(x, part, self.isa, out=out)
 
+    def resident_bytes(self) -> int:
+        return sum(t.nbytes() for t in self.tiled.values())
+
     def band_q8(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
-        if self.q8:
+        tw = self.tiled.get(id(part))
+        if tw is not None:
+            cpu_blockq8.matmul_tiled(x, tw, self.isa, out=out, x_bits=DECODE_X_BITS)
+        elif self.q8:
             cpu_blockq8.matmul(x, part, self.isa, out=out, x_bits=DECODE_X_BITS)
         else:
             out.copy_(block_q8.matmul(x, part, torch.float32, DECODE_X_BITS))
