@@ -591,6 +591,8 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
         __builtin_prefetch(wb + 4 * tb);
         __builtin_prefetch(wb + 4 * tb + 64);
         const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes)));
+        const __m512 mn = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes + 32)))
+                                      : _mm512_setzero_ps();
         __m512i ih[8][2], il[8][2];
         for (int i = 0; i < MB; i++)
             for (int c = 0; c < NC; c++) ih[i][c] = il[i][c] = _mm512_setzero_si512();
@@ -626,9 +628,7 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
             __m512i s = P == 2 ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l) : h;
             s = _mm512_add_epi32(s, _mm512_set1_epi32(X->nzq[r]));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(X->d[r])), acc[i]);
-            if (fmt == Q4_1)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes + 32))),
-                                         _mm512_set1_ps(X->dsq[r]), acc[i]);
+            if (fmt == Q4_1) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(X->dsq[r]), acc[i]);
         }
     }
     for (int i = 0; i < MB; i++) res[i] = acc[i];
@@ -661,6 +661,45 @@ TILED(Q4_0) TILED(Q4_1) TILED(Q8_0)
 typedef void (*tiled_fn)(const uint8_t *, int64_t, int64_t, int64_t, const xnat *, int64_t, void *, int64_t, int);
 #define TILED_ROW(F, P) {tiled_##F##_1_##P, tiled_##F##_2_##P, tiled_##F##_4_##P, tiled_##F##_8_##P}
 
+/* x [m, k] → the tiled kernel's x: per block of 32, the codes of chatserve_bq8_quantize (the same float
+ * arithmetic, vectorised: amax, top / amax, x · that rounded to nearest even) as planes xp [P, m, k] (P = 2:
+ * qh then ql, q = 255 · qh + ql), −z·Σq, d and d·Σq [m, k / 32] */
+static void prep_x_tiled(const void *x, int x_bf16, int64_t m, int64_t k, int P, int z, int8_t *xp, int32_t *nzq,
+                         float *d, float *dsq) {
+    const float top = P == 2 ? 32512.f : 127.f;
+    const int64_t nb = k / 32;
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t base = r * k + 32 * j;
+            __m512 v[2];
+            for (int h = 0; h < 2; h++)
+                v[h] = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + base + 16 * h))), 16))
+                              : _mm512_loadu_ps((const float *)x + base + 16 * h);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], absmask),
+                                                                  _mm512_and_ps(v[1], absmask)));
+            const float inv = amax > 0.f ? top / amax : 0.f;
+            int32_t s = 0;
+            for (int h = 0; h < 2; h++) {
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+                s += _mm512_reduce_add_epi32(q);
+                if (P == 1) { _mm_storeu_si128((__m128i *)(xp + base + 16 * h), _mm512_cvtepi32_epi8(q)); continue; }
+                /* qh = trunc((q ± 127) / 255) (exact in float: |q| + 127 < 2^15), ql = q − 255 · qh */
+                const __mmask16 neg = _mm512_cmplt_epi32_mask(q, _mm512_setzero_si512());
+                const __m512i t = _mm512_mask_sub_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(127)), neg,
+                                                        q, _mm512_set1_epi32(127));
+                const __m512i qh = _mm512_cvttps_epi32(_mm512_div_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(255.f)));
+                const __m512i ql = _mm512_sub_epi32(q, _mm512_mullo_epi32(qh, _mm512_set1_epi32(255)));
+                _mm_storeu_si128((__m128i *)(xp + base + 16 * h), _mm512_cvtepi32_epi8(qh));
+                _mm_storeu_si128((__m128i *)(xp + m * k + base + 16 * h), _mm512_cvtepi32_epi8(ql));
+            }
+            d[r * nb + j] = amax / top;
+            nzq[r * nb + j] = -z * s;
+            dsq[r * nb + j] = d[r * nb + j] * (float)s;
+        }
+}
+
 /* x [m, k] (fp32, or bf16 when x_bf16) · W ᵀ for W tiled by chatserve_bq8_tile → y [m, n] at row stride ldy
  * (bf16 when y_bf16). Threads split tiles; above 8 rows each thread runs its tiles in chunks of ~CHUNK_BYTES
  * against every block of x rows (8, 4, 2, 1), so the weights stream once. A row's arithmetic is the same for
@@ -669,27 +708,26 @@ int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const v
                         int x_bits, void *y, int64_t ldy, int y_bf16, int nt) {
     if (!tiled_fmt(fmt) || k % 32 || (x_bits != 8 && x_bits != 15)) return 1;
     if (nt < 1) nt = 1;
-    const int P = x_bits == 15 ? 2 : 1, z = zero_of(fmt);
+    const int P = x_bits == 15 ? 2 : 1;
     const int64_t nb = k / 32, tiles = (n + 15) / 16, tile_bytes = nb * 16 * block_bytes(fmt);
-    int16_t *q = malloc(sizeof(int16_t) * (size_t)(m * k));
-    int8_t *xp = malloc((size_t)(m * k * P));
-    float *d = malloc(sizeof(float) * (size_t)(m * nb)), *dsq = malloc(sizeof(float) * (size_t)(m * nb));
-    int32_t *nzq = malloc(sizeof(int32_t) * (size_t)(m * nb));
-    if (!q || !xp || !d || !dsq || !nzq) { free(q); free(xp); free(d); free(dsq); free(nzq); return 2; }
-    chatserve_bq8_quantize(x, x_bf16, m, k, P == 2 ? 32512.f : 127.f, q, d);
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t j = 0; j < nb; j++) {
-            int32_t s = 0;
-            for (int i = 0; i < 32; i++) {
-                const int64_t e = r * k + 32 * j + i;
-                const int32_t v = q[e], h = P == 2 ? (v + (v >= 0 ? 127 : -127)) / 255 : v;
-                xp[e] = (int8_t)h;
-                if (P == 2) xp[m * k + e] = (int8_t)(v - 255 * h);
-                s += v;
-            }
-            nzq[r * nb + j] = -z * s;
-            dsq[r * nb + j] = d[r * nb + j] * (float)s;
-        }
+    /* the call's x scratch, kept per calling thread between calls (grown as needed): no allocation per call */
+    static __thread int8_t *xp;
+    static __thread float *d, *dsq;
+    static __thread int32_t *nzq;
+    static __thread int64_t have_x, have_b;
+    if (m * k * P > have_x) {
+        free(xp);
+        xp = malloc((size_t)(m * k * P));
+        have_x = xp ? m * k * P : 0;
+    }
+    if (m * nb > have_b) {
+        free(d); free(dsq); free(nzq);
+        d = malloc(sizeof(float) * (size_t)(m * nb)); dsq = malloc(sizeof(float) * (size_t)(m * nb));
+        nzq = malloc(sizeof(int32_t) * (size_t)(m * nb));
+        have_b = d && dsq && nzq ? m * nb : 0;
+    }
+    if (!have_x || !have_b) return 2;
+    prep_x_tiled(x, x_bf16, m, k, P, zero_of(fmt), xp, nzq, d, dsq);
     const xnat X = {xp, P == 2 ? xp + m * k : xp, nzq, d, dsq, k, nb};
     static const tiled_fn fns[3][2][4] = {{TILED_ROW(Q4_0, 1), TILED_ROW(Q4_0, 2)},
                                           {TILED_ROW(Q4_1, 1), TILED_ROW(Q4_1, 2)},
@@ -710,7 +748,6 @@ int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const v
             }
         }
     }
-    free(q); free(xp); free(d); free(dsq); free(nzq);
     return 0;
 }
 #else

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 
 from chatserve.runtime.models.layers import (AnyLinear, Attention, GatedMLP, KVCaches, Linear, Rotary, RowSplit,
                                              StepInfo, pick_ops)
-from chatserve.runtime.models.linear_backends import BlockLinear, BlockMatrix, TorchBlockLinear, cat_rows
+from chatserve.runtime.models.linear_backends import (DECODE_X_BITS, BlockLinear, BlockMatrix, CpuBlockLinear,
+                                                      TorchBlockLinear, cat_rows)
 from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, MoESpec, UnsupportedModelError
-from chatserve_kernels import AttentionMetadata, cpu_decode, cpu_qmatmul
+from chatserve_kernels import AttentionMetadata, cpu_blockq8, cpu_decode, cpu_qmatmul
 from chatserve_kernels.attention_backend import AttentionBackend, pick_attention_backend
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
@@ -189,16 +190,22 @@ class DecoderModel:
         """The C chain for few-row decode steps, where every layer is the plain pre-norm SwiGLU one with
         packed quantized matrices (else None: the torch path runs every step)."""
         c = self.config
-        if not (fused_ops and cpu_decode.usable(self.dtype) and c.hidden_act == "silu"
+        first = self.layers[0].qkv
+        tiled = isinstance(first, CpuBlockLinear)
+        if not (fused_ops and cpu_decode.usable(self.dtype, tiled) and c.hidden_act == "silu"
                 and len(self._rotaries) == 1 and self._rotaries[0].rot == c.head_dim):
             return None
-        first = self.layers[0].qkv
-        if not isinstance(first, Linear):
+        if not isinstance(first, Linear) and not tiled:
             return None
         small_m = first.small_m
 
-        def packed(m: AnyLinear) -> cpu_qmatmul.PackedWeight | None:
-            """m's cpu_qmatmul copy when the chain can run it (no bias, the first layer's crossover)."""
+        def packed(m: AnyLinear) -> cpu_decode.ChainMatrix | None:
+            """m's cpu_qmatmul copy, or (in place) its bands' tiled copies, when the chain can run it (no bias,
+            the first layer's crossover; every band tiled, so a row's arithmetic is the layer loop's)."""
+            if isinstance(m, CpuBlockLinear) and tiled and m.b is None and m.small_m == small_m:
+                calls = [w for _, w in m.decode_calls if isinstance(w, cpu_blockq8.TiledWeight)]
+                ok = len(calls) == len(m.decode_calls)
+                return cpu_decode.TiledBands(calls, m.isa, DECODE_X_BITS) if ok else None
             return m.qw if isinstance(m, Linear) and m.b is None and m.small_m == small_m else None
         layers = []
         for ly in self.layers:

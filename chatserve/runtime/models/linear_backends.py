@@ -178,22 +178,49 @@ class CpuBlockLinear(BlockLinear):
         self.q8 = cpu_blockq8.available(self.isa)
         # and, where this level has one (AVX-512: Q4_0, Q4_1, Q8_0), the bands' blocks re-laid row-interleaved
         # for the generated rows (same bytes in another order, a copy the size of the band: the mapped pages
-        # are then read only by prompt rows), keyed by the band's id (the parts live as long as self.w)
-        self.tiled: dict[int, cpu_blockq8.TiledWeight] = {}
-        if self.q8 and TILED_DECODE:
-            self.tiled = {id(p): cpu_blockq8.tile(p, self.isa) for p in w.parts if cpu_blockq8.tiles(self.isa, p)}
+        # are then read only by prompt rows). The decode rows' calls: runs of adjacent bands of one tiled
+        # format (each but the last a whole number of 16-row tiles, so their tiled copies end to end are the
+        # tiled copy of the stacked rows: q, k and v in one call, gate and up in one) as (first column, the
+        # run's tiled weight), other bands one by one
+        self.decode_calls: list[tuple[int, cpu_blockq8.TiledWeight | BlockWeight]] = []
+        col = 0
+        for p in w.parts:
+            t = cpu_blockq8.tile(p, self.isa) if self.q8 and TILED_DECODE and cpu_blockq8.tiles(self.isa, p) else None
+            last = self.decode_calls[-1][1] if self.decode_calls else None
+            if (t is not None and isinstance(last, cpu_blockq8.TiledWeight) and last.fmt == t.fmt
+                    and last.n % 16 == 0):
+                self.decode_calls[-1] = (self.decode_calls[-1][0], cpu_blockq8.TiledWeight(
+                    torch.cat([last.data, t.data]), t.fmt, last.n + t.n, t.k))
+            else:
+                self.decode_calls.append((col, t if t is not None else p))
+            col += p.n
+        self.tiled = any(isinstance(w, cpu_blockq8.TiledWeight) for _, w in self.decode_calls)
 
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
         cpu_blockmm.matmul(x, part, self.isa, out=out)
 
     def resident_bytes(self) -> int:
-        return sum(t.nbytes() for t in self.tiled.values())
+        return sum(w.nbytes() for _, w in self.decode_calls if isinstance(w, cpu_blockq8.TiledWeight))
+
+    def _run(self, x: torch.Tensor, out_dtype: torch.dtype, decode: bool) -> torch.Tensor:
+        if not decode or not self.tiled:        # no tiled band: the file's order, band by band
+            return super()._run(x, out_dtype, decode)
+        # x: [T, K] → [T, N]: the decode calls (runs of tiled bands, other bands as BlockLinear._run takes them)
+        xa = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        y = torch.empty(x.shape[0], self.n, dtype=out_dtype if out_dtype == torch.bfloat16 else torch.float32)
+        for col, w in self.decode_calls:
+            out = y[:, col:col + w.n]
+            if isinstance(w, cpu_blockq8.TiledWeight):
+                cpu_blockq8.matmul_tiled(xa, w, self.isa, out=out, x_bits=DECODE_X_BITS)
+            elif w.fmt.name in cpu_blockq8.FORMATS:
+                self.band_q8(xa, w, out)
+            else:
+                self.band(xa, w, out)
+        y = y if self.b is None else y + self.b
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
     def band_q8(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
-        tw = self.tiled.get(id(part))
-        if tw is not None:
-            cpu_blockq8.matmul_tiled(x, tw, self.isa, out=out, x_bits=DECODE_X_BITS)
-        elif self.q8:
+        if self.q8:
             cpu_blockq8.matmul(x, part, self.isa, out=out, x_bits=DECODE_X_BITS)
         else:
             out.copy_(block_q8.matmul(x, part, torch.float32, DECODE_X_BITS))
