@@ -588,8 +588,6 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
     for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *wb = wt + j * tb;
-        __builtin_prefetch(wb + 4 * tb);
-        __builtin_prefetch(wb + 4 * tb + 64);
         const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes)));
         const __m512 mn = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes + 32)))
                                       : _mm512_setzero_ps();
