@@ -15,6 +15,7 @@ from chatserve_kernels import cpu_attention, cpu_blockmm, cpu_blockq8, cpu_ops, 
 from chatserve_kernels.cpu_blockq8 import TiledWeight
 from chatserve_kernels.cpu_ops import _DTYPES
 from chatserve_kernels.cpu_qmatmul import PackedWeight
+from chatserve_kernels.metadata import AttentionMetadata
 
 
 @dataclass
@@ -35,7 +36,6 @@ class TiledBands:
 
 
 ChainMatrix = PackedWeight | TiledBands
-from chatserve_kernels.metadata import AttentionMetadata
 
 
 @dataclass

@@ -23,7 +23,7 @@ from chatserve.runtime.models.linear_backends import (DECODE_X_BITS, BlockLinear
 from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, MoESpec, UnsupportedModelError
-from chatserve_kernels import AttentionMetadata, cpu_blockq8, cpu_decode, cpu_qmatmul
+from chatserve_kernels import AttentionMetadata, cpu_blockq8, cpu_decode
 from chatserve_kernels.attention_backend import AttentionBackend, pick_attention_backend
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
@@ -342,6 +342,8 @@ class DecoderModel:
         lin = self.layers[0].qkv
         if isinstance(lin, BlockLinear):
             linears = f"{lin.name} on the file's blocks ({'/'.join(lin.w.formats())}) for every row"
+            if isinstance(lin, CpuBlockLinear) and lin.tiled:
+                linears += " (generated rows: a row-interleaved copy of them)"
         else:
             quant = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
             dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
@@ -349,6 +351,13 @@ class DecoderModel:
         attn = self.attention_backend.name if self.attention_backend is not None else "picked at the first step"
         return (f"attention {attn}; linears {linears}; norms {self.ops.name}; "
                 f"decode chain {'on' if self.chain is not None else 'off'}")
+
+    def block_copy_bytes(self) -> int:
+        """Bytes the block backends hold beside the mapped GGUF (the decode rows' row-interleaved copies of
+        Q4_0/Q4_1/Q8_0 bands at the AVX-512 level; their mapped pages are then read by prompt rows only)."""
+        lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o)]
+        lins += [m for ly in self.layers if isinstance(ly.mlp, GatedMLP) for m in (ly.mlp.gate_up, ly.mlp.down)]
+        return sum(m.resident_bytes() for m in lins if isinstance(m, BlockLinear))
 
     def decode_weight_bytes(self, rows: int = 1) -> int:
         """Weight bytes a forward + LM head over `rows` tokens reads (matrices, norms, embedding rows):
