@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,10 +152,29 @@ def tiles(isa: str, w: BlockWeight) -> bool:
     return isa in TILED_ISAS and w.fmt.name in TILED_FORMATS and available(isa)
 
 
+_HUGE = 2 << 20
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] in anonymous memory aligned to 2 MiB and advised for transparent huge pages (where the
+    kernel has them): a decode step streams every tiled weight once, and 4 KiB pages would stop the hardware
+    prefetcher at each page boundary and cost a TLB miss per page. Small buffers: torch's allocator."""
+    if nbytes < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    whole = torch.frombuffer(m, dtype=torch.uint8)      # holds m (and so the mapping) for the tensor's life
+    skip = -whole.data_ptr() % _HUGE
+    return whole[skip:skip + nbytes]
+
+
 def tile(w: BlockWeight, isa: str = "avx512") -> TiledWeight:
     """W's blocks → the tiled layout (a copy of W's bytes in another order; reads every block once)."""
     data = w.data.contiguous()
-    out = torch.empty((w.n + 15) // 16 * 16 * w.row_bytes, dtype=torch.uint8)
+    out = _huge_page_buffer((w.n + 15) // 16 * 16 * w.row_bytes)
     if library(isa).chatserve_bq8_tile(w.fmt.type_id, data.data_ptr(), w.row_bytes, w.n, w.k, out.data_ptr()):
         raise ValueError(f"cpu_blockq8: format {w.fmt.name} has no tiled layout")
     return TiledWeight(out, w.fmt, w.n, w.k)

@@ -143,7 +143,7 @@ class DecoderModel:
         # [V, H]: 8-bit codes beat the dense head up to 16 rows. It stays 8-bit under int4: its error is what
         # the logits show
         head_quant = "int8" if weight_quant == "int4" else weight_quant
-        self.lm_head = (block_backend(lm_head) if isinstance(lm_head, BlockMatrix)
+        self.lm_head = (block_backend(lm_head, None, True) if isinstance(lm_head, BlockMatrix)
                         else Linear(lm_head, None, head_quant, small_m=16))
         self.normalizer = (torch.tensor(math.sqrt(config.hidden_size), dtype=dtype)
                            if self.embed_scale else None)
@@ -177,8 +177,8 @@ class DecoderModel:
         assert mlp is not None                    # else check_missing raised
         nw = self._norm_weight
         return DecoderLayer(
-            input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
-            q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b),
+            input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b, tile=True),
+            q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b, tile=True),
             post_attn_norm=nw(norms[1]), pre_ffn_norm=nw(norms[2]),
             mlp=mlp,
             post_ffn_norm=nw(norms[3]),
@@ -240,7 +240,8 @@ class DecoderModel:
         gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
         if gu_w is None or down_w is None:
             return None
-        return GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), self.config.hidden_act, self.ops)
+        return GatedMLP(self._lin(gu_w, gu_b, tile=True), self._lin(down_w, down_b, tile=True), self.config.hidden_act,
+                        self.ops)
 
     def read_mlp(self, r: WeightReader, m: str) -> tuple[Any, ...]:
         """(gate_up weight [2I, H] (gate rows, then up rows), its bias, down weight [H, I], its bias)."""
@@ -276,9 +277,11 @@ class DecoderModel:
             return w
         return (w.float() + self.norm_offset).to(self.dtype)         # (1 + w) in float32, as Gemma does
 
-    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None) -> AnyLinear:
+    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None, tile: bool = False) -> AnyLinear:
+        """A dense/quantized Linear, or the block backend for a GGUF matrix kept in place (tile: the dense
+        layers' matrices, whose generated rows may run a re-laid copy; not MoE experts)."""
         if isinstance(w, BlockMatrix):
-            return self.block_backend(w, b)
+            return self.block_backend(w, b, tile)
         return Linear(w, b, self.weight_quant)
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:

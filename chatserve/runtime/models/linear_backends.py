@@ -111,7 +111,9 @@ class BlockLinear:
     qw = None          # not a cpu_qmatmul weight: the C decode chain leaves these models to the layer loop
     small_m = 16
 
-    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None) -> None:
+    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None, tile: bool = False) -> None:
+        """tile: a backend that has a re-laid layout for generated rows may build it at load (the dense
+        layers and the LM head ask; MoE experts do not, their bytes stay the file's only)."""
         self.w, self.b = w, b
         self.n, self.k = w.n, w.k
 
@@ -172,8 +174,8 @@ class CpuBlockLinear(BlockLinear):
     def usable(cls, device: torch.device, isa: str) -> bool:
         return device.type == "cpu" and isa in ("auto", cls.isa) and cpu_blockmm.available(cls.isa)
 
-    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None) -> None:
-        super().__init__(w, b)
+    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None, tile: bool = False) -> None:
+        super().__init__(w, b, tile)
         # at load: the int8-activation kernel of this level, else the twin's arithmetic (same results)
         self.q8 = cpu_blockq8.available(self.isa)
         # and, where this level has one (AVX-512: Q4_0, Q4_1, Q8_0), the bands' blocks re-laid row-interleaved
@@ -185,7 +187,8 @@ class CpuBlockLinear(BlockLinear):
         self.decode_calls: list[tuple[int, cpu_blockq8.TiledWeight | BlockWeight]] = []
         col = 0
         for p in w.parts:
-            t = cpu_blockq8.tile(p, self.isa) if self.q8 and TILED_DECODE and cpu_blockq8.tiles(self.isa, p) else None
+            t = cpu_blockq8.tile(p, self.isa) if tile and self.q8 and TILED_DECODE and cpu_blockq8.tiles(self.isa, p) \
+                else None
             last = self.decode_calls[-1][1] if self.decode_calls else None
             if (t is not None and isinstance(last, cpu_blockq8.TiledWeight) and last.fmt == t.fmt
                     and last.n % 16 == 0):
