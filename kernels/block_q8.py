@@ -119,3 +119,50 @@ def magnitude(x: torch.Tensor, w: BlockWeight, x_bits: int = 8) -> torch.Tensor:
     xa = (q.float().abs().reshape(q.shape[0], -1, BLOCK) * d.unsqueeze(-1)).reshape(q.shape)
     wa = ws.abs().repeat_interleave(16, 1) * (u.float() - z).abs() + mn.abs().repeat_interleave(BLOCK, 1)
     return xa.double() @ wa.double().t()
+
+
+TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def tile(w: BlockWeight) -> torch.Tensor:
+    """W's blocks in cpu_blockq8's tiled order (the layout's check): uint8 [ceil(n / 16), k / 32, 16 · nbytes],
+    per (tile, block) the 16 rows' codes in 4-byte groups (byte 64·c + 4·r + i = row r's code byte 4c + i),
+    then their d, then (Q4_1) their m."""
+    name, nbytes = w.fmt.name, w.fmt.nbytes
+    assert name in TILED_FORMATS
+    t, nb = (w.n + 15) // 16, w.k // BLOCK
+    b = torch.zeros(t * 16, nb, nbytes, dtype=torch.uint8)
+    b[:w.n] = w.data.reshape(w.n, nb, nbytes)
+    b = b.reshape(t, 16, nb, nbytes).transpose(1, 2)                              # [t, nb, 16 rows, nbytes]
+    hdr = 4 if name == "Q4_1" else 2
+    codes = b[..., hdr:].reshape(t, nb, 16, -1, 4).transpose(2, 3)                # [t, nb, chunks, 16, 4]
+    parts = [codes.reshape(t, nb, -1), b[..., 0:2].reshape(t, nb, 32)]
+    if name == "Q4_1":
+        parts.append(b[..., 2:4].reshape(t, nb, 32))
+    return torch.cat(parts, -1).contiguous()
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a · b + c rounded once, as one FMA instruction (the float32 product is exact in float64)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def matmul_tiled(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None = None,
+                 x_bits: int = 8) -> torch.Tensor:
+    """The arithmetic of cpu_blockq8's tiled kernel, in its order (bit for bit): per x row and W row, over the
+    blocks in increasing k, acc = fma(float32(I), ws · d, acc) with I the block's exact Σ (u − z)·q, then
+    (with a min) acc = fma(mn, d · float32(Σq), acc). One float epilogue per block, not per lane of 4."""
+    assert w.fmt.name in TILED_FORMATS
+    q, d = quantize(x, x_bits)                                                    # [M, K], [M, G]
+    _, _, ws, mn = unpack(w)
+    i = dots(q, w)                                                                 # [M, N, K/16]
+    ib = (i[..., 0::2].to(torch.int64) + i[..., 1::2]).to(torch.int32).float()     # [M, N, G]
+    wsb = ws[:, 0::2]                                                              # [N, G]: both halves equal
+    sq = q.to(torch.int32).reshape(q.shape[0], -1, BLOCK).sum(-1).float()         # [M, G]
+    dsq = d * sq
+    acc = torch.zeros(x.shape[0], w.n)
+    for j in range(w.k // BLOCK):
+        acc = _fma32(ib[..., j], wsb[:, j].unsqueeze(0) * d[:, j].unsqueeze(1), acc)
+        if w.fmt.name in WITH_MIN:
+            acc = _fma32(mn[:, j].unsqueeze(0), dsq[:, j].unsqueeze(1), acc)
+    return acc.to(out_dtype or x.dtype)

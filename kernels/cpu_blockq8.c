@@ -539,6 +539,219 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     free(q); free(xp); free(d); free(nzq); free(dl); free(dsq);
     return 0;
 }
+
+/* ---- the row-interleaved ("tiled") layout: Q4_0, Q4_1, Q8_0 at the AVX-512 level ----
+ * chatserve_bq8_tile() re-lays the file's blocks at load, same bytes (codes, fp16 scales and mins), only
+ * their order changed: W rows in tiles of 16 (the last padded with zero blocks), and per (tile, block j):
+ *   codes: Q4_x 4 chunks of 64 bytes, byte 4·r + i of chunk c = row r's qs[4c + i] (low nibble: element
+ *          4c + i, high: 16 + 4c + i); Q8_0 8 chunks, byte 4·r + i of chunk c = row r's qs[4c + i];
+ *   then the 16 rows' d (fp16), then (Q4_1) their m (fp16).
+ * A (tile, block) is 16 · the block's bytes, so the tiled copy is exactly the file's size. One zmm lane is
+ * one output row: the 4 x codes of a lane are broadcast, so no per-lane reduction is left, and the float
+ * epilogue runs once per block for 16 rows. Arithmetic per x row m, W row n (the twin: block_q8.matmul_tiled):
+ *   acc = 0; for each block j in increasing k: I = Σ (u − z) · q (exact int32; 255 · Σ u·qh + Σ u·ql − z·Σq at
+ *   15 bits), acc = fma(float(I), ws · d, acc), then with a min acc = fma(mn, d · Σq, acc); y = acc. */
+static int tiled_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+
+/* W [n, k] (file layout, row stride row_bytes) → dst [ceil(n / 16), k / 32, 16 · block bytes] */
+int chatserve_bq8_tile(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *dst) {
+    if (!tiled_fmt(fmt) || k % 32) return 1;
+    const int64_t bb = fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34, nb = k / 32, tiles = (n + 15) / 16;
+    const int hdr = fmt == Q4_1 ? 4 : 2, ncodes = fmt == Q8_0 ? 32 : 16;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t j = 0; j < nb; j++) {
+            uint8_t *o = dst + (t * nb + j) * 16 * bb;
+            memset(o, 0, (size_t)(16 * bb));
+            for (int r = 0; r < 16 && t * 16 + r < n; r++) {
+                const uint8_t *b = w + (t * 16 + r) * row_bytes + j * bb;
+                for (int c = 0; c < ncodes / 4; c++) memcpy(o + 64 * c + 4 * r, b + hdr + 4 * c, 4);
+                memcpy(o + 16 * ncodes + 2 * r, b, 2);                          /* d */
+                if (fmt == Q4_1) memcpy(o + 16 * ncodes + 32 + 2 * r, b + 2, 2);  /* m */
+            }
+        }
+    return 0;
+}
+
+#if BQ8_LEVEL == 3
+/* x of one call, natural order: code planes xh (the codes at 8 bits; qh at 15) and xl (ql) [m, k]; per block
+ * −z·Σq (int32), d and d·Σq [m, k / 32] */
+typedef struct { const int8_t *xh, *xl; const int32_t *nzq; const float *d, *dsq; int64_t k, nb; } xnat;
+
+static inline __m512i bc4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+/* x rows [m0, m0 + MB) against one tile of 16 W rows → res [MB] (lane r = W row 16·t + r) */
+static inline __attribute__((always_inline)) void tile16(const int fmt, const int MB, const int P,
+                                                         const uint8_t *wt, const xnat *X, int64_t m0, __m512 *res) {
+    const int64_t nb = X->nb, k = X->k, bb = fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34, tb = 16 * bb;
+    const int q8 = fmt == Q8_0, codes = q8 ? 512 : 256, NC = MB <= 2 ? 2 : 1;
+    __m512 acc[8];
+    for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *wb = wt + j * tb;
+        const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes)));
+        const __m512 mn = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes + 32)))
+                                      : _mm512_setzero_ps();
+        __m512i ih[8][2], il[8][2];
+        for (int i = 0; i < MB; i++)
+            for (int c = 0; c < NC; c++) ih[i][c] = il[i][c] = _mm512_setzero_si512();
+        if (q8) {
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), _mm512_set1_epi8((char)0x80));
+                for (int i = 0; i < MB; i++) {
+                    const int64_t e = (m0 + i) * k + 32 * j + 4 * c;
+                    ih[i][c % NC] = _mm512_dpbusd_epi32(ih[i][c % NC], v, bc4(X->xh + e));
+                    if (P == 2) il[i][c % NC] = _mm512_dpbusd_epi32(il[i][c % NC], v, bc4(X->xl + e));
+                }
+            }
+        } else {
+            const __m512i nib = _mm512_set1_epi8(0x0F);
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+                const __m512i a = _mm512_and_si512(v, nib), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                for (int i = 0; i < MB; i++) {
+                    const int64_t e = (m0 + i) * k + 32 * j + 4 * c;
+                    ih[i][0] = _mm512_dpbusd_epi32(ih[i][0], a, bc4(X->xh + e));
+                    ih[i][NC - 1] = _mm512_dpbusd_epi32(ih[i][NC - 1], h, bc4(X->xh + e + 16));
+                    if (P == 2) {
+                        il[i][0] = _mm512_dpbusd_epi32(il[i][0], a, bc4(X->xl + e));
+                        il[i][NC - 1] = _mm512_dpbusd_epi32(il[i][NC - 1], h, bc4(X->xl + e + 16));
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < MB; i++) {
+            const int64_t r = (m0 + i) * nb + j;
+            __m512i h = ih[i][0], l = il[i][0];
+            if (NC == 2) { h = _mm512_add_epi32(h, ih[i][1]); l = _mm512_add_epi32(l, il[i][1]); }
+            __m512i s = P == 2 ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l) : h;
+            s = _mm512_add_epi32(s, _mm512_set1_epi32(X->nzq[r]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(X->d[r])), acc[i]);
+            if (fmt == Q4_1) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(X->dsq[r]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MB; i++) res[i] = acc[i];
+}
+
+static inline void store16(void *y, int y_bf16, int64_t off, __m512 v, __mmask16 keep) {
+    if (!y_bf16) { _mm512_mask_storeu_ps((float *)y + off, keep, v); return; }
+    const __m512i u = _mm512_castps_si512(v);                 /* round to nearest even, as torch does */
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)y + off, keep, _mm512_cvtepi32_epi16(r));
+}
+
+#define TILED_RUN(F, MB, P)                                                                               \
+    static void tiled_##F##_##MB##_##P(const uint8_t *w, int64_t n, int64_t t0, int64_t t1, const xnat *X,  \
+                                       int64_t m0, void *y, int64_t ldy, int yb) {                       \
+        const int64_t tb = X->nb * 16 * (F == Q4_0 ? 18 : F == Q4_1 ? 20 : 34);                           \
+        __m512 res[MB];                                                                                   \
+        for (int64_t t = t0; t < t1; t++) {                                                               \
+            tile16(F, MB, P, w + t * tb, X, m0, res);                                                     \
+            const int64_t left = n - 16 * t;                                                              \
+            const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);       \
+            for (int i = 0; i < MB; i++) store16(y, yb, (m0 + i) * ldy + 16 * t, res[i], keep);           \
+        }                                                                                                 \
+    }
+#define TILED_P(F, P) TILED_RUN(F, 1, P) TILED_RUN(F, 2, P) TILED_RUN(F, 4, P) TILED_RUN(F, 8, P)
+#define TILED(F) TILED_P(F, 1) TILED_P(F, 2)
+TILED(Q4_0) TILED(Q4_1) TILED(Q8_0)
+
+typedef void (*tiled_fn)(const uint8_t *, int64_t, int64_t, int64_t, const xnat *, int64_t, void *, int64_t, int);
+#define TILED_ROW(F, P) {tiled_##F##_1_##P, tiled_##F##_2_##P, tiled_##F##_4_##P, tiled_##F##_8_##P}
+
+/* x [m, k] → the tiled kernel's x: per block of 32, the codes of chatserve_bq8_quantize (the same float
+ * arithmetic, vectorised: amax, top / amax, x · that rounded to nearest even) as planes xp [P, m, k] (P = 2:
+ * qh then ql, q = 255 · qh + ql), −z·Σq, d and d·Σq [m, k / 32] */
+static void prep_x_tiled(const void *x, int x_bf16, int64_t m, int64_t k, int P, int z, int8_t *xp, int32_t *nzq,
+                         float *d, float *dsq) {
+    const float top = P == 2 ? 32512.f : 127.f;
+    const int64_t nb = k / 32;
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t base = r * k + 32 * j;
+            __m512 v[2];
+            for (int h = 0; h < 2; h++)
+                v[h] = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + base + 16 * h))), 16))
+                              : _mm512_loadu_ps((const float *)x + base + 16 * h);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], absmask),
+                                                                  _mm512_and_ps(v[1], absmask)));
+            const float inv = amax > 0.f ? top / amax : 0.f;
+            int32_t s = 0;
+            for (int h = 0; h < 2; h++) {
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+                s += _mm512_reduce_add_epi32(q);
+                if (P == 1) { _mm_storeu_si128((__m128i *)(xp + base + 16 * h), _mm512_cvtepi32_epi8(q)); continue; }
+                /* qh = trunc((q ± 127) / 255) (exact in float: |q| + 127 < 2^15), ql = q − 255 · qh */
+                const __mmask16 neg = _mm512_cmplt_epi32_mask(q, _mm512_setzero_si512());
+                const __m512i t = _mm512_mask_sub_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(127)), neg,
+                                                        q, _mm512_set1_epi32(127));
+                const __m512i qh = _mm512_cvttps_epi32(_mm512_div_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(255.f)));
+                const __m512i ql = _mm512_sub_epi32(q, _mm512_mullo_epi32(qh, _mm512_set1_epi32(255)));
+                _mm_storeu_si128((__m128i *)(xp + base + 16 * h), _mm512_cvtepi32_epi8(qh));
+                _mm_storeu_si128((__m128i *)(xp + m * k + base + 16 * h), _mm512_cvtepi32_epi8(ql));
+            }
+            d[r * nb + j] = amax / top;
+            nzq[r * nb + j] = -z * s;
+            dsq[r * nb + j] = d[r * nb + j] * (float)s;
+        }
+}
+
+/* x [m, k] (fp32, or bf16 when x_bf16) · W ᵀ for W tiled by chatserve_bq8_tile → y [m, n] at row stride ldy
+ * (bf16 when y_bf16). Threads split tiles; above 8 rows each thread runs its tiles in chunks of ~CHUNK_BYTES
+ * against every block of x rows (8, 4, 2, 1), so the weights stream once. A row's arithmetic is the same for
+ * every m, chunking and thread count. 0 on success, 1 bad argument, 2 no memory. */
+int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t m, int x_bf16,
+                        int x_bits, void *y, int64_t ldy, int y_bf16, int nt) {
+    if (!tiled_fmt(fmt) || k % 32 || (x_bits != 8 && x_bits != 15)) return 1;
+    if (nt < 1) nt = 1;
+    const int P = x_bits == 15 ? 2 : 1;
+    const int64_t nb = k / 32, tiles = (n + 15) / 16, tile_bytes = nb * 16 * block_bytes(fmt);
+    /* the call's x scratch, kept per calling thread between calls (grown as needed): no allocation per call */
+    static __thread int8_t *xp;
+    static __thread float *d, *dsq;
+    static __thread int32_t *nzq;
+    static __thread int64_t have_x, have_b;
+    if (m * k * P > have_x) {
+        free(xp);
+        xp = malloc((size_t)(m * k * P));
+        have_x = xp ? m * k * P : 0;
+    }
+    if (m * nb > have_b) {
+        free(d); free(dsq); free(nzq);
+        d = malloc(sizeof(float) * (size_t)(m * nb)); dsq = malloc(sizeof(float) * (size_t)(m * nb));
+        nzq = malloc(sizeof(int32_t) * (size_t)(m * nb));
+        have_b = d && dsq && nzq ? m * nb : 0;
+    }
+    if (!have_x || !have_b) return 2;
+    prep_x_tiled(x, x_bf16, m, k, P, zero_of(fmt), xp, nzq, d, dsq);
+    const xnat X = {xp, P == 2 ? xp + m * k : xp, nzq, d, dsq, k, nb};
+    static const tiled_fn fns[3][2][4] = {{TILED_ROW(Q4_0, 1), TILED_ROW(Q4_0, 2)},
+                                          {TILED_ROW(Q4_1, 1), TILED_ROW(Q4_1, 2)},
+                                          {TILED_ROW(Q8_0, 1), TILED_ROW(Q8_0, 2)}};
+    const tiled_fn *f = fns[fmt == Q4_0 ? 0 : fmt == Q4_1 ? 1 : 2][P - 1];
+    int64_t chunk = m <= 8 ? tiles : CHUNK_BYTES / tile_bytes;
+    if (chunk < 1) chunk = 1;
+    if (tiles < 4 * nt) nt = 1;
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int part = 0; part < nt; part++) {
+        const int64_t p0 = tiles * part / nt, p1 = tiles * (part + 1) / nt;
+        for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < p1 ? c0 + chunk : p1;
+            for (int64_t m0 = 0; m0 < m;) {
+                const int64_t left = m - m0, mb = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                f[mb == 8 ? 3 : mb == 4 ? 2 : mb == 2 ? 1 : 0](w, n, c0, c1, &X, m0, y, ldy, y_bf16);
+                m0 += mb;
+            }
+        }
+    }
+    return 0;
+}
+#else
+int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t m, int x_bf16,
+                        int x_bits, void *y, int64_t ldy, int y_bf16, int nt) { return 3; }
+#endif
 #else
 int chatserve_bq8_unpack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *u,
                          float *ws, float *mn) { return 3; }
@@ -546,4 +759,7 @@ int chatserve_bq8_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, 
                        int64_t m, int planes, int32_t *out) { return 3; }
 int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
                   int x_bf16, int x_bits, void *y, int64_t ldy, int y_bf16, int nt) { return 3; }
+int chatserve_bq8_tile(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *dst) { return 3; }
+int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t m, int x_bf16,
+                        int x_bits, void *y, int64_t ldy, int y_bf16, int nt) { return 3; }
 #endif

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from chatserve_kernels import cpu_blockmm, cpu_build
-from chatserve_kernels.block_formats import BlockWeight
+from chatserve_kernels.block_formats import BlockFormat, BlockWeight
 
 SOURCE = Path(__file__).with_name("cpu_blockq8.c")
 FORMATS = ("Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "IQ4_XS")
@@ -52,7 +54,10 @@ def library(isa: str):
     lib.chatserve_bq8_quantize.argtypes = [_vp, _i32, _i64, _i64, ctypes.c_float, _vp, _vp]
     lib.chatserve_bq8_unpack.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _vp, _vp]
     lib.chatserve_bq8_dots.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i64, _i32, _vp]
-    for f in (lib.chatserve_bq8_quantize, lib.chatserve_bq8_unpack, lib.chatserve_bq8_dots):
+    lib.chatserve_bq8_tile.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp]
+    lib.chatserve_bq8_tiled.argtypes = [_i32, _vp, _i64, _i64, _vp, _i64, _i32, _i32, _vp, _i64, _i32, _i32]
+    for f in (lib.chatserve_bq8_quantize, lib.chatserve_bq8_unpack, lib.chatserve_bq8_dots,
+              lib.chatserve_bq8_tile, lib.chatserve_bq8_tiled):
         f.restype = _i32
     return lib
 
@@ -119,4 +124,75 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
                                     cpu_blockmm.threads_for(threads, x.shape[0] * w.n * w.k))
     if rc:
         raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockq8 failed ({rc}) on {w.fmt.name}")
+    return y
+
+
+# ---- the row-interleaved layout (AVX-512): W's blocks re-laid at load, a zmm lane per output row ----
+TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+TILED_ISAS = ("avx512",)
+
+
+@dataclass(frozen=True)
+class TiledWeight:
+    """W [n, k] of a TILED_FORMATS format as chatserve_bq8_tile lays it out: the file's blocks (same codes, same
+    fp16 scales and mins, no second quantization), reordered to [ceil(n / 16), k / 32, 16 · block bytes] so
+    that the 16 rows of a tile share each k-block's 64-byte chunks (one vector lane per output row). data is
+    uint8 of exactly 16 · ceil(n / 16) / n times the file's bytes."""
+    data: torch.Tensor
+    fmt: BlockFormat
+    n: int
+    k: int
+
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def tiles(isa: str, w: BlockWeight) -> bool:
+    """This level runs W in the tiled layout."""
+    return isa in TILED_ISAS and w.fmt.name in TILED_FORMATS and available(isa)
+
+
+_HUGE = 2 << 20
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] in anonymous memory aligned to 2 MiB and advised for transparent huge pages (where the
+    kernel has them): a decode step streams every tiled weight once, and 4 KiB pages would stop the hardware
+    prefetcher at each page boundary and cost a TLB miss per page. Small buffers: torch's allocator."""
+    if nbytes < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    whole = torch.frombuffer(m, dtype=torch.uint8)      # holds m (and so the mapping) for the tensor's life
+    skip = -whole.data_ptr() % _HUGE
+    return whole[skip:skip + nbytes]
+
+
+def tile(w: BlockWeight, isa: str = "avx512") -> TiledWeight:
+    """W's blocks → the tiled layout (a copy of W's bytes in another order; reads every block once)."""
+    data = w.data.contiguous()
+    out = _huge_page_buffer((w.n + 15) // 16 * 16 * w.row_bytes)
+    if library(isa).chatserve_bq8_tile(w.fmt.type_id, data.data_ptr(), w.row_bytes, w.n, w.k, out.data_ptr()):
+        raise ValueError(f"cpu_blockq8: format {w.fmt.name} has no tiled layout")
+    return TiledWeight(out, w.fmt, w.n, w.k)
+
+
+def matmul_tiled(x: torch.Tensor, w: TiledWeight, isa: str = "avx512", out_dtype: torch.dtype | None = None,
+                 threads: int | None = None, out: torch.Tensor | None = None, x_bits: int = 8) -> torch.Tensor:
+    """As matmul, on a tiled W: x [M, K] → [M, N], one float epilogue per block and 16 output rows
+    (block_q8.matmul_tiled is the twin, bit for bit)."""
+    # x: [M, K] → y: [M, N]
+    assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
+    x = x.contiguous()
+    y = out if out is not None else torch.empty(x.shape[0], w.n, dtype=out_dtype or x.dtype)
+    assert y.shape == (x.shape[0], w.n) and y.dtype in (torch.float32, torch.bfloat16) and y.stride(1) == 1
+    rc = library(isa).chatserve_bq8_tiled(w.fmt.type_id, w.data.data_ptr(), w.n, w.k, x.data_ptr(), x.shape[0],
+                                          int(x.dtype == torch.bfloat16), x_bits, y.data_ptr(), y.stride(0),
+                                          int(y.dtype == torch.bfloat16),
+                                          cpu_blockmm.threads_for(threads, x.shape[0] * w.n * w.k))
+    if rc:
+        raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockq8 tiled failed ({rc}) on {w.fmt.name}")
     return y

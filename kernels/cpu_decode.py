@@ -1,7 +1,9 @@
-"""A decode step's decoder stack on the CPU as one chain of C calls (cpu_ops, cpu_qmatmul, cpu_attention)
-over buffers kept between steps: no torch op or dispatcher work per layer, so a few-row step costs what
-its kernels cost. It serves the plain pre-norm SwiGLU layer (Llama, SmolLM2, Mistral without a window);
-the model's torch path is its oracle and runs every step this chain does not take.
+"""A decode step's decoder stack on the CPU as one chain of C calls (cpu_ops, cpu_qmatmul or cpu_blockq8's
+tiled kernel, cpu_attention) over buffers kept between steps: no torch op or dispatcher work per layer, so a
+few-row step costs what its kernels cost. It serves the plain pre-norm SwiGLU layer (Llama, SmolLM2, Mistral
+without a window) with matrices packed for cpu_qmatmul (the int4/int8 repack) or a GGUF's own blocks re-laid
+for cpu_blockq8's tiled kernel (--gguf-in-place); the model's torch path is its oracle and runs every step
+this chain does not take.
 """
 from __future__ import annotations
 
@@ -9,27 +11,50 @@ from dataclasses import dataclass
 
 import torch
 
-from chatserve_kernels import cpu_attention, cpu_ops, cpu_qmatmul
+from chatserve_kernels import cpu_attention, cpu_blockmm, cpu_blockq8, cpu_ops, cpu_qmatmul
+from chatserve_kernels.cpu_blockq8 import TiledWeight
 from chatserve_kernels.cpu_ops import _DTYPES
 from chatserve_kernels.cpu_qmatmul import PackedWeight
 from chatserve_kernels.metadata import AttentionMetadata
 
 
 @dataclass
+class TiledBands:
+    """W [n, k] as row bands of a GGUF's blocks in cpu_blockq8's tiled layout (q, k and v stay three bands):
+    each band writes its column slice of the output. x_bits: the x codes' width (15: two int8 planes)."""
+    bands: list[TiledWeight]
+    isa: str
+    x_bits: int
+
+    @property
+    def n(self) -> int:
+        return sum(b.n for b in self.bands)
+
+    @property
+    def k(self) -> int:
+        return self.bands[0].k
+
+
+ChainMatrix = PackedWeight | TiledBands
+
+
+@dataclass
 class ChainLayer:
-    """One layer's weights: norms [H] of the activation dtype, matrices packed for cpu_qmatmul."""
+    """One layer's weights: norms [H] of the activation dtype, matrices packed for cpu_qmatmul or tiled bands."""
     input_norm: torch.Tensor
-    qkv: PackedWeight          # [(hq + 2·hkv)·d, H]
-    o: PackedWeight            # [H, hq·d]
+    qkv: ChainMatrix           # [(hq + 2·hkv)·d, H]
+    o: ChainMatrix             # [H, hq·d]
     ffn_norm: torch.Tensor
-    gate_up: PackedWeight      # [2·I, H]  (gate rows, then up rows)
-    down: PackedWeight         # [H, I]
+    gate_up: ChainMatrix       # [2·I, H]  (gate rows, then up rows)
+    down: ChainMatrix          # [H, I]
 
 
-def usable(dtype: torch.dtype) -> bool:
-    """The three C libraries are built here (VNNI included) and take this activation dtype."""
+def usable(dtype: torch.dtype, tiled: bool = False) -> bool:
+    """The C libraries are built here (VNNI included) and take this activation dtype (tiled: the matrices are
+    cpu_blockq8's tiled bands, which take float32 and bfloat16)."""
     probe = torch.empty(0, dtype=dtype)
-    return dtype in _DTYPES and cpu_qmatmul.available() and cpu_ops.usable(probe) and cpu_attention.available()
+    mm = dtype in (torch.float32, torch.bfloat16) if tiled else cpu_qmatmul.available()
+    return dtype in _DTYPES and mm and cpu_ops.usable(probe) and cpu_attention.available()
 
 
 class DecodeChain:
@@ -46,7 +71,9 @@ class DecodeChain:
         self.inter = layers[0].down.k
         self._bufs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._ops = cpu_ops.library()
-        self._qmm = cpu_qmatmul.library().chatserve_qmm
+        tiled = [m for ly in layers for m in (ly.qkv, ly.o, ly.gate_up, ly.down) if isinstance(m, TiledBands)]
+        self._qmm = cpu_qmatmul.library().chatserve_qmm if len(tiled) < 4 * len(layers) else None
+        self._bq8 = cpu_blockq8.library(tiled[0].isa).chatserve_bq8_tiled if tiled else None
         self._attn = cpu_attention.c_paged_attention()
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -85,7 +112,7 @@ class DecodeChain:
         pcos, psin = self.cos.data_ptr(), self.sin.data_ptr()
         norm, rope, silu_mul, store = (self._ops.chatserve_add_rms_norm, self._ops.chatserve_rope,
                                        self._ops.chatserve_silu_mul, self._ops.chatserve_store_rows)
-        qmm, attend, eps = self._qmm, self._attn, self.eps
+        qmm, attend, eps = (self._qmm, self._bq8), self._attn, self.eps
         bs = caches[0][0].shape[1]
         row_bytes = hkv * d * esz
         for i, (ly, cache) in enumerate(zip(self.layers, caches)):
@@ -109,7 +136,19 @@ class DecodeChain:
         return out
 
 
-def _mm(qmm, w: PackedWeight, x_ptr: int, M: int, y_ptr: int, bf16: int, nt: int) -> None:
-    codes, scale_lo = w.ptrs
-    if qmm(codes, scale_lo, w.bits, w.n, w.k, x_ptr, M, y_ptr, bf16, nt):
-        raise MemoryError("cpu_qmatmul: scratch allocation failed")
+def _mm(qmm: tuple, w: ChainMatrix, x_ptr: int, M: int, y_ptr: int, bf16: int, nt: int) -> None:
+    """y [M, w.n] = x [M, w.k] · wᵀ (x and y in the chain's dtype): one cpu_qmatmul call, or one cpu_blockq8
+    tiled call per band into its column slice."""
+    if isinstance(w, PackedWeight):
+        codes, scale_lo = w.ptrs
+        if qmm[0](codes, scale_lo, w.bits, w.n, w.k, x_ptr, M, y_ptr, bf16, nt):
+            raise MemoryError("cpu_qmatmul: scratch allocation failed")
+        return
+    n, col, esz = w.n, 0, 2 if bf16 else 4
+    for b in w.bands:
+        threads = cpu_blockmm.threads_for(nt, M * b.n * b.k)
+        rc = qmm[1](b.fmt.type_id, b.data.data_ptr(), b.n, b.k, x_ptr, M, bf16, w.x_bits, y_ptr + col * esz, n,
+                    bf16, threads)
+        if rc:
+            raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockq8 tiled failed ({rc}) on {b.fmt.name}")
+        col += b.n

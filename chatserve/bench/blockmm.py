@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         wb = (torch.randn(n, k) * 0.02).bfloat16()
         weights = {f: block_formats.random_weight(f, n, k) for f in args.formats.split(",")
                    if k % block_formats.FORMATS[f].block == 0}          # K-quants need K % 256 == 0
+        tiled: dict = {}
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k).bfloat16()
             ms = _baselines(wb, x, m, args.repeats)
@@ -79,6 +80,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                     for bits in (int(b) for b in args.x_bits.split(",")):
                         ms[f"{f}/q8x{bits}-{isa}"] = _best_ms(
                             lambda: cpu_blockq8.matmul(x, w, isa, threads=args.threads, x_bits=bits), args.repeats)
+                        if cpu_blockq8.tiles(isa, w):           # the row-interleaved copy, re-laid at load
+                            tw = tiled.setdefault((f, isa), cpu_blockq8.tile(w, isa))
+                            ms[f"{f}/q8x{bits}-tiled-{isa}"] = _best_ms(
+                                lambda: cpu_blockq8.matmul_tiled(x, tw, isa, threads=args.threads, x_bits=bits),
+                                args.repeats)
             rows.append({"n": n, "k": k, "m": m, "ms": ms,
                          "gflops": {key: 2 * m * n * k / (v * 1e6) for key, v in ms.items()}})
             if not args.json:

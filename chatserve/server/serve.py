@@ -88,11 +88,14 @@ def served_name(cfg: EngineConfig) -> str:
 
 
 def weights_text(runner) -> str:
-    """How the weights are held: "Q4_1/Q8_0 in place (85 MiB), backend: cpu-avx512", or the repack."""
+    """How the weights are held: "Q4_1/Q8_0 in place, backend: cpu-avx512, decode rows on a row-interleaved
+    copy (97 MiB beside the mapped file)", or the repack."""
     formats = getattr(runner, "block_formats", None)
     if not formats:
         return runner.weight_quant or "dense"
-    return f"{'/'.join(formats)} in place, backend: {runner.block_backend.name}"
+    copy = runner.model.block_copy_bytes() if hasattr(runner.model, "block_copy_bytes") else 0
+    tiled = f", decode rows on a row-interleaved copy ({copy / 2**20:.0f} MiB beside the mapped file)" if copy else ""
+    return f"{'/'.join(formats)} in place, backend: {runner.block_backend.name}{tiled}"
 
 
 def model_lines(served: ServedModel, load_s: float) -> list[str]:

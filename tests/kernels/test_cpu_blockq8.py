@@ -144,3 +144,65 @@ def test_bench_blockmm_reports_the_q8_kernel_for_decode_rows_only():
     assert {f"Q4_0/q8x{b}-{isa}" for isa in LEVELS for b in (8, 15)} <= set(decode) and all(v > 0 for v in decode.values())
     assert not any("q8" in key for key in prefill)               # past --q8-max-rows
     assert not any(key.startswith("F16/q8") for key in decode)    # no integer codes in F16
+
+
+# ---- the row-interleaved (tiled) layout: Q4_0, Q4_1, Q8_0 re-laid at load, AVX-512 ----
+TILED = [isa for isa in cpu_blockq8.TILED_ISAS if cpu_blockq8.supported(isa)]
+TILED_SHAPES = [(1, 32), (16, 64), (37, 96), (40, 576)]          # n not a multiple of 16: a padded last tile
+
+
+@pytest.mark.parametrize("isa", TILED)
+@pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
+def test_tiled_layout_is_the_files_bytes_reordered(isa, name):
+    """Same codes, same fp16 scales and mins (no second quantization), the twin's order, the file's size."""
+    assert block_q8.TILED_FORMATS == cpu_blockq8.TILED_FORMATS
+    for n, k in TILED_SHAPES:
+        w = make_weight(name, n, k, seed=n + k, random_bytes=True)
+        t = cpu_blockq8.tile(w, isa)
+        assert cpu_blockq8.tiles(isa, w) and (t.n, t.k, t.fmt) == (w.n, w.k, w.fmt)
+        assert torch.equal(t.data, block_q8.tile(w).reshape(-1)), (name, n, k)
+        assert t.nbytes() == (n + 15) // 16 * 16 * w.row_bytes
+        assert torch.equal(t.data.sort().values[-w.nbytes():], w.data.reshape(-1).sort().values)
+
+
+@pytest.mark.parametrize("isa", TILED)
+@pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_tiled_matmul_is_the_twins_bit_for_bit(isa, name, dtype, x_bits):
+    """One float epilogue per block in increasing k (block_q8.matmul_tiled): the same bits, and within float
+    rounding of the float64 join (block_q8.matmul); bf16 out is the float32 result rounded once."""
+    g = torch.Generator().manual_seed(3)
+    for n, k in TILED_SHAPES:
+        w = make_weight(name, n, k, seed=n * k)
+        t = cpu_blockq8.tile(w, isa)
+        for m in (1, 4, 9, 17):
+            x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)).to(dtype)
+            if k > 32:
+                x[0, :32] = 0                                       # an all-zero block of x
+            y = cpu_blockq8.matmul_tiled(x, t, isa, out_dtype=torch.float32, x_bits=x_bits)
+            assert y.abs().sum() > 0
+            assert torch.equal(y, block_q8.matmul_tiled(x, w, torch.float32, x_bits)), (name, n, k, m)
+            mag = block_q8.magnitude(x, w, x_bits).float()
+            assert bool(((y - block_q8.matmul(x, w, torch.float32, x_bits)).abs() <= mag * 1e-5 + 1e-30).all())
+            assert torch.equal(cpu_blockq8.matmul_tiled(x, t, isa, out_dtype=torch.bfloat16, x_bits=x_bits),
+                               y.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", TILED)
+@pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
+def test_tiled_rows_are_batch_invariant(isa, name, monkeypatch):
+    """Row i's bits do not depend on M (row blocks of 8, 4, 2, 1 and the chunked loop above 8 rows), on the
+    rows beside it, on 1 or 2 threads, or on writing into a column slice of a wider output."""
+    monkeypatch.setattr(cpu_blockmm, "ONE_THREAD_MACS", 0)
+    w = make_weight(name, 300, 96, seed=13)
+    t = cpu_blockq8.tile(w, isa)
+    x = torch.randn(max(BATCH_MS), 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    full = cpu_blockq8.matmul_tiled(x, t, isa, threads=1, x_bits=15)
+    for threads in (1, 2):
+        for m in BATCH_MS:
+            assert torch.equal(cpu_blockq8.matmul_tiled(x[:m], t, isa, threads=threads, x_bits=15), full[:m])
+            mixed = torch.cat([torch.randn(3, 96).bfloat16(), x[:m]])
+            wide = torch.zeros(m + 3, 310, dtype=torch.bfloat16)
+            cpu_blockq8.matmul_tiled(mixed, t, isa, threads=threads, x_bits=15, out=wide[:, 5:305])
+            assert torch.equal(wide[3:, 5:305], full[:m]) and not wide[:, :5].any() and not wide[:, 305:].any()

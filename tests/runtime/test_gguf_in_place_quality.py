@@ -49,3 +49,26 @@ def test_in_place_decode_rows_follow_transformers_and_are_batch_invariant(q4_fil
         # 0.84-0.97, 4.5-6.6 %). The bounds are tighter than the int4 path's (2 %, 0.9: test_gguf_quality)
         assert max(a.prefill_max_abs, a.decode_max_abs) < 0.005 * a.logit_scale, a
         assert min(a.prefill_top1, a.decode_top1) >= 0.95, a
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_in_place_decode_chain_gives_the_layer_loops_bits(q4_file, dtype):
+    """At the AVX-512 level Q4_0 bands run the decode rows on their tiled copies, all-generated steps through
+    the C decode chain (q/k/v and gate/up one call each): the same logits, bit for bit, as the layer loop that
+    a step mixing generated and prompt rows takes, so a generated row's result does not depend on the step."""
+    from chatserve.config import offline_config
+    from chatserve.runtime.model_runner import ModelRunner
+    from chatserve_kernels import cpu_blockq8
+    if cpu_blockq8.TILED_ISAS[0] not in ISAS:
+        pytest.skip("no AVX-512 VNNI: no tiled layout on this CPU")
+    tokens, _ = _reference(q4_file)
+    runner = ModelRunner.from_config(offline_config(q4_file, dtype=dtype, gguf_in_place=True, cpu_isa="avx512",
+                                                    num_blocks=4 * BATCH, block_size=16, num_threads=1))
+    chain, qkv = runner.model.chain, runner.model.layers[0].qkv
+    assert chain is not None and qkv.tiled and len(qkv.decode_calls) == 1 and len(qkv.w.parts) == 3
+    assert qkv.resident_bytes() == qkv.w.nbytes()                  # the tiled copy: the bands' bytes, reordered
+    looped = quality.chatserve_logits(runner, tokens, PROMPT)
+    runner.model.chain = None
+    plain = quality.chatserve_logits(runner, tokens, PROMPT)
+    for a, b in zip(looped, plain):
+        assert a.abs().sum() > 0 and torch.equal(a, b)

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 
 from chatserve.runtime.models.layers import (AnyLinear, Attention, GatedMLP, KVCaches, Linear, Rotary, RowSplit,
                                              StepInfo, pick_ops)
-from chatserve.runtime.models.linear_backends import BlockLinear, BlockMatrix, TorchBlockLinear, cat_rows
+from chatserve.runtime.models.linear_backends import (DECODE_X_BITS, BlockLinear, BlockMatrix, CpuBlockLinear,
+                                                      TorchBlockLinear, cat_rows)
 from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, MoESpec, UnsupportedModelError
-from chatserve_kernels import AttentionMetadata, cpu_decode, cpu_qmatmul
+from chatserve_kernels import AttentionMetadata, cpu_blockq8, cpu_decode
 from chatserve_kernels.attention_backend import AttentionBackend, pick_attention_backend
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
@@ -142,7 +143,7 @@ class DecoderModel:
         # [V, H]: 8-bit codes beat the dense head up to 16 rows. It stays 8-bit under int4: its error is what
         # the logits show
         head_quant = "int8" if weight_quant == "int4" else weight_quant
-        self.lm_head = (block_backend(lm_head) if isinstance(lm_head, BlockMatrix)
+        self.lm_head = (block_backend(lm_head, None, True) if isinstance(lm_head, BlockMatrix)
                         else Linear(lm_head, None, head_quant, small_m=16))
         self.normalizer = (torch.tensor(math.sqrt(config.hidden_size), dtype=dtype)
                            if self.embed_scale else None)
@@ -176,8 +177,8 @@ class DecoderModel:
         assert mlp is not None                    # else check_missing raised
         nw = self._norm_weight
         return DecoderLayer(
-            input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b),
-            q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b),
+            input_norm=nw(norms[0]), qkv=self._lin(qkv_w, qkv_b, tile=True),
+            q_norm=nw(q_norm), k_norm=nw(k_norm), o=self._lin(o_w, o_b, tile=True),
             post_attn_norm=nw(norms[1]), pre_ffn_norm=nw(norms[2]),
             mlp=mlp,
             post_ffn_norm=nw(norms[3]),
@@ -189,16 +190,22 @@ class DecoderModel:
         """The C chain for few-row decode steps, where every layer is the plain pre-norm SwiGLU one with
         packed quantized matrices (else None: the torch path runs every step)."""
         c = self.config
-        if not (fused_ops and cpu_decode.usable(self.dtype) and c.hidden_act == "silu"
+        first = self.layers[0].qkv
+        tiled = isinstance(first, CpuBlockLinear)
+        if not (fused_ops and cpu_decode.usable(self.dtype, tiled) and c.hidden_act == "silu"
                 and len(self._rotaries) == 1 and self._rotaries[0].rot == c.head_dim):
             return None
-        first = self.layers[0].qkv
-        if not isinstance(first, Linear):
+        if not isinstance(first, Linear) and not tiled:
             return None
         small_m = first.small_m
 
-        def packed(m: AnyLinear) -> cpu_qmatmul.PackedWeight | None:
-            """m's cpu_qmatmul copy when the chain can run it (no bias, the first layer's crossover)."""
+        def packed(m: AnyLinear) -> cpu_decode.ChainMatrix | None:
+            """m's cpu_qmatmul copy, or (in place) its bands' tiled copies, when the chain can run it (no bias,
+            the first layer's crossover; every band tiled, so a row's arithmetic is the layer loop's)."""
+            if isinstance(m, CpuBlockLinear) and tiled and m.b is None and m.small_m == small_m:
+                calls = [w for _, w in m.decode_calls if isinstance(w, cpu_blockq8.TiledWeight)]
+                ok = len(calls) == len(m.decode_calls)
+                return cpu_decode.TiledBands(calls, m.isa, DECODE_X_BITS) if ok else None
             return m.qw if isinstance(m, Linear) and m.b is None and m.small_m == small_m else None
         layers = []
         for ly in self.layers:
@@ -233,7 +240,8 @@ class DecoderModel:
         gu_w, gu_b, down_w, down_b = self.read_mlp(r, p + "mlp.")
         if gu_w is None or down_w is None:
             return None
-        return GatedMLP(self._lin(gu_w, gu_b), self._lin(down_w, down_b), self.config.hidden_act, self.ops)
+        return GatedMLP(self._lin(gu_w, gu_b, tile=True), self._lin(down_w, down_b, tile=True), self.config.hidden_act,
+                        self.ops)
 
     def read_mlp(self, r: WeightReader, m: str) -> tuple[Any, ...]:
         """(gate_up weight [2I, H] (gate rows, then up rows), its bias, down weight [H, I], its bias)."""
@@ -269,9 +277,11 @@ class DecoderModel:
             return w
         return (w.float() + self.norm_offset).to(self.dtype)         # (1 + w) in float32, as Gemma does
 
-    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None) -> AnyLinear:
+    def _lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None, tile: bool = False) -> AnyLinear:
+        """A dense/quantized Linear, or the block backend for a GGUF matrix kept in place (tile: the dense
+        layers' matrices, whose generated rows may run a re-laid copy; not MoE experts)."""
         if isinstance(w, BlockMatrix):
-            return self.block_backend(w, b)
+            return self.block_backend(w, b, tile)
         return Linear(w, b, self.weight_quant)
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -335,6 +345,8 @@ class DecoderModel:
         lin = self.layers[0].qkv
         if isinstance(lin, BlockLinear):
             linears = f"{lin.name} on the file's blocks ({'/'.join(lin.w.formats())}) for every row"
+            if isinstance(lin, CpuBlockLinear) and lin.tiled:
+                linears += " (generated rows: a row-interleaved copy of them)"
         else:
             quant = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
             dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
@@ -342,6 +354,13 @@ class DecoderModel:
         attn = self.attention_backend.name if self.attention_backend is not None else "picked at the first step"
         return (f"attention {attn}; linears {linears}; norms {self.ops.name}; "
                 f"decode chain {'on' if self.chain is not None else 'off'}")
+
+    def block_copy_bytes(self) -> int:
+        """Bytes the block backends hold beside the mapped GGUF (the decode rows' row-interleaved copies of
+        Q4_0/Q4_1/Q8_0 bands at the AVX-512 level; their mapped pages are then read by prompt rows only)."""
+        lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o)]
+        lins += [m for ly in self.layers if isinstance(ly.mlp, GatedMLP) for m in (ly.mlp.gate_up, ly.mlp.down)]
+        return sum(m.resident_bytes() for m in lins if isinstance(m, BlockLinear))
 
     def decode_weight_bytes(self, rows: int = 1) -> int:
         """Weight bytes a forward + LM head over `rows` tokens reads (matrices, norms, embedding rows):

@@ -56,6 +56,10 @@ CPU_ISAS = ("auto", "avx512", "avx2", "torch")
 # logits as close to float32 as the int4 path's; 8 bits (one plane) moved them 4.5-6.6 % of their scale on
 # the quality test's file (docs/kernels.md, "Quality of int8 x")
 DECODE_X_BITS = 15
+# generated rows on Q4_0/Q4_1/Q8_0 bands at the AVX-512 level run a row-interleaved copy of the band's blocks
+# (cpu_blockq8's tiled kernel: a vector lane per output row, one float epilogue per block and 16 rows) instead
+# of the file's order (a float epilogue per lane of 4 products); False keeps the file's order (benchmarks)
+TILED_DECODE = True
 
 
 @dataclass
@@ -107,7 +111,9 @@ class BlockLinear:
     qw = None          # not a cpu_qmatmul weight: the C decode chain leaves these models to the layer loop
     small_m = 16
 
-    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None) -> None:
+    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None, tile: bool = False) -> None:
+        """tile: a backend that has a re-laid layout for generated rows may build it at load (the dense
+        layers and the LM head ask; MoE experts do not, their bytes stay the file's only)."""
         self.w, self.b = w, b
         self.n, self.k = w.n, w.k
 
@@ -156,6 +162,10 @@ class BlockLinear:
         bias = 0 if self.b is None else self.b.numel() * self.b.element_size()
         return self.w.nbytes() + bias
 
+    def resident_bytes(self) -> int:
+        """Bytes this backend holds beside the mapped file (a re-laid copy of some bands; 0 here)."""
+        return 0
+
 
 class CpuBlockLinear(BlockLinear):
     isa: ClassVar[str] = ""
@@ -164,13 +174,53 @@ class CpuBlockLinear(BlockLinear):
     def usable(cls, device: torch.device, isa: str) -> bool:
         return device.type == "cpu" and isa in ("auto", cls.isa) and cpu_blockmm.available(cls.isa)
 
-    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None) -> None:
-        super().__init__(w, b)
+    def __init__(self, w: BlockMatrix, b: torch.Tensor | None = None, tile: bool = False) -> None:
+        super().__init__(w, b, tile)
         # at load: the int8-activation kernel of this level, else the twin's arithmetic (same results)
         self.q8 = cpu_blockq8.available(self.isa)
+        # and, where this level has one (AVX-512: Q4_0, Q4_1, Q8_0), the bands' blocks re-laid row-interleaved
+        # for the generated rows (same bytes in another order, a copy the size of the band: the mapped pages
+        # are then read only by prompt rows). The decode rows' calls: runs of adjacent bands of one tiled
+        # format (each but the last a whole number of 16-row tiles, so their tiled copies end to end are the
+        # tiled copy of the stacked rows: q, k and v in one call, gate and up in one) as (first column, the
+        # run's tiled weight), other bands one by one
+        self.decode_calls: list[tuple[int, cpu_blockq8.TiledWeight | BlockWeight]] = []
+        col = 0
+        for p in w.parts:
+            t = cpu_blockq8.tile(p, self.isa) if tile and self.q8 and TILED_DECODE and cpu_blockq8.tiles(self.isa, p) \
+                else None
+            last = self.decode_calls[-1][1] if self.decode_calls else None
+            if (t is not None and isinstance(last, cpu_blockq8.TiledWeight) and last.fmt == t.fmt
+                    and last.n % 16 == 0):
+                self.decode_calls[-1] = (self.decode_calls[-1][0], cpu_blockq8.TiledWeight(
+                    torch.cat([last.data, t.data]), t.fmt, last.n + t.n, t.k))
+            else:
+                self.decode_calls.append((col, t if t is not None else p))
+            col += p.n
+        self.tiled = any(isinstance(w, cpu_blockq8.TiledWeight) for _, w in self.decode_calls)
 
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
         cpu_blockmm.matmul(x, part, self.isa, out=out)
+
+    def resident_bytes(self) -> int:
+        return sum(w.nbytes() for _, w in self.decode_calls if isinstance(w, cpu_blockq8.TiledWeight))
+
+    def _run(self, x: torch.Tensor, out_dtype: torch.dtype, decode: bool) -> torch.Tensor:
+        if not decode or not self.tiled:        # no tiled band: the file's order, band by band
+            return super()._run(x, out_dtype, decode)
+        # x: [T, K] → [T, N]: the decode calls (runs of tiled bands, other bands as BlockLinear._run takes them)
+        xa = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        y = torch.empty(x.shape[0], self.n, dtype=out_dtype if out_dtype == torch.bfloat16 else torch.float32)
+        for col, w in self.decode_calls:
+            out = y[:, col:col + w.n]
+            if isinstance(w, cpu_blockq8.TiledWeight):
+                cpu_blockq8.matmul_tiled(xa, w, self.isa, out=out, x_bits=DECODE_X_BITS)
+            elif w.fmt.name in cpu_blockq8.FORMATS:
+                self.band_q8(xa, w, out)
+            else:
+                self.band(xa, w, out)
+        y = y if self.b is None else y + self.b
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
     def band_q8(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
         if self.q8:
