@@ -82,8 +82,21 @@ def test_q4_0_llama3_file_follows_transformers_on_every_decode_path(q4_file, dty
                 assert max(a.prefill_max_abs, a.decode_max_abs) < 0.02 * a.logit_scale, a
                 assert min(a.prefill_top1, a.decode_top1) >= 0.9, a
             else:                                                      # decode rows: as good as dense bf16
-                assert a.decode_top1 >= floor[i].decode_top1 - 0.07, (a, floor[i])
+                clear, missed = _confident_misses(alone, refs[i], 0.03 * a.logit_scale)
+                assert clear >= DECODE // 3 and missed == [], (name, i, clear, missed, a, floor[i])
                 assert a.decode_max_abs < 2 * floor[i].decode_max_abs + 0.05 * a.logit_scale, (a, floor[i])
+
+
+def _confident_misses(ours: torch.Tensor, ref: torch.Tensor, margin: float) -> tuple[int, list[int]]:
+    """Decode positions where transformers' top-1 leads its second by more than `margin`: how many, and those
+    where ours picks another token. In bf16 the dense path's logits are off by up to ~8 % of their scale on
+    this random model, so top-1 at a near-tie (every miss measured on an EPYC Zen 4: reference margins
+    0.01-0.25, against a median of ~0.5) is a coin toss that differs between CPUs, not a quality signal;
+    a miss where the reference is clear is one."""
+    top2 = ref[PROMPT:].topk(2, -1).values                                   # [decode positions, 2]
+    clear = (top2[:, 0] - top2[:, 1]) > margin
+    wrong = ours[PROMPT:].argmax(-1) != ref[PROMPT:].argmax(-1)
+    return int(clear.sum()), torch.nonzero(clear & wrong).flatten().tolist()
 
 
 def test_bench_quality_reports_prefill_and_decode_positions(q4_file, capsys):
