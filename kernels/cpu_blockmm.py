@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -74,15 +71,7 @@ def level_source(source: Path, tag: str, prelude: str) -> Path:
     """One source with a level's prelude and the shared byte helpers (block_bytes.h), written once into the
     kernel cache (named by content); shared by the block kernels built at several ISA levels (cpu_blockmm,
     cpu_blockq8)."""
-    src = (prelude + HELPERS.read_text() + source.read_text()).encode()
-    path = cpu_build.cache_dir() / f"{source.stem}_{tag}_{hashlib.sha256(src).hexdigest()[:12]}.c"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".c")
-        with os.fdopen(fd, "wb") as f:
-            f.write(src)
-        os.replace(tmp, path)            # atomic: concurrent writers write the same bytes
-    return path
+    return cpu_build.composed_source(f"{source.stem}_{tag}", prelude + HELPERS.read_text() + source.read_text())
 
 
 def available(isa: str) -> bool:

@@ -106,6 +106,20 @@ def missing_flags(name: str) -> list[str]:
     return [f for f in KERNELS.get(name, ()) if f not in have]
 
 
+def composed_source(stem: str, text: str) -> Path:
+    """A source put together from several files (a prelude, shared helpers, another kernel's source) written
+    once into the cache as `{stem}_{hash of text}.c`, so that an edit to any part rebuilds it."""
+    src = text.encode()
+    path = cache_dir() / f"{stem}_{hashlib.sha256(src).hexdigest()[:12]}.c"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".c")
+        with os.fdopen(fd, "wb") as f:
+            f.write(src)
+        os.replace(tmp, path)            # atomic: concurrent writers write the same bytes
+    return path
+
+
 def build(source: Path, compiler_path: str | None = None) -> Path:
     """Compile `source` into the cache (once per source, flags and CPU); return the .so path.
     Raises FileNotFoundError without a compiler, BuildError when the compiler rejects the source."""

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,15 +22,7 @@ _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 def _source() -> Path:
     """cpu_qmatmul.c then cpu_moe.c as one source (cpu_moe.c calls the tile kernels, which are static), written
     once into the kernel cache under a name of its content, so an edit to either file rebuilds it."""
-    src = (cpu_qmatmul.SOURCE.read_text() + "\n" + SOURCE.read_text()).encode()
-    path = cpu_build.cache_dir() / f"cpu_moe_{hashlib.sha256(src).hexdigest()[:12]}.c"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".c")
-        with os.fdopen(fd, "wb") as f:
-            f.write(src)
-        os.replace(tmp, path)            # atomic: concurrent writers write the same bytes
-    return path
+    return cpu_build.composed_source("cpu_moe", cpu_qmatmul.SOURCE.read_text() + "\n" + SOURCE.read_text())
 
 
 @functools.lru_cache(maxsize=1)
