@@ -121,15 +121,43 @@ def magnitude(x: torch.Tensor, w: BlockWeight, x_bits: int = 8) -> torch.Tensor:
     return xa.double() @ wa.double().t()
 
 
-TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+
+
+def _tile_k(w: BlockWeight) -> torch.Tensor:
+    """Q4_K / Q6_K → the tiled order from the unpacking (u, ws, mn; the file's codes and exactly its scales):
+    per (tile, block) 4 chunks of nibbles (byte 64·c + 4·r + i: element 4c + i low, 16 + 4c + i high), Q6_K's
+    high 2 bits in 2 chunks (chunk h, byte 4·r + i, bits 2c: element 16·h + 4c + i), then fp32 ws of the 16 rows
+    and their mn (Q4_K) or ws of elements 16-31 (Q6_K)."""
+    t, nb = (w.n + 15) // 16, w.k // BLOCK
+    u, _, ws, mn = unpack(w)
+    up = torch.zeros(t * 16, w.k, dtype=torch.uint8)
+    up[:w.n] = u
+    wsp, mnp = torch.zeros(t * 16, w.k // 16), torch.zeros(t * 16, nb)
+    wsp[:w.n], mnp[:w.n] = ws, mn
+    u5 = up.reshape(t, 16, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)           # [t, nb, half, chunk c, row, i]
+    nib = (u5[:, :, 0] & 15) | ((u5[:, :, 1] & 15) << 4)                    # [t, nb, c, 16, 4]
+    parts = [nib.reshape(t, nb, 256)]
+    wsp = wsp.reshape(t, 16, nb, 2).permute(0, 2, 3, 1)                     # [t, nb, half, 16]
+    if w.fmt.name == "Q6_K":
+        sh = (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 1, 4, 1, 1)
+        hb = (((u5 >> 4) & 3) << sh).sum(3, dtype=torch.uint8)                # [t, nb, half, 16, 4]
+        parts += [hb.reshape(t, nb, 128), wsp.contiguous().view(torch.uint8).reshape(t, nb, 128)]
+    else:
+        mnp = mnp.reshape(t, 16, nb).transpose(1, 2)                         # [t, nb, 16]
+        parts += [wsp[:, :, 0].contiguous().view(torch.uint8).reshape(t, nb, 64),
+                  mnp.contiguous().view(torch.uint8).reshape(t, nb, 64)]
+    return torch.cat(parts, -1).contiguous()
 
 
 def tile(w: BlockWeight) -> torch.Tensor:
-    """W's blocks in cpu_blockq8's tiled order (the layout's check): uint8 [ceil(n / 16), k / 32, 16 · nbytes],
+    """W's blocks in cpu_blockq8's tiled order (the layout's check): uint8 [ceil(n / 16), k / 32, bytes],
     per (tile, block) the 16 rows' codes in 4-byte groups (byte 64·c + 4·r + i = row r's code byte 4c + i),
-    then their d, then (Q4_1) their m."""
+    then their d, then (Q4_1) their m; the K-quants as _tile_k lays them."""
     name, nbytes = w.fmt.name, w.fmt.nbytes
     assert name in TILED_FORMATS
+    if name in ("Q4_K", "Q6_K"):
+        return _tile_k(w)
     t, nb = (w.n + 15) // 16, w.k // BLOCK
     b = torch.zeros(t * 16, nb, nbytes, dtype=torch.uint8)
     b[:w.n] = w.data.reshape(w.n, nb, nbytes)
@@ -151,7 +179,8 @@ def matmul_tiled(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None 
                  x_bits: int = 8) -> torch.Tensor:
     """The arithmetic of cpu_blockq8's tiled kernel, in its order (bit for bit): per x row and W row, over the
     blocks in increasing k, acc = fma(float32(I), ws · d, acc) with I the block's exact Σ (u − z)·q, then
-    (with a min) acc = fma(mn, d · float32(Σq), acc). One float epilogue per block, not per lane of 4."""
+    (with a min) acc = fma(mn, d · float32(Σq), acc). One float epilogue per block, not per lane of 4; Q6_K (a
+    scale per 16) two: acc = fma(float32(I₀), ws₀ · d, acc), then the same with the second half's I₁, ws₁."""
     assert w.fmt.name in TILED_FORMATS
     q, d = quantize(x, x_bits)                                                    # [M, K], [M, G]
     _, _, ws, mn = unpack(w)
@@ -161,6 +190,12 @@ def matmul_tiled(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None 
     sq = q.to(torch.int32).reshape(q.shape[0], -1, BLOCK).sum(-1).float()         # [M, G]
     dsq = d * sq
     acc = torch.zeros(x.shape[0], w.n)
+    if w.fmt.name == "Q6_K":
+        ih = i.float()                                                             # [M, N, K/16]
+        for j in range(w.k // BLOCK):
+            for h in range(2):
+                acc = _fma32(ih[..., 2 * j + h], ws[:, 2 * j + h].unsqueeze(0) * d[:, j].unsqueeze(1), acc)
+        return acc.to(out_dtype or x.dtype)
     for j in range(w.k // BLOCK):
         acc = _fma32(ib[..., j], wsb[:, j].unsqueeze(0) * d[:, j].unsqueeze(1), acc)
         if w.fmt.name in WITH_MIN:

@@ -540,22 +540,65 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     return 0;
 }
 
-/* ---- the row-interleaved ("tiled") layout: Q4_0, Q4_1, Q8_0 at the AVX-512 level ----
+/* ---- the row-interleaved ("tiled") layout: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K at the AVX-512 level ----
  * chatserve_bq8_tile() re-lays the file's blocks at load, same bytes (codes, fp16 scales and mins), only
  * their order changed: W rows in tiles of 16 (the last padded with zero blocks), and per (tile, block j):
  *   codes: Q4_x 4 chunks of 64 bytes, byte 4·r + i of chunk c = row r's qs[4c + i] (low nibble: element
  *          4c + i, high: 16 + 4c + i); Q8_0 8 chunks, byte 4·r + i of chunk c = row r's qs[4c + i];
  *   then the 16 rows' d (fp16), then (Q4_1) their m (fp16).
- * A (tile, block) is 16 · the block's bytes, so the tiled copy is exactly the file's size. One zmm lane is
+ * A (tile, block) is 16 · the block's bytes, so the tiled copy is exactly the file's size. The K-quants keep the
+ * same codes with their super-block scales unpacked per block of 32 (what unpack() gives, the twin's exact
+ * w = ws · (u − z) + mn; no second quantization):
+ *   Q4_K: 4 chunks of nibbles as Q4_x (low: element 4c + i, high: 16 + 4c + i), then the 16 rows' ws = d·sc
+ *         (fp32), then their mn = −dmin·min (fp32): 384 bytes, 4/3 of the file's 16 · 18;
+ *   Q6_K: 4 chunks of the codes' low nibbles as Q4_x, then 2 chunks of their high 2 bits (chunk h, byte 4·r + i:
+ *         bits 2c..2c+1 = element 16·h + 4c + i), then the rows' ws of elements 0-15, then of 16-31 (fp32):
+ *         512 bytes, 1.22 times the file's 16 · 26.25.
+ * Q6_K's scale changes every 16 elements: its two halves are two integer sums and two FMAs, in order. One zmm lane is
  * one output row: the 4 x codes of a lane are broadcast, so no per-lane reduction is left, and the float
  * epilogue runs once per block for 16 rows. Arithmetic per x row m, W row n (the twin: block_q8.matmul_tiled):
  *   acc = 0; for each block j in increasing k: I = Σ (u − z) · q (exact int32; 255 · Σ u·qh + Σ u·ql − z·Σq at
  *   15 bits), acc = fma(float(I), ws · d, acc), then with a min acc = fma(mn, d · Σq, acc); y = acc. */
-static int tiled_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+static int tiled_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q4_K || fmt == Q6_K; }
+
+/* bytes of one (tile, block of 32) in the tiled layout */
+static inline int64_t tiled_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 288; case Q4_1: return 320; case Q8_0: return 544; case Q4_K: return 384; case Q6_K: return 512;
+    default: return 0;
+    }
+}
 
 /* W [n, k] (file layout, row stride row_bytes) → dst [ceil(n / 16), k / 32, 16 · block bytes] */
 int chatserve_bq8_tile(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *dst) {
-    if (!tiled_fmt(fmt) || k % 32) return 1;
+    if (!tiled_fmt(fmt) || k % 32 || k % block_elems(fmt)) return 1;
+    if (fmt == Q4_K || fmt == Q6_K) {
+        const int64_t nb = k / 32, tiles = (n + 15) / 16, tb = tiled_bytes(fmt);
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t j = 0; j < nb; j++) {
+                uint8_t *o = dst + (t * nb + j) * tb;
+                memset(o, 0, (size_t)tb);
+                for (int r = 0; r < 16 && t * 16 + r < n; r++) {
+                    const blk32 b = unpack(fmt, w + (t * 16 + r) * row_bytes, j);
+                    uint8_t lo[16], hi[16];
+                    _mm_storeu_si128((__m128i *)lo, b.lo);
+                    _mm_storeu_si128((__m128i *)hi, b.hi);
+                    for (int c = 0; c < 4; c++)
+                        for (int i = 0; i < 4; i++) {
+                            const int e = 4 * c + i;
+                            o[64 * c + 4 * r + i] = (uint8_t)((lo[e] & 15) | ((hi[e] & 15) << 4));
+                            if (fmt == Q6_K) {
+                                o[256 + 4 * r + i] |= (uint8_t)(((lo[e] >> 4) & 3) << (2 * c));
+                                o[320 + 4 * r + i] |= (uint8_t)(((hi[e] >> 4) & 3) << (2 * c));
+                            }
+                        }
+                    float *f = (float *)(o + (fmt == Q4_K ? 256 : 384));
+                    f[r] = b.ws0;
+                    f[16 + r] = fmt == Q4_K ? b.mn : b.ws1;
+                }
+            }
+        return 0;
+    }
     const int64_t bb = fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34, nb = k / 32, tiles = (n + 15) / 16;
     const int hdr = fmt == Q4_1 ? 4 : 2, ncodes = fmt == Q8_0 ? 32 : 16;
     for (int64_t t = 0; t < tiles; t++)
@@ -575,22 +618,24 @@ int chatserve_bq8_tile(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, 
 #if BQ8_LEVEL == 3
 /* x of one call, natural order: code planes xh (the codes at 8 bits; qh at 15) and xl (ql) [m, k]; per block
  * −z·Σq (int32), d and d·Σq [m, k / 32] */
-typedef struct { const int8_t *xh, *xl; const int32_t *nzq; const float *d, *dsq; int64_t k, nb; } xnat;
+typedef struct { const int8_t *xh, *xl; const int32_t *nzq, *nzh; const float *d, *dsq; int64_t k, nb; } xnat;
 
 static inline __m512i bc4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
 /* x rows [m0, m0 + MB) against one tile of 16 W rows → res [MB] (lane r = W row 16·t + r) */
 static inline __attribute__((always_inline)) void tile16(const int fmt, const int MB, const int P,
                                                          const uint8_t *wt, const xnat *X, int64_t m0, __m512 *res) {
-    const int64_t nb = X->nb, k = X->k, bb = fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34, tb = 16 * bb;
-    const int q8 = fmt == Q8_0, codes = q8 ? 512 : 256, NC = MB <= 2 ? 2 : 1;
+    const int64_t nb = X->nb, k = X->k, tb = tiled_bytes(fmt);
+    const int q8 = fmt == Q8_0, six = fmt == Q6_K, codes = q8 ? 512 : 256, NC = MB <= 2 || six ? 2 : 1;
     __m512 acc[8];
     for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *wb = wt + j * tb;
-        const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes)));
+        const __m512 ws = fmt == Q4_K ? _mm512_loadu_ps(wb + 256) : six ? _mm512_loadu_ps(wb + 384)
+                        : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes)));
         const __m512 mn = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes + 32)))
-                                      : _mm512_setzero_ps();
+                        : fmt == Q4_K ? _mm512_loadu_ps(wb + 320) : six ? _mm512_loadu_ps(wb + 448)  /* Q6_K: ws1 */
+                        : _mm512_setzero_ps();
         __m512i ih[8][2], il[8][2];
         for (int i = 0; i < MB; i++)
             for (int c = 0; c < NC; c++) ih[i][c] = il[i][c] = _mm512_setzero_si512();
@@ -607,7 +652,14 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
             const __m512i nib = _mm512_set1_epi8(0x0F);
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(wb + 64 * c);
-                const __m512i a = _mm512_and_si512(v, nib), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                __m512i a = _mm512_and_si512(v, nib), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                if (six) {                                    /* | the high 2 bits << 4 */
+                    const __m512i three = _mm512_set1_epi8(3);
+                    const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(wb + 256), 2 * c), three);
+                    const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(wb + 320), 2 * c), three);
+                    a = _mm512_or_si512(a, _mm512_slli_epi16(h0, 4));
+                    h = _mm512_or_si512(h, _mm512_slli_epi16(h1, 4));
+                }
                 for (int i = 0; i < MB; i++) {
                     const int64_t e = (m0 + i) * k + 32 * j + 4 * c;
                     ih[i][0] = _mm512_dpbusd_epi32(ih[i][0], a, bc4(X->xh + e));
@@ -621,12 +673,22 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
         }
         for (int i = 0; i < MB; i++) {
             const int64_t r = (m0 + i) * nb + j;
+            if (six) {                                        /* two halves of 16, each its own scale, in order */
+                const __m512 dd = _mm512_set1_ps(X->d[r]);
+                for (int c = 0; c < 2; c++) {
+                    const __m512i h = ih[i][c], l = il[i][c];
+                    __m512i s = P == 2 ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l) : h;
+                    s = _mm512_add_epi32(s, _mm512_set1_epi32(X->nzh[2 * r + c]));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(c ? mn : ws, dd), acc[i]);
+                }
+                continue;
+            }
             __m512i h = ih[i][0], l = il[i][0];
             if (NC == 2) { h = _mm512_add_epi32(h, ih[i][1]); l = _mm512_add_epi32(l, il[i][1]); }
             __m512i s = P == 2 ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l) : h;
             s = _mm512_add_epi32(s, _mm512_set1_epi32(X->nzq[r]));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(X->d[r])), acc[i]);
-            if (fmt == Q4_1) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(X->dsq[r]), acc[i]);
+            if (fmt == Q4_1 || fmt == Q4_K) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(X->dsq[r]), acc[i]);
         }
     }
     for (int i = 0; i < MB; i++) res[i] = acc[i];
@@ -643,7 +705,7 @@ static inline void store16(void *y, int y_bf16, int64_t off, __m512 v, __mmask16
 #define TILED_RUN(F, MB, P)                                                                               \
     static void tiled_##F##_##MB##_##P(const uint8_t *w, int64_t n, int64_t t0, int64_t t1, const xnat *X,  \
                                        int64_t m0, void *y, int64_t ldy, int yb) {                       \
-        const int64_t tb = X->nb * 16 * (F == Q4_0 ? 18 : F == Q4_1 ? 20 : 34);                           \
+        const int64_t tb = X->nb * tiled_bytes(F);                                                        \
         __m512 res[MB];                                                                                   \
         for (int64_t t = t0; t < t1; t++) {                                                               \
             tile16(F, MB, P, w + t * tb, X, m0, res);                                                     \
@@ -654,16 +716,16 @@ static inline void store16(void *y, int y_bf16, int64_t off, __m512 v, __mmask16
     }
 #define TILED_P(F, P) TILED_RUN(F, 1, P) TILED_RUN(F, 2, P) TILED_RUN(F, 4, P) TILED_RUN(F, 8, P)
 #define TILED(F) TILED_P(F, 1) TILED_P(F, 2)
-TILED(Q4_0) TILED(Q4_1) TILED(Q8_0)
+TILED(Q4_0) TILED(Q4_1) TILED(Q8_0) TILED(Q4_K) TILED(Q6_K)
 
 typedef void (*tiled_fn)(const uint8_t *, int64_t, int64_t, int64_t, const xnat *, int64_t, void *, int64_t, int);
 #define TILED_ROW(F, P) {tiled_##F##_1_##P, tiled_##F##_2_##P, tiled_##F##_4_##P, tiled_##F##_8_##P}
 
 /* x [m, k] → the tiled kernel's x: per block of 32, the codes of chatserve_bq8_quantize (the same float
  * arithmetic, vectorised: amax, top / amax, x · that rounded to nearest even) as planes xp [P, m, k] (P = 2:
- * qh then ql, q = 255 · qh + ql), −z·Σq, d and d·Σq [m, k / 32] */
+ * qh then ql, q = 255 · qh + ql), −z·Σq [m, k / 32], −z·Σq per half [m, k / 16], d and d·Σq [m, k / 32] */
 static void prep_x_tiled(const void *x, int x_bf16, int64_t m, int64_t k, int P, int z, int8_t *xp, int32_t *nzq,
-                         float *d, float *dsq) {
+                         int32_t *nzh, float *d, float *dsq) {
     const float top = P == 2 ? 32512.f : 127.f;
     const int64_t nb = k / 32;
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
@@ -681,7 +743,9 @@ static void prep_x_tiled(const void *x, int x_bf16, int64_t m, int64_t k, int P,
             int32_t s = 0;
             for (int h = 0; h < 2; h++) {
                 const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
-                s += _mm512_reduce_add_epi32(q);
+                const int32_t sh = _mm512_reduce_add_epi32(q);
+                s += sh;
+                nzh[2 * (r * nb + j) + h] = -z * sh;
                 if (P == 1) { _mm_storeu_si128((__m128i *)(xp + base + 16 * h), _mm512_cvtepi32_epi8(q)); continue; }
                 /* qh = trunc((q ± 127) / 255) (exact in float: |q| + 127 < 2^15), ql = q − 255 · qh */
                 const __mmask16 neg = _mm512_cmplt_epi32_mask(q, _mm512_setzero_si512());
@@ -704,14 +768,14 @@ static void prep_x_tiled(const void *x, int x_bf16, int64_t m, int64_t k, int P,
  * every m, chunking and thread count. 0 on success, 1 bad argument, 2 no memory. */
 int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t m, int x_bf16,
                         int x_bits, void *y, int64_t ldy, int y_bf16, int nt) {
-    if (!tiled_fmt(fmt) || k % 32 || (x_bits != 8 && x_bits != 15)) return 1;
+    if (!tiled_fmt(fmt) || k % 32 || k % block_elems(fmt) || (x_bits != 8 && x_bits != 15)) return 1;
     if (nt < 1) nt = 1;
     const int P = x_bits == 15 ? 2 : 1;
-    const int64_t nb = k / 32, tiles = (n + 15) / 16, tile_bytes = nb * 16 * block_bytes(fmt);
+    const int64_t nb = k / 32, tiles = (n + 15) / 16, tile_bytes = nb * tiled_bytes(fmt);
     /* the call's x scratch, kept per calling thread between calls (grown as needed): no allocation per call */
     static __thread int8_t *xp;
     static __thread float *d, *dsq;
-    static __thread int32_t *nzq;
+    static __thread int32_t *nzq, *nzh;
     static __thread int64_t have_x, have_b;
     if (m * k * P > have_x) {
         free(xp);
@@ -719,18 +783,20 @@ int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const v
         have_x = xp ? m * k * P : 0;
     }
     if (m * nb > have_b) {
-        free(d); free(dsq); free(nzq);
+        free(d); free(dsq); free(nzq); free(nzh);
         d = malloc(sizeof(float) * (size_t)(m * nb)); dsq = malloc(sizeof(float) * (size_t)(m * nb));
-        nzq = malloc(sizeof(int32_t) * (size_t)(m * nb));
-        have_b = d && dsq && nzq ? m * nb : 0;
+        nzq = malloc(sizeof(int32_t) * (size_t)(m * nb)); nzh = malloc(sizeof(int32_t) * (size_t)(2 * m * nb));
+        have_b = d && dsq && nzq && nzh ? m * nb : 0;
     }
     if (!have_x || !have_b) return 2;
-    prep_x_tiled(x, x_bf16, m, k, P, zero_of(fmt), xp, nzq, d, dsq);
-    const xnat X = {xp, P == 2 ? xp + m * k : xp, nzq, d, dsq, k, nb};
-    static const tiled_fn fns[3][2][4] = {{TILED_ROW(Q4_0, 1), TILED_ROW(Q4_0, 2)},
+    prep_x_tiled(x, x_bf16, m, k, P, zero_of(fmt), xp, nzq, nzh, d, dsq);
+    const xnat X = {xp, P == 2 ? xp + m * k : xp, nzq, nzh, d, dsq, k, nb};
+    static const tiled_fn fns[5][2][4] = {{TILED_ROW(Q4_0, 1), TILED_ROW(Q4_0, 2)},
                                           {TILED_ROW(Q4_1, 1), TILED_ROW(Q4_1, 2)},
-                                          {TILED_ROW(Q8_0, 1), TILED_ROW(Q8_0, 2)}};
-    const tiled_fn *f = fns[fmt == Q4_0 ? 0 : fmt == Q4_1 ? 1 : 2][P - 1];
+                                          {TILED_ROW(Q8_0, 1), TILED_ROW(Q8_0, 2)},
+                                          {TILED_ROW(Q4_K, 1), TILED_ROW(Q4_K, 2)},
+                                          {TILED_ROW(Q6_K, 1), TILED_ROW(Q6_K, 2)}};
+    const tiled_fn *f = fns[fmt == Q4_0 ? 0 : fmt == Q4_1 ? 1 : fmt == Q8_0 ? 2 : fmt == Q4_K ? 3 : 4][P - 1];
     int64_t chunk = m <= 8 ? tiles : CHUNK_BYTES / tile_bytes;
     if (chunk < 1) chunk = 1;
     if (tiles < 4 * nt) nt = 1;

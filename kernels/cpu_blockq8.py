@@ -128,16 +128,20 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
 
 
 # ---- the row-interleaved layout (AVX-512): W's blocks re-laid at load, a zmm lane per output row ----
-TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 TILED_ISAS = ("avx512",)
+# bytes of one (tile of 16 rows, block of 32) in the tiled layout: 16 · the file's block for Q4_0/Q4_1/Q8_0;
+# the K-quants' codes plus their scales (and Q4_K's mins) unpacked per block of 32 as fp32 (cpu_blockq8.c)
+TILED_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "Q4_K": 384, "Q6_K": 512}
 
 
 @dataclass(frozen=True)
 class TiledWeight:
     """W [n, k] of a TILED_FORMATS format as chatserve_bq8_tile lays it out: the file's blocks (same codes, same
-    fp16 scales and mins, no second quantization), reordered to [ceil(n / 16), k / 32, 16 · block bytes] so
-    that the 16 rows of a tile share each k-block's 64-byte chunks (one vector lane per output row). data is
-    uint8 of exactly 16 · ceil(n / 16) / n times the file's bytes."""
+    scales and mins, no second quantization), reordered to [ceil(n / 16), k / 32, TILED_BYTES] so that the 16
+    rows of a tile share each k-block's 64-byte chunks (one vector lane per output row). data is uint8 of
+    16 · ceil(n / 16) / n times the file's bytes (Q4_0/Q4_1/Q8_0), times 4/3 (Q4_K: scales and mins as fp32
+    per 32) or 1.22 (Q6_K: fp32 scales per 16)."""
     data: torch.Tensor
     fmt: BlockFormat
     n: int
@@ -174,7 +178,7 @@ def _huge_page_buffer(nbytes: int) -> torch.Tensor:
 def tile(w: BlockWeight, isa: str = "avx512") -> TiledWeight:
     """W's blocks → the tiled layout (a copy of W's bytes in another order; reads every block once)."""
     data = w.data.contiguous()
-    out = _huge_page_buffer((w.n + 15) // 16 * 16 * w.row_bytes)
+    out = _huge_page_buffer((w.n + 15) // 16 * (w.k // 32) * TILED_BYTES[w.fmt.name])
     if library(isa).chatserve_bq8_tile(w.fmt.type_id, data.data_ptr(), w.row_bytes, w.n, w.k, out.data_ptr()):
         raise ValueError(f"cpu_blockq8: format {w.fmt.name} has no tiled layout")
     return TiledWeight(out, w.fmt, w.n, w.k)

@@ -146,21 +146,56 @@ def test_bench_blockmm_reports_the_q8_kernel_for_decode_rows_only():
     assert not any(key.startswith("F16/q8") for key in decode)    # no integer codes in F16
 
 
-# ---- the row-interleaved (tiled) layout: Q4_0, Q4_1, Q8_0 re-laid at load, AVX-512 ----
+# ---- the row-interleaved (tiled) layout: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K re-laid at load, AVX-512 ----
 TILED = [isa for isa in cpu_blockq8.TILED_ISAS if cpu_blockq8.supported(isa)]
 TILED_SHAPES = [(1, 32), (16, 64), (37, 96), (40, 576)]          # n not a multiple of 16: a padded last tile
+K_TILED = ("Q4_K", "Q6_K")
+
+
+def tiled_shapes(name: str) -> list[tuple[int, int]]:
+    return [(1, 256), (16, 512), (37, 256), (40, 768)] if name in K_TILED else TILED_SHAPES
+
+
+def untile_k(data: torch.Tensor, name: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A K-quant tiled copy → codes u [n, k], ws [n, k / 16], mn [n, k / 32], read back from its bytes."""
+    t, nb = (n + 15) // 16, k // 32
+    b = data.reshape(t, nb, -1)
+    nib = b[..., :256].reshape(t, nb, 4, 16, 4)                              # [t, nb, c, row, i]
+    u = torch.stack([nib & 15, nib >> 4], 2)                                 # [t, nb, half, c, row, i]
+    if name == "Q6_K":
+        hb = b[..., 256:384].reshape(t, nb, 2, 1, 16, 4)
+        sh = (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 1, 4, 1, 1)
+        u = u | (((hb >> sh) & 3) << 4)
+        ws = b[..., 384:512].contiguous().view(torch.float32).reshape(t, nb, 2, 16)
+        mn = torch.zeros(t, nb, 16)
+    else:
+        f = b[..., 256:384].contiguous().view(torch.float32).reshape(t, nb, 2, 16)
+        ws, mn = f[:, :, 0:1].expand(t, nb, 2, 16), f[:, :, 1]
+    u = u.permute(0, 4, 1, 2, 3, 5).reshape(t * 16, k)[:n]
+    return (u, ws.permute(0, 3, 1, 2).reshape(t * 16, 2 * nb)[:n], mn.permute(0, 2, 1).reshape(t * 16, nb)[:n])
 
 
 @pytest.mark.parametrize("isa", TILED)
 @pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
 def test_tiled_layout_is_the_files_bytes_reordered(isa, name):
-    """Same codes, same fp16 scales and mins (no second quantization), the twin's order, the file's size."""
+    """Same codes, same scales and mins (no second quantization), the twin's order; the file's size (Q4_0, Q4_1,
+    Q8_0: its very bytes), or (Q4_K, Q6_K) the file's codes with its scales unpacked per 32 / 16 as fp32, from
+    which ws · (u − z) + mn rebuilds block_formats' dequantization bit for bit."""
     assert block_q8.TILED_FORMATS == cpu_blockq8.TILED_FORMATS
-    for n, k in TILED_SHAPES:
+    for n, k in tiled_shapes(name):
         w = make_weight(name, n, k, seed=n + k, random_bytes=True)
         t = cpu_blockq8.tile(w, isa)
         assert cpu_blockq8.tiles(isa, w) and (t.n, t.k, t.fmt) == (w.n, w.k, w.fmt)
         assert torch.equal(t.data, block_q8.tile(w).reshape(-1)), (name, n, k)
+        assert t.nbytes() == (n + 15) // 16 * (k // 32) * cpu_blockq8.TILED_BYTES[name]
+        if name in K_TILED:
+            u, ws, mn = untile_k(t.data, name, n, k)
+            cu, cws, cmn = cpu_blockq8.unpack(w, isa)
+            assert torch.equal(u, cu) and torch.equal(ws, cws) and torch.equal(mn, cmn)
+            y = ws.repeat_interleave(16, 1) * (u.to(torch.int16) - block_q8.ZERO[name]).float()
+            y = y + mn.repeat_interleave(32, 1) if name == "Q4_K" else y
+            assert torch.equal(y, bf.dequantize(w)), (name, n, k)
+            continue
         assert t.nbytes() == (n + 15) // 16 * 16 * w.row_bytes
         assert torch.equal(t.data.sort().values[-w.nbytes():], w.data.reshape(-1).sort().values)
 
@@ -173,7 +208,7 @@ def test_tiled_matmul_is_the_twins_bit_for_bit(isa, name, dtype, x_bits):
     """One float epilogue per block in increasing k (block_q8.matmul_tiled): the same bits, and within float
     rounding of the float64 join (block_q8.matmul); bf16 out is the float32 result rounded once."""
     g = torch.Generator().manual_seed(3)
-    for n, k in TILED_SHAPES:
+    for n, k in tiled_shapes(name):
         w = make_weight(name, n, k, seed=n * k)
         t = cpu_blockq8.tile(w, isa)
         for m in (1, 4, 9, 17):
@@ -195,14 +230,15 @@ def test_tiled_rows_are_batch_invariant(isa, name, monkeypatch):
     """Row i's bits do not depend on M (row blocks of 8, 4, 2, 1 and the chunked loop above 8 rows), on the
     rows beside it, on 1 or 2 threads, or on writing into a column slice of a wider output."""
     monkeypatch.setattr(cpu_blockmm, "ONE_THREAD_MACS", 0)
-    w = make_weight(name, 300, 96, seed=13)
+    k = 256 if name in K_TILED else 96
+    w = make_weight(name, 300, k, seed=13)
     t = cpu_blockq8.tile(w, isa)
-    x = torch.randn(max(BATCH_MS), 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = torch.randn(max(BATCH_MS), k, generator=torch.Generator().manual_seed(4)).bfloat16()
     full = cpu_blockq8.matmul_tiled(x, t, isa, threads=1, x_bits=15)
     for threads in (1, 2):
         for m in BATCH_MS:
             assert torch.equal(cpu_blockq8.matmul_tiled(x[:m], t, isa, threads=threads, x_bits=15), full[:m])
-            mixed = torch.cat([torch.randn(3, 96).bfloat16(), x[:m]])
+            mixed = torch.cat([torch.randn(3, k).bfloat16(), x[:m]])
             wide = torch.zeros(m + 3, 310, dtype=torch.bfloat16)
             cpu_blockq8.matmul_tiled(mixed, t, isa, threads=threads, x_bits=15, out=wide[:, 5:305])
             assert torch.equal(wide[3:, 5:305], full[:m]) and not wide[:, :5].any() and not wide[:, 305:].any()
