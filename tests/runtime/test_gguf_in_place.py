@@ -149,3 +149,42 @@ def test_a_model_on_its_own_codes_gives_the_dense_logits(tiny_gguf, dense_logits
         torch.testing.assert_close(a, t, rtol=0, atol=1e-3 * scale)
         # the dense model: within the 15-bit rounding of x in the decode rows and the head (measured ≤ 5e-4)
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * scale)
+
+
+# llama.cpp's Q4_K_M mix (the commonest GGUF on CPUs): Q4_K, with Q6_K for the LM head, v and some down bands
+Q4_K_M = {**{n: Q.Q4_K for n in TYPES}, "lm_head.weight": Q.Q6_K, "model.layers.0.self_attn.v_proj.weight": Q.Q6_K,
+          "model.layers.1.self_attn.v_proj.weight": Q.Q6_K, "model.layers.0.mlp.down_proj.weight": Q.Q6_K}
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory) -> str:
+    cfg = tiny_config("llama", **{**GGUF_CFG, "num_hidden_layers": 2})
+    path = tmp_path_factory.mktemp("inplace_k") / "tiny-q4_k_m.gguf"
+    write_tiny_gguf(path, cfg, random_weights(cfg, seed=5), Q4_K_M)
+    return str(path)
+
+
+def test_a_q4_k_m_model_decodes_on_tiled_copies_with_the_dense_logits(q4_k_m_gguf):
+    """At the AVX-512 level every dense band and the LM head of a Q4_K_M file runs its decode rows on a tiled
+    copy (Q4_K q and k one call, Q6_K v its own; gate and up one call): the logits are the dense model's within
+    the 15-bit rounding of x and the twin's, and the C decode chain gives the layer loop's bits."""
+    if "avx512" not in ISAS or not cpu_blockq8.available("avx512"):
+        pytest.skip("no AVX-512 VNNI: no tiled layout on this CPU")
+    runner = _runner(q4_k_m_gguf, in_place=True, isa="avx512")
+    lins = [runner.model.lm_head] + [m for ly in runner.model.layers for m in (ly.qkv, ly.o, ly.mlp.gate_up,
+                                                                                ly.mlp.down)]
+    assert all(isinstance(w, cpu_blockq8.TiledWeight) for m in lins for _, w in m.decode_calls)
+    qkv, gate_up = runner.model.layers[0].qkv, runner.model.layers[0].mlp.gate_up
+    assert [w.fmt.name for _, w in qkv.decode_calls] == ["Q4_K", "Q6_K"] and len(gate_up.decode_calls) == 1
+    assert runner.model.chain is not None
+    got = _logits(runner)
+    runner.model.chain = None
+    assert all(torch.equal(a, b) for a, b in zip(got, _logits(runner)))        # chain = layer loop, bit for bit
+    dense = _logits(_runner(q4_k_m_gguf, in_place=False))
+    twin = _logits(_runner(q4_k_m_gguf, in_place=True, isa="torch"))
+    assert len(got) == len(dense) == len(twin) == 5
+    for a, b, t in zip(got, dense, twin):
+        scale = float(b.abs().max())
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, t, rtol=0, atol=1e-3 * scale)
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * scale)
