@@ -178,9 +178,10 @@ class CpuBlockLinear(BlockLinear):
         super().__init__(w, b, tile)
         # at load: the int8-activation kernel of this level, else the twin's arithmetic (same results)
         self.q8 = cpu_blockq8.available(self.isa)
-        # and, where this level has one (AVX-512: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), the bands' blocks re-laid row-interleaved
-        # for the generated rows (same bytes in another order, a copy the size of the band: the mapped pages
-        # are then read only by prompt rows). The decode rows' calls: runs of adjacent bands of one tiled
+        # and, where this level has one (AVX-512: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), the bands' blocks re-laid
+        # row-interleaved for the generated rows (same codes and scales in another order, a copy the size of
+        # the band, 4/3 or 1.22 of it for Q4_K / Q6_K whose scales are unpacked: the mapped pages are then
+        # read only by prompt rows). The decode rows' calls: runs of adjacent bands of one tiled
         # format (each but the last a whole number of 16-row tiles, so their tiled copies end to end are the
         # tiled copy of the stacked rows: q, k and v in one call, gate and up in one) as (first column, the
         # run's tiled weight), other bands one by one
