@@ -626,7 +626,7 @@ static inline __m512i bc4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return
 static inline __attribute__((always_inline)) void tile16(const int fmt, const int MB, const int P,
                                                          const uint8_t *wt, const xnat *X, int64_t m0, __m512 *res) {
     const int64_t nb = X->nb, k = X->k, tb = tiled_bytes(fmt);
-    const int q8 = fmt == Q8_0, six = fmt == Q6_K, codes = q8 ? 512 : 256, NC = MB <= 2 || six ? 2 : 1;
+    const int q8 = fmt == Q8_0, six = fmt == Q6_K, codes = q8 ? 512 : 256, NC = MB <= 2 ? 2 : 1;
     __m512 acc[8];
     for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
@@ -636,6 +636,33 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
         const __m512 mn = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes + 32)))
                         : fmt == Q4_K ? _mm512_loadu_ps(wb + 320) : six ? _mm512_loadu_ps(wb + 448)  /* Q6_K: ws1 */
                         : _mm512_setzero_ps();
+        if (six) {          /* one half of 16 at a time (its own scale): 2 · MB integer accumulators live */
+            for (int hf = 0; hf < 2; hf++) {
+                const __m512i hb = _mm512_loadu_si512(wb + 256 + 64 * hf), nib = _mm512_set1_epi8(0x0F);
+                __m512i sh[8], sl[8];
+                for (int i = 0; i < MB; i++) sh[i] = sl[i] = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+                    const __m512i top = _mm512_and_si512(_mm512_srli_epi16(hb, 2 * c), _mm512_set1_epi8(3));
+                    const __m512i a = _mm512_or_si512(_mm512_and_si512(hf ? _mm512_srli_epi16(v, 4) : v, nib),
+                                                      _mm512_slli_epi16(top, 4));   /* | the high 2 bits << 4 */
+                    for (int i = 0; i < MB; i++) {
+                        const int64_t e = (m0 + i) * k + 32 * j + 16 * hf + 4 * c;
+                        sh[i] = _mm512_dpbusd_epi32(sh[i], a, bc4(X->xh + e));
+                        if (P == 2) sl[i] = _mm512_dpbusd_epi32(sl[i], a, bc4(X->xl + e));
+                    }
+                }
+                for (int i = 0; i < MB; i++) {
+                    const int64_t r = (m0 + i) * nb + j;
+                    __m512i s = sh[i];
+                    if (P == 2) s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s, 8), s), sl[i]);
+                    s = _mm512_add_epi32(s, _mm512_set1_epi32(X->nzh[2 * r + hf]));
+                    const __m512 wd = _mm512_mul_ps(hf ? mn : ws, _mm512_set1_ps(X->d[r]));     /* mn: Q6_K's ws₁ */
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), wd, acc[i]);
+                }
+            }
+            continue;
+        }
         __m512i ih[8][2], il[8][2];
         for (int i = 0; i < MB; i++)
             for (int c = 0; c < NC; c++) ih[i][c] = il[i][c] = _mm512_setzero_si512();
@@ -652,14 +679,7 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
             const __m512i nib = _mm512_set1_epi8(0x0F);
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512(wb + 64 * c);
-                __m512i a = _mm512_and_si512(v, nib), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-                if (six) {                                    /* | the high 2 bits << 4 */
-                    const __m512i three = _mm512_set1_epi8(3);
-                    const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(wb + 256), 2 * c), three);
-                    const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(wb + 320), 2 * c), three);
-                    a = _mm512_or_si512(a, _mm512_slli_epi16(h0, 4));
-                    h = _mm512_or_si512(h, _mm512_slli_epi16(h1, 4));
-                }
+                const __m512i a = _mm512_and_si512(v, nib), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
                 for (int i = 0; i < MB; i++) {
                     const int64_t e = (m0 + i) * k + 32 * j + 4 * c;
                     ih[i][0] = _mm512_dpbusd_epi32(ih[i][0], a, bc4(X->xh + e));
@@ -673,16 +693,6 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
         }
         for (int i = 0; i < MB; i++) {
             const int64_t r = (m0 + i) * nb + j;
-            if (six) {                                        /* two halves of 16, each its own scale, in order */
-                const __m512 dd = _mm512_set1_ps(X->d[r]);
-                for (int c = 0; c < 2; c++) {
-                    const __m512i h = ih[i][c], l = il[i][c];
-                    __m512i s = P == 2 ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l) : h;
-                    s = _mm512_add_epi32(s, _mm512_set1_epi32(X->nzh[2 * r + c]));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(c ? mn : ws, dd), acc[i]);
-                }
-                continue;
-            }
             __m512i h = ih[i][0], l = il[i][0];
             if (NC == 2) { h = _mm512_add_epi32(h, ih[i][1]); l = _mm512_add_epi32(l, il[i][1]); }
             __m512i s = P == 2 ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l) : h;
