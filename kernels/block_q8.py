@@ -128,7 +128,8 @@ def _tile_k(w: BlockWeight) -> torch.Tensor:
     """Q4_K / Q6_K → the tiled order from the unpacking (u, ws, mn; the file's codes and exactly its scales):
     per (tile, block) 4 chunks of nibbles (byte 64·c + 4·r + i: element 4c + i low, 16 + 4c + i high), Q6_K's
     high 2 bits in 2 chunks (chunk h, byte 4·r + i, bits 2c: element 16·h + 4c + i), then fp32 ws of the 16 rows
-    and their mn (Q4_K) or ws of elements 16-31 (Q6_K)."""
+    and their mn (Q4_K), or (Q6_K) the file's bytes of the rows' fp16 d, their int8 sc of elements 0-15 and of
+    16-31 (the kernel forms ws = d · sc, unpack's product)."""
     t, nb = (w.n + 15) // 16, w.k // BLOCK
     u, _, ws, mn = unpack(w)
     up = torch.zeros(t * 16, w.k, dtype=torch.uint8)
@@ -142,7 +143,11 @@ def _tile_k(w: BlockWeight) -> torch.Tensor:
     if w.fmt.name == "Q6_K":
         sh = (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 1, 4, 1, 1)
         hb = (((u5 >> 4) & 3) << sh).sum(3, dtype=torch.uint8)                # [t, nb, half, 16, 4]
-        parts += [hb.reshape(t, nb, 128), wsp.contiguous().view(torch.uint8).reshape(t, nb, 128)]
+        b = torch.zeros(t * 16, w.k // 256, 210, dtype=torch.uint8)
+        b[:w.n] = w.data.reshape(w.n, -1, 210)
+        d = b[:, :, 208:210].repeat_interleave(8, 1).reshape(t, 16, nb, 2).transpose(1, 2)          # [t, nb, 16, 2]
+        sc = b[:, :, 192:208].reshape(t, 16, nb, 2).permute(0, 2, 3, 1)                            # [t, nb, half, 16]
+        parts += [hb.reshape(t, nb, 128), d.reshape(t, nb, 32), sc.reshape(t, nb, 32)]
     else:
         mnp = mnp.reshape(t, 16, nb).transpose(1, 2)                         # [t, nb, 16]
         parts += [wsp[:, :, 0].contiguous().view(torch.uint8).reshape(t, nb, 64),

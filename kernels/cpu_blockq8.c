@@ -552,8 +552,9 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
  *   Q4_K: 4 chunks of nibbles as Q4_x (low: element 4c + i, high: 16 + 4c + i), then the 16 rows' ws = d·sc
  *         (fp32), then their mn = −dmin·min (fp32): 384 bytes, 4/3 of the file's 16 · 18;
  *   Q6_K: 4 chunks of the codes' low nibbles as Q4_x, then 2 chunks of their high 2 bits (chunk h, byte 4·r + i:
- *         bits 2c..2c+1 = element 16·h + 4c + i), then the rows' ws of elements 0-15, then of 16-31 (fp32):
- *         512 bytes, 1.22 times the file's 16 · 26.25.
+ *         bits 2c..2c+1 = element 16·h + 4c + i), then the rows' fp16 d (the super-block's), then their int8 sc
+ *         of elements 0-15, then of 16-31 (the file's bytes; the kernel forms ws = float(d) · sc as unpack()
+ *         does): 448 bytes, 1.07 times the file's 16 · 26.25.
  * Q6_K's scale changes every 16 elements: its two halves are two integer sums and two FMAs, in order. One zmm lane is
  * one output row: the 4 x codes of a lane are broadcast, so no per-lane reduction is left, and the float
  * epilogue runs once per block for 16 rows. Arithmetic per x row m, W row n (the twin: block_q8.matmul_tiled):
@@ -564,7 +565,7 @@ static int tiled_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0
 /* bytes of one (tile, block of 32) in the tiled layout */
 static inline int64_t tiled_bytes(int fmt) {
     switch (fmt) {
-    case Q4_0: return 288; case Q4_1: return 320; case Q8_0: return 544; case Q4_K: return 384; case Q6_K: return 512;
+    case Q4_0: return 288; case Q4_1: return 320; case Q8_0: return 544; case Q4_K: return 384; case Q6_K: return 448;
     default: return 0;
     }
 }
@@ -592,9 +593,16 @@ int chatserve_bq8_tile(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, 
                                 o[320 + 4 * r + i] |= (uint8_t)(((hi[e] >> 4) & 3) << (2 * c));
                             }
                         }
-                    float *f = (float *)(o + (fmt == Q4_K ? 256 : 384));
+                    if (fmt == Q6_K) {                          /* the file's d and the two halves' sc */
+                        const uint8_t *sb = w + (t * 16 + r) * row_bytes + (j >> 3) * 210;
+                        memcpy(o + 384 + 2 * r, sb + 208, 2);
+                        o[416 + r] = sb[192 + 2 * (j & 7)];
+                        o[432 + r] = sb[192 + 2 * (j & 7) + 1];
+                        continue;
+                    }
+                    float *f = (float *)(o + 256);
                     f[r] = b.ws0;
-                    f[16 + r] = fmt == Q4_K ? b.mn : b.ws1;
+                    f[16 + r] = b.mn;
                 }
             }
         return 0;
@@ -631,10 +639,13 @@ static inline __attribute__((always_inline)) void tile16(const int fmt, const in
     for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *wb = wt + j * tb;
-        const __m512 ws = fmt == Q4_K ? _mm512_loadu_ps(wb + 256) : six ? _mm512_loadu_ps(wb + 384)
+        const __m512 d6 = six ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 384))) : _mm512_setzero_ps();
+        const __m512 ws = fmt == Q4_K ? _mm512_loadu_ps(wb + 256)       /* Q6_K: d · sc, unpack()'s float product */
+                        : six ? _mm512_mul_ps(d6, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld16(wb + 416))))
                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes)));
         const __m512 mn = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes + 32)))
-                        : fmt == Q4_K ? _mm512_loadu_ps(wb + 320) : six ? _mm512_loadu_ps(wb + 448)  /* Q6_K: ws1 */
+                        : fmt == Q4_K ? _mm512_loadu_ps(wb + 320)
+                        : six ? _mm512_mul_ps(d6, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld16(wb + 432))))  /* ws₁ */
                         : _mm512_setzero_ps();
         if (six) {          /* one half of 16 at a time (its own scale): 2 · MB integer accumulators live */
             for (int hf = 0; hf < 2; hf++) {

@@ -131,8 +131,8 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
 TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 TILED_ISAS = ("avx512",)
 # bytes of one (tile of 16 rows, block of 32) in the tiled layout: 16 · the file's block for Q4_0/Q4_1/Q8_0;
-# the K-quants' codes plus their scales (and Q4_K's mins) unpacked per block of 32 as fp32 (cpu_blockq8.c)
-TILED_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "Q4_K": 384, "Q6_K": 512}
+# the K-quants' codes plus their scales per block of 32 (Q4_K: ws and mn as fp32; Q6_K: the file's d and sc)
+TILED_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "Q4_K": 384, "Q6_K": 448}
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class TiledWeight:
     scales and mins, no second quantization), reordered to [ceil(n / 16), k / 32, TILED_BYTES] so that the 16
     rows of a tile share each k-block's 64-byte chunks (one vector lane per output row). data is uint8 of
     16 · ceil(n / 16) / n times the file's bytes (Q4_0/Q4_1/Q8_0), times 4/3 (Q4_K: scales and mins as fp32
-    per 32) or 1.22 (Q6_K: fp32 scales per 16)."""
+    per 32) or 1.07 (Q6_K: the file's fp16 d repeated per 32 beside its int8 scales per 16)."""
     data: torch.Tensor
     fmt: BlockFormat
     n: int

@@ -166,7 +166,8 @@ def untile_k(data: torch.Tensor, name: str, n: int, k: int) -> tuple[torch.Tenso
         hb = b[..., 256:384].reshape(t, nb, 2, 1, 16, 4)
         sh = (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 1, 4, 1, 1)
         u = u | (((hb >> sh) & 3) << 4)
-        ws = b[..., 384:512].contiguous().view(torch.float32).reshape(t, nb, 2, 16)
+        d = b[..., 384:416].contiguous().view(torch.float16).float().reshape(t, nb, 1, 16)
+        ws = d * b[..., 416:448].contiguous().view(torch.int8).float().reshape(t, nb, 2, 16)
         mn = torch.zeros(t, nb, 16)
     else:
         f = b[..., 256:384].contiguous().view(torch.float32).reshape(t, nb, 2, 16)
