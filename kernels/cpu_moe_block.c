@@ -16,7 +16,9 @@
  *   y = chatserve_bq8(h rows of the group, down band(s)) in the activation dtype;
  *   out = store(y_0 · w_0), then out = store(out + store(y_j · w_j)) for j = 1 .. k-1 (torch's ops).
  * Each expert's blocks stream once a step over all the slots routed to it; a slot's output never depends on the
- * slots beside it (chatserve_bq8's rows are independent, its threads split columns).
+ * slots beside it (chatserve_bq8's rows are independent, its threads split columns). Threads: a few decode rows
+ * make every band call smaller than a parallel region pays for (the loop then runs each on one thread), so
+ * here the threads take whole (expert, band) calls instead; bigger calls split their columns as the loop's.
  *
  * Bands: int64 [E, B, 4] tables of (GGUF type id, data pointer, row bytes, rows) per expert and band, gate_up's
  * B1 bands covering 2I rows of H, down's B2 bands H rows of I.
@@ -70,21 +72,41 @@ static void mb_combine(const char *yd, const int64_t *pos, const float *wts, int
         }
 }
 
-/* M rows of x [M, K] (activation dtype) through expert e's bands (table [E, B, 4]) → y [M, ldy] from column 0.
- * Threads as cpu_blockmm.threads_for: one below min_macs multiply-adds a call. Returns chatserve_bq8's code. */
-static int mb_bands(const int64_t *bands, int64_t B, int64_t e, int64_t K, const char *x, int64_t M, int bf16,
-                    int x_bits, char *y, int64_t ldy, int nt, int64_t min_macs) {
-    const size_t ab = bf16 ? 2 : 4;
-    int64_t col = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t *d = bands + (e * B + b) * 4, n = d[3];
-        const int t = M * n * K < min_macs ? 1 : nt;
-        const int rc = chatserve_bq8((int)d[0], (const uint8_t *)d[1], d[2], n, K, x, M, bf16, x_bits,
-                                     y + (size_t)col * ab, ldy, bf16, t);
-        if (rc) return rc;
-        col += n;
+/* One band call: rows [r0, r0 + M) of the grouped input through band b of expert e. */
+typedef struct { int64_t e, b, r0, M, col; } mb_job;
+
+/* The jobs of one matmul stage (every expert with slots, each band of its table [E, B, 4]), expert by expert,
+ * band by band; col: the band's first output column. Returns their count. */
+static int64_t mb_jobs(mb_job *jobs, const int64_t *bands, int64_t B, const int64_t *cnt, int64_t E) {
+    int64_t n = 0;
+    for (int64_t e = 0, r0 = 0; e < E; r0 += cnt[e + 1], e++) {
+        if (!cnt[e + 1]) continue;
+        for (int64_t b = 0, col = 0; b < B; col += bands[(e * B + b) * 4 + 3], b++)
+            jobs[n++] = (mb_job){e, b, r0, cnt[e + 1], col};
     }
-    return 0;
+    return n;
+}
+
+/* Every job of a stage: x rows (activation dtype, [S, K]) → y [S, ldy]. With one thread, or a job of at least
+ * min_macs multiply-adds, chatserve_bq8 splits the band's columns over the threads itself; otherwise (a few
+ * decode rows: each band below the size where a parallel region pays) the threads take whole jobs, each call
+ * on one thread. Either way a column's arithmetic is the same (chatserve_bq8's threads split columns), so the
+ * bits never depend on the split. Returns the first nonzero chatserve_bq8 code, else 0. */
+static int mb_stage(const mb_job *jobs, int64_t n, const int64_t *bands, int64_t B, int64_t K, const char *x,
+                    int bf16, int x_bits, char *y, int64_t ldy, int nt, int64_t min_macs) {
+    const size_t ab = bf16 ? 2 : 4;
+    int rc = 0, spread = nt > 1;
+    for (int64_t j = 0; j < n; j++)
+        if (jobs[j].M * bands[(jobs[j].e * B + jobs[j].b) * 4 + 3] * K >= min_macs) spread = 0;
+    #pragma omp parallel for num_threads(spread ? nt : 1) schedule(dynamic, 1) reduction(|:rc)
+    for (int64_t j = 0; j < n; j++) {
+        const mb_job *o = jobs + j;
+        const int64_t *d = bands + (o->e * B + o->b) * 4, nr = d[3];
+        const int t = spread || o->M * nr * K < min_macs ? 1 : nt;
+        rc |= chatserve_bq8((int)d[0], (const uint8_t *)d[1], d[2], nr, K, x + (size_t)(o->r0 * K) * ab, o->M,
+                            bf16, x_bits, y + (size_t)(o->r0 * ldy + o->col) * ab, ldy, bf16, t);
+    }
+    return rc;
 }
 #endif
 
@@ -104,8 +126,9 @@ int chatserve_moe_block(const int64_t *gu, int64_t B1, const int64_t *dn, int64_
     int64_t *next = malloc(sizeof(int64_t) * (size_t)E);
     char *gx = malloc((size_t)(S * H) * ab), *gup = malloc((size_t)(S * N1) * ab);
     char *hh = malloc((size_t)(S * I) * ab), *yd = malloc((size_t)(S * H) * ab);
+    mb_job *jobs = malloc(sizeof(mb_job) * (size_t)((B1 + B2) * (S < E ? S : E)));
     int rc = 0;
-    if (!cnt || !pos || !next || !gx || !gup || !hh || !yd) { rc = -2; goto done; }
+    if (!cnt || !pos || !next || !gx || !gup || !hh || !yd || !jobs) { rc = -2; goto done; }
     for (int64_t s = 0; s < S; s++) {
         if (ids[s] < 0 || ids[s] >= E) { rc = -3; goto done; }
         cnt[ids[s] + 1]++;
@@ -115,20 +138,15 @@ int chatserve_moe_block(const int64_t *gu, int64_t B1, const int64_t *dn, int64_
         pos[s] = next[ids[s]]++;
         memcpy(gx + (size_t)(pos[s] * H) * ab, (const char *)x + (size_t)((s / k) * H) * ab, (size_t)H * ab);
     }
-    for (int64_t e = 0, r0 = 0; e < E && !rc; r0 += cnt[e + 1], e++)      /* gate_up of every expert: [S, 2I] */
-        if (cnt[e + 1])
-            rc = mb_bands(gu, B1, e, H, gx + (size_t)(r0 * H) * ab, cnt[e + 1], bf16, x_bits,
-                          gup + (size_t)(r0 * N1) * ab, N1, nt, min_macs);
+    const int64_t n1 = mb_jobs(jobs, gu, B1, cnt, E), n2 = mb_jobs(jobs + n1, dn, B2, cnt, E);
+    rc = mb_stage(jobs, n1, gu, B1, H, gx, bf16, x_bits, gup, N1, nt, min_macs);     /* gate_up: [S, 2I] */
     if (rc) goto done;
     silu_mul(bf16, gup, hh, S, I, nt);             /* h = store(store(silu(g)) · u): cpu_ops' own function */
-    for (int64_t e = 0, r0 = 0; e < E && !rc; r0 += cnt[e + 1], e++)      /* down of every expert: [S, H] */
-        if (cnt[e + 1])
-            rc = mb_bands(dn, B2, e, I, hh + (size_t)(r0 * I) * ab, cnt[e + 1], bf16, x_bits,
-                          yd + (size_t)(r0 * H) * ab, H, nt, min_macs);
+    rc = mb_stage(jobs + n1, n2, dn, B2, I, hh, bf16, x_bits, yd, H, nt, min_macs);   /* down: [S, H] */
     if (rc) goto done;
     mb_combine(yd, pos, wts, T, k, H, out, bf16);
 done:
-    free(cnt); free(pos); free(next); free(gx); free(gup); free(hh); free(yd);
+    free(cnt); free(pos); free(next); free(gx); free(gup); free(hh); free(yd); free(jobs);
     return rc;
 #else
     (void)gu; (void)B1; (void)dn; (void)B2; (void)H; (void)I; (void)E; (void)x; (void)T; (void)k; (void)ids;

@@ -12,7 +12,7 @@ from test_cpu_blockmm import make_weight
 from chatserve.runtime.models import linear_backends as lb
 from chatserve.runtime.models.layers import ALL_GENERATED, ALL_PROMPT, FusedCpuOps, GatedMLP, Linear, RowSplit, TorchOps
 from chatserve.runtime.models.moe import MoE, block_experts, packed_experts
-from chatserve_kernels import cpu_moe_block
+from chatserve_kernels import cpu_blockmm, cpu_moe_block
 
 BACKENDS = {"avx512": lb.CpuAvx512BlockLinear, "avx2": lb.CpuAvx2BlockLinear}
 LEVELS = [isa for isa in BACKENDS if cpu_moe_block.available(isa)]
@@ -73,9 +73,10 @@ def test_one_call_gives_the_expert_loops_bits(isa, mix, dtype, top_k):
 
 
 @pytest.mark.parametrize("isa", LEVELS)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(isa):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(isa, monkeypatch):
     """Alone, in a batch, in another order, beside copies of itself (its experts then shared by several rows),
-    with one thread or three: the same bits."""
+    with one thread or three, the threads taking whole band calls or (every call above the one-thread size)
+    splitting each call's columns: the same bits."""
     moe = make_moe(isa, ("Q4_K", "Q6_K"), torch.bfloat16, top_k=4)
     x = torch.randn(12, H_, generator=torch.Generator().manual_seed(2)).bfloat16()
     w, idx = moe.route(x)
@@ -89,6 +90,9 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(isa):
     rep = torch.tensor([5, 5, 5, 0, 5])                                 # row 5 four times: its experts shared
     torch.testing.assert_close(cpu_moe_block.moe(x[rep], idx[rep], w[rep], table(moe)), batch[rep], rtol=0, atol=0)
     for threads in (1, 3):
+        torch.testing.assert_close(cpu_moe_block.moe(x, idx, w, table(moe), threads), batch, rtol=0, atol=0)
+    monkeypatch.setattr(cpu_blockmm, "ONE_THREAD_MACS", 0)
+    for threads in (2, 3):
         torch.testing.assert_close(cpu_moe_block.moe(x, idx, w, table(moe), threads), batch, rtol=0, atol=0)
 
 
