@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights, over the 20 chat prompts of `bench kernels --quality`")
     p.add_argument("--max-tokens", type=int, default=32, help="for --agreement")
     p.add_argument("--moe-ab", type=int, default=0,
-                   help="MoE models: for each batch, this many rounds of decode with cpu_moe's one call per "
+                   help="MoE models: for each batch, this many rounds of decode with cpu_moe's (in-place "
+                        "GGUF experts: cpu_moe_block's) one call per "
                         "layer then with the expert loop (the same model, alternating), each reported")
     p.add_argument("--profile", type=int, default=0,
                    help="instead of timings: torch.profiler over this many batch-1 decode steps of the "
@@ -400,8 +401,9 @@ def _decode_plan(runner, batches: list[int], ab_rounds: int):
         return
     moes = [ly.mlp for ly in runner.model.layers if getattr(ly.mlp, "packed", None) is not None]
     if not moes:
-        raise SystemExit("--moe-ab: no MoE layer of this model runs cpu_moe (not a MoE model, or no int4/int8 "
-                         "cpu_qmatmul experts, or CHATSERVE_MOE_KERNEL=0)")
+        raise SystemExit("--moe-ab: no MoE layer of this model runs cpu_moe or cpu_moe_block (not a MoE model, "
+                         "no int4/int8 cpu_qmatmul experts nor in-place block experts with integer codes, or "
+                         "CHATSERVE_MOE_KERNEL=0)")
     packed = [m.packed for m in moes]
     for b in batches:
         for r in range(ab_rounds):                       # A B, B A, …: neither variant always runs first

@@ -221,7 +221,7 @@ def save_gguf(model, path: Path, qtype: str = "F32") -> str:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
         if ".experts." in hf_name:                   # stacked [E, ...] as llama.cpp's converter writes
-            _add_experts(w, hf_name, t.detach().float().numpy(), name == "gpt-oss")
+            _add_experts(w, hf_name, t.detach().float().numpy(), name == "gpt-oss", qtype)
             continue
         g = nm.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert g is not None, hf_name
@@ -261,10 +261,21 @@ def _add_moe_keys(w, cfg) -> None:
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
-def _add_experts(w, hf_name: str, arr: np.ndarray, oss: bool = False) -> None:
+def _add_experts(w, hf_name: str, arr: np.ndarray, oss: bool = False, qtype: str = "F32") -> None:
     """transformers' fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as GGUF's
-    ffn_{gate,up,down}_exps [E, I, H] / [E, H, I]. gpt-oss (oss): gate_up_proj [E, H, 2I] with gate and up
-    columns interleaved, down_proj [E, I, H], and their _bias tensors."""
+    ffn_{gate,up,down}_exps [E, I, H] / [E, H, I], in block format qtype where the rows are whole blocks
+    (F32 otherwise). gpt-oss (oss): gate_up_proj [E, H, 2I] with gate and up columns interleaved, down_proj
+    [E, I, H], and their _bias tensors (always F32)."""
+    import gguf
+
+    def add(g: str, a: np.ndarray) -> None:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if qtype != "F32" and a.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0] == 0:
+            qt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(g, gguf.quants.quantize(a, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(g, a)
+
     blk = f"blk.{hf_name.split('.layers.')[1].split('.')[0]}"
     if oss:
         kind = "bias" if hf_name.endswith("_bias") else "weight"
@@ -280,11 +291,11 @@ def _add_experts(w, hf_name: str, arr: np.ndarray, oss: bool = False) -> None:
         return
     if hf_name.endswith("gate_up_proj"):
         gate, up = np.split(arr, 2, axis=1)
-        w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(gate, dtype=np.float32))
-        w.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(up, dtype=np.float32))
+        add(f"{blk}.ffn_gate_exps.weight", gate)
+        add(f"{blk}.ffn_up_exps.weight", up)
     else:
         assert hf_name.endswith("down_proj"), hf_name
-        w.add_tensor(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(arr, dtype=np.float32))
+        add(f"{blk}.ffn_down_exps.weight", arr)
 
 
 # ---------------------------------------------------------------------------------------------

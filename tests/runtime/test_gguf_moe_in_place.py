@@ -37,3 +37,49 @@ def test_expert_views_are_the_files_bytes(tmp_path):
     assert np.array_equal(view.parts[0].data.numpy(), np.asarray(stacked.data).view(np.uint8).reshape(
         int(stacked.shape[-1]), view.n, -1)[e])
     assert not view.parts[0].data.numpy().flags.owndata
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_in_place_experts_take_one_c_call_with_the_loops_bits(tmp_path, name, qtype, monkeypatch):
+    """On the CPU backend, every MoE layer of a GGUF loaded in place gets the cpu_moe_block table (its
+    experts' views of the file), its generated rows go through that one call (counted), and they come out
+    as the expert loop's, bit for bit (CHATSERVE_MOE_KERNEL=0: no table). The tiny Mixtral's expert width
+    (48) is no whole number of blocks: its down stays F32 (the float path), so it gets no table."""
+    from chatserve.runtime.models import build_model
+    from chatserve.runtime.models.layers import ALL_GENERATED
+    from chatserve.runtime.models.linear_backends import choose_block_backend
+    from chatserve.runtime.models.moe import MoE
+    from chatserve_kernels import cpu_moe_block
+
+    backend = choose_block_backend(torch.device("cpu"))
+    isa = getattr(backend, "isa", "")
+    if not isa or not cpu_moe_block.available(isa):
+        pytest.skip("cpu_moe_block needs a cpu_blockq8 level")
+    path = H.save_gguf(H.hf_model(name), tmp_path / "m.gguf", qtype)
+    w = load_weights(path, "bfloat16", progress=False, in_place=True)
+    m = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, block_backend=backend)
+    moes = [layer.mlp for layer in m.layers if isinstance(layer.mlp, MoE)]
+    if name == "mixtral":
+        assert moes and all(moe.packed is None for moe in moes)
+        return
+    assert moes and all(isinstance(moe.packed, cpu_moe_block.BlockExperts) for moe in moes)
+    calls = []
+    real = cpu_moe_block.moe
+    monkeypatch.setattr(cpu_moe_block, "moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    for moe in moes:
+        for T in (1, 4):
+            x = torch.randn(T, w.config.hidden_size, generator=g).bfloat16()
+            before = len(calls)
+            got = moe(x, ALL_GENERATED)
+            assert len(calls) == before + 1
+            packed, moe.packed = moe.packed, None
+            try:
+                want = moe(x, ALL_GENERATED)
+            finally:
+                moe.packed = packed
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    monkeypatch.setenv("CHATSERVE_MOE_KERNEL", "0")
+    off = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, block_backend=backend)
+    assert all(layer.mlp.packed is None for layer in off.layers if isinstance(layer.mlp, MoE))

@@ -14,8 +14,9 @@ import torch
 
 from chatserve.runtime.arch_config import MoESpec, UnsupportedModelError
 from chatserve.runtime.models.layers import ALL_PROMPT, AnyLinear, FusedCpuOps, GatedMLP, Linear, RowSplit, TorchOps
-from chatserve.runtime.models.linear_backends import BlockMatrix, cat_rows
-from chatserve_kernels import block_formats, cpu_moe, env
+from chatserve.runtime.models import linear_backends
+from chatserve.runtime.models.linear_backends import BlockMatrix, CpuBlockLinear, cat_rows
+from chatserve_kernels import block_formats, cpu_blockq8, cpu_moe, cpu_moe_block, env
 
 
 class WeightReader(Protocol):
@@ -31,12 +32,13 @@ class WeightReader(Protocol):
 class MoE:
     """sum_k w_k · expert_{i_k}(x) over the row's top-k experts (+ sigmoid(x·g) · shared(x), Qwen2-MoE).
     Routing: p = softmax(router(x)) in float32, (w, i) = topk(p, k), w /= sum(w) when norm_topk_prob.
-    packed (cpu_moe, see packed_experts): the generated rows' routed experts in one C call, the same bits as
-    the expert loop below (which prompt rows, and every row without it, take)."""
+    packed (cpu_moe, see packed_experts; cpu_moe_block for experts kept in their GGUF block format, see
+    block_experts): the generated rows' routed experts in one C call, the same bits as the expert loop below
+    (which prompt rows, and every row without it, take)."""
 
     def __init__(self, router: Linear, experts: Sequence[GatedMLP], top_k: int, norm_topk_prob: bool,
                  shared: GatedMLP | None = None, shared_gate: Linear | None = None,
-                 packed: cpu_moe.PackedExperts | None = None) -> None:
+                 packed: cpu_moe.PackedExperts | cpu_moe_block.BlockExperts | None = None) -> None:
         self.router, self.experts, self.top_k, self.norm = router, experts, top_k, norm_topk_prob
         self.shared, self.shared_gate, self.packed = shared, shared_gate, packed
         # rows=None (benchmarks, kernel tests): steps of up to small_m rows take the quantized copies
@@ -57,14 +59,21 @@ class MoE:
                 or (rows is not None and rows.gen is None and not rows.all_gen):
             out = self._routed(x, w, idx, rows)
         elif rows is None or rows.all_gen:                       # every row generated: one C call
-            out = cpu_moe.moe(x, idx, w, self.packed)
+            out = self._packed(x, idx, w)
         else:                                                    # a mixed step: each kind its own way
             assert rows.gen is not None and rows.prompt is not None
             out = x.new_empty(x.shape)
-            out[rows.gen] = cpu_moe.moe(x[rows.gen], idx[rows.gen], w[rows.gen], self.packed)
+            out[rows.gen] = self._packed(x[rows.gen], idx[rows.gen], w[rows.gen])
             p = rows.prompt
             out[p] = self._routed(x[p], w[p], idx[p], ALL_PROMPT)
         return self._add_shared(out, x, rows)
+
+    def _packed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The routed experts of generated rows in one C call: x [T, H], idx / w [T, k] → [T, H]."""
+        if isinstance(self.packed, cpu_moe_block.BlockExperts):
+            return cpu_moe_block.moe(x, idx, w, self.packed)
+        assert self.packed is not None
+        return cpu_moe.moe(x, idx, w, self.packed)
 
     def _routed(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, rows: RowSplit | None) -> torch.Tensor:
         """Σ_j w[:, j] · expert_{idx[:, j]}(x) through the experts' own Linears. x: [T, H]; w, idx: [T, k]."""
@@ -196,7 +205,31 @@ def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec,
     sh = None if shared is None else GatedMLP(lin(cat_rows(list(shared[:2]))), lin(shared[2]), act, ops)
     return MoE(Linear(dense(router, dtype)), mlps, spec.top_k, spec.norm_topk_prob, sh,
                None if shared_gate is None else Linear(dense(shared_gate, dtype).reshape(1, -1)),
-               packed_experts(mlps, act, ops))
+               packed_experts(mlps, act, ops) or block_experts(mlps, act, ops))
+
+
+def block_experts(mlps: Sequence[GatedMLP], act: str, ops: TorchOps) -> cpu_moe_block.BlockExperts | None:
+    """The experts' GGUF block bands (--gguf-in-place) as one cpu_moe_block table, when the C call gives their
+    loop's bits: SiLU through cpu_ops (FusedCpuOps), plain GatedMLPs, every gate_up and down a CpuBlockLinear of
+    one level running cpu_blockq8's per-lane kernel for generated rows (no tiled copy, no bias, every band of a
+    cpu_blockq8 format, the same band formats and shapes in every expert), and CHATSERVE_MOE_KERNEL not 0.
+    None otherwise (the expert loop runs)."""
+    if act != "silu" or not isinstance(ops, FusedCpuOps) or not env.moe_kernel_enabled() \
+            or any(type(m) is not GatedMLP for m in mlps):      # a subclass (gpt-oss) has its own arithmetic
+        return None
+    lins = [a for m in mlps for a in (m.gate_up, m.down) if isinstance(a, CpuBlockLinear)]
+    if len(lins) != 2 * len(mlps) or not all(a.q8 and not a.tiled and a.b is None for a in lins):
+        return None
+    isas = {a.isa for a in lins}
+    isa = next(iter(isas))
+    if len(isas) != 1 or not all(cpu_blockq8.handles(p) and p.data.is_contiguous() for a in lins for p in a.w.parts):
+        return None
+    gu, dn = [list(a.w.parts) for a in lins[0::2]], [list(a.w.parts) for a in lins[1::2]]
+    shapes = {(tuple((p.fmt.name, p.n, p.k) for p in g), tuple((p.fmt.name, p.n, p.k) for p in d))
+              for g, d in zip(gu, dn)}
+    if len(shapes) != 1 or not cpu_moe_block.available(isa):
+        return None
+    return cpu_moe_block.BlockExperts(gu, dn, isa, linear_backends.DECODE_X_BITS)
 
 
 def packed_experts(mlps: Sequence[GatedMLP], act: str, ops: TorchOps) -> cpu_moe.PackedExperts | None:
