@@ -26,28 +26,12 @@
 #include "cpu_qmatmul.c"
 #endif
 
-static inline uint16_t moe_f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    union { float f; uint32_t u; } c = {f};
-    const uint16_t rounded = (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-    return (c.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((c.u >> 16) | 0x40) : rounded;
-}
-
-/* an fp32 value as a store of the activation dtype leaves it */
-static inline float moe_round(float v, int bf16) { return bf16 ? bf16_to_f32(moe_f32_to_bf16(v)) : v; }
-
-static inline float moe_load(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void moe_store(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = moe_f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
+#ifndef CHATSERVE_MOE_ROWS_H
+#include "moe_rows.h"
+#endif
 
 int chatserve_moe_tile(void) { return QMM_TILE; }
 
-/* cpu_ops.c's chatserve_silu_mul(dtype, gu [T, 2I], out [T, I], T, I, nthreads) */
-typedef void (*silu_mul_fn)(int, const void *, void *, int64_t, int64_t, int);
 
 #if QMM_TILE
 /* Rows [0, M) of quantized input (codes xh [M, K] (and the low plane xl for 4-bit), sx, xs [M, G]) through
@@ -92,26 +76,6 @@ static int64_t moe_jobs(moe_job *jobs, int64_t ngroups, int64_t tiles, int64_t c
     return n;
 }
 
-/* The fp32 combine must not fuse y·w + out into one FMA: torch rounds the product first. */
-__attribute__((optimize("fp-contract=off")))
-static void moe_combine(const char *yd, const int64_t *pos, const float *wts, int64_t T, int64_t k, int64_t H,
-                        void *out, int bf16) {
-    const size_t ybytes = bf16 ? 2 : 4;
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t j = 0; j < k; j++) {
-            const void *y = yd + (size_t)(pos[t * k + j] * H) * ybytes;
-            const float wj = wts[t * k + j];
-            if (j == 0) {
-                for (int64_t i = 0; i < H; i++) moe_store(out, t * H + i, moe_load(y, i, bf16) * wj, bf16);
-            } else {
-                for (int64_t i = 0; i < H; i++) {
-                    const float p = moe_round(moe_load(y, i, bf16) * wj, bf16);
-                    moe_store(out, t * H + i, moe_load(out, t * H + i, bf16) + p, bf16);
-                }
-            }
-        }
-    }
-}
 #endif
 
 /* out[T, H] (x's dtype: fp32, or bf16 when bf16 != 0) = Σ_j wts[t, j] · expert_{ids[t, j]}(x[t]) for

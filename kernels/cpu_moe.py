@@ -16,13 +16,15 @@ from chatserve_kernels import cpu_build, cpu_ops, cpu_qmatmul
 from chatserve_kernels.cpu_qmatmul import PackedWeight
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
+ROWS = Path(__file__).with_name("moe_rows.h")      # shared with cpu_moe_block: loads, stores, the combine
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 def _source() -> Path:
-    """cpu_qmatmul.c then cpu_moe.c as one source (cpu_moe.c calls the tile kernels, which are static), written
-    once into the kernel cache under a name of its content, so an edit to either file rebuilds it."""
-    return cpu_build.composed_source("cpu_moe", cpu_qmatmul.SOURCE.read_text() + "\n" + SOURCE.read_text())
+    """cpu_qmatmul.c, moe_rows.h, then cpu_moe.c as one source (cpu_moe.c calls the tile kernels, which are
+    static), written once into the kernel cache under a name of its content, so an edit to any part rebuilds it."""
+    return cpu_build.composed_source(
+        "cpu_moe", cpu_qmatmul.SOURCE.read_text() + "\n" + ROWS.read_text() + "\n" + SOURCE.read_text())
 
 
 @functools.lru_cache(maxsize=1)

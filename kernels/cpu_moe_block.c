@@ -31,47 +31,14 @@
 #include "cpu_blockq8.c"
 #endif
 
-static inline uint16_t mb_f32_to_bf16(float f) {    /* round to nearest even; NaN stays NaN */
-    union { float f; uint32_t u; } c = {f};
-    const uint16_t rounded = (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-    return (c.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((c.u >> 16) | 0x40) : rounded;
-}
-static inline float mb_bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline float mb_round(float v, int bf16) { return bf16 ? mb_bf16_to_f32(mb_f32_to_bf16(v)) : v; }
-static inline float mb_load(const void *p, int64_t i, int bf16) {
-    return bf16 ? mb_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-static inline void mb_store(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = mb_f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
+#ifndef CHATSERVE_MOE_ROWS_H
+#include "moe_rows.h"
+#endif
 
 int chatserve_moe_block_level(void) { return BQ8_LEVEL * 10 + BQ8_VNNI; }
 
-/* cpu_ops.c's chatserve_silu_mul(dtype, gu [T, 2I], out [T, I], T, I, nthreads) */
-typedef void (*mb_silu_mul_fn)(int, const void *, void *, int64_t, int64_t, int);
 
 #if BQ8_LEVEL
-/* The fp32 combine must not fuse y·w + out into one FMA: torch rounds the product first. */
-__attribute__((optimize("fp-contract=off")))
-static void mb_combine(const char *yd, const int64_t *pos, const float *wts, int64_t T, int64_t k, int64_t H,
-                       void *out, int bf16) {
-    const size_t ybytes = bf16 ? 2 : 4;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < k; j++) {
-            const void *y = yd + (size_t)(pos[t * k + j] * H) * ybytes;
-            const float wj = wts[t * k + j];
-            if (j == 0) {
-                for (int64_t i = 0; i < H; i++) mb_store(out, t * H + i, mb_load(y, i, bf16) * wj, bf16);
-            } else {
-                for (int64_t i = 0; i < H; i++) {
-                    const float p = mb_round(mb_load(y, i, bf16) * wj, bf16);
-                    mb_store(out, t * H + i, mb_load(out, t * H + i, bf16) + p, bf16);
-                }
-            }
-        }
-}
-
 /* One band call: rows [r0, r0 + M) of the grouped input through band b of expert e. */
 typedef struct { int64_t e, b, r0, M, col; } mb_job;
 
@@ -117,7 +84,7 @@ static int mb_stage(const mb_job *jobs, int64_t n, const int64_t *bands, int64_t
  * id; chatserve_bq8's positive code on a band it rejects. */
 int chatserve_moe_block(const int64_t *gu, int64_t B1, const int64_t *dn, int64_t B2, int64_t H, int64_t I,
                         int64_t E, const void *x, int64_t T, int64_t k, const int64_t *ids, const float *wts,
-                        void *out, int bf16, int x_bits, int nthreads, int64_t min_macs, mb_silu_mul_fn silu_mul) {
+                        void *out, int bf16, int x_bits, int nthreads, int64_t min_macs, silu_mul_fn silu_mul) {
 #if BQ8_LEVEL
     const int64_t S = T * k, N1 = 2 * I;
     const size_t ab = bf16 ? 2 : 4;
@@ -144,7 +111,7 @@ int chatserve_moe_block(const int64_t *gu, int64_t B1, const int64_t *dn, int64_
     silu_mul(bf16, gup, hh, S, I, nt);             /* h = store(store(silu(g)) · u): cpu_ops' own function */
     rc = mb_stage(jobs + n1, n2, dn, B2, I, hh, bf16, x_bits, yd, H, nt, min_macs);   /* down: [S, H] */
     if (rc) goto done;
-    mb_combine(yd, pos, wts, T, k, H, out, bf16);
+    moe_combine(yd, pos, wts, T, k, H, out, bf16);
 done:
     free(cnt); free(pos); free(next); free(gx); free(gup); free(hh); free(yd); free(jobs);
     return rc;

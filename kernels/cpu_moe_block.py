@@ -18,15 +18,17 @@ from chatserve_kernels import block_q8, cpu_blockmm, cpu_blockq8, cpu_build, cpu
 from chatserve_kernels.block_formats import BlockWeight
 
 SOURCE = Path(__file__).with_name("cpu_moe_block.c")
+ROWS = Path(__file__).with_name("moe_rows.h")      # shared with cpu_moe: loads, stores, the combine
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 def _source(isa: str) -> Path:
-    """cpu_blockq8's level source (prelude, block_bytes.h, cpu_blockq8.c) then cpu_moe_block.c as one source
-    (this file calls chatserve_bq8 of that level), written once into the kernel cache under a name of its
-    content, so an edit to any part rebuilds it."""
+    """cpu_blockq8's level source (prelude, block_bytes.h, cpu_blockq8.c), moe_rows.h, then cpu_moe_block.c as
+    one source (this file calls chatserve_bq8 of that level), written once into the kernel cache under a name
+    of its content, so an edit to any part rebuilds it."""
     level = cpu_blockq8._PRELUDE[isa] + cpu_blockmm.HELPERS.read_text() + cpu_blockq8.SOURCE.read_text()
-    return cpu_build.composed_source(f"cpu_moe_block_{isa}", level + "\n" + SOURCE.read_text())
+    return cpu_build.composed_source(f"cpu_moe_block_{isa}",
+                                     level + "\n" + ROWS.read_text() + "\n" + SOURCE.read_text())
 
 
 @functools.lru_cache(maxsize=None)
