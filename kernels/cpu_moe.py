@@ -41,12 +41,6 @@ def library():
     return lib
 
 
-@functools.lru_cache(maxsize=1)
-def _silu_mul() -> int:
-    """The address of cpu_ops.c's chatserve_silu_mul, which the C call runs for SiLU·up."""
-    return ctypes.cast(cpu_ops.library().chatserve_silu_mul, ctypes.c_void_p).value or 0
-
-
 def available() -> bool:
     return library() is not None
 
@@ -71,19 +65,24 @@ class PackedExperts:
         return len(self.gate_up)
 
 
+def call_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, hidden: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both MoE calls (this one and cpu_moe_block's) pass to C: x [T, H] contiguous, ids [T, k] int64,
+    the routing weights [T, k] as fp32 (exact from bf16), and out [T, H] in x's dtype."""
+    assert x.shape[1] == hidden and x.dtype in (torch.float32, torch.bfloat16) and ids.shape == weights.shape
+    return (x.contiguous(), ids.to(torch.int64).contiguous(), weights.float().contiguous(),
+            torch.empty(x.shape[0], hidden, dtype=x.dtype))
+
+
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedExperts) -> torch.Tensor:
     """x [T, H] fp32/bf16, ids [T, k] int64, weights [T, k] (x's dtype) → Σ_j weights[:, j] ·
     expert_{ids[:, j]}(x) [T, H] in x's dtype, combined in rank order j = 0, 1, …"""
+    x, ids, w, out = call_args(x, ids, weights, experts.hidden)
     T, H = x.shape
-    assert H == experts.hidden and x.dtype in (torch.float32, torch.bfloat16) and ids.shape == weights.shape
-    x = x.contiguous()
-    ids = ids.to(torch.int64).contiguous()
-    w = weights.float().contiguous()                         # exact: bf16 → fp32
-    out = torch.empty(T, H, dtype=x.dtype)
     rc = library().chatserve_moe(experts.gu_ptrs.data_ptr(), experts.dn_ptrs.data_ptr(), experts.bits, H,
                                  experts.inter, len(experts), x.data_ptr(), T, ids.shape[1], ids.data_ptr(),
                                  w.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
-                                 torch.get_num_threads(), _silu_mul())
+                                 torch.get_num_threads(), cpu_ops.silu_mul_address())
     if rc:
         raise (MemoryError if rc == -2 else ValueError)(f"cpu_moe failed ({rc})")
     return out

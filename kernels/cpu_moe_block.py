@@ -14,11 +14,10 @@ from pathlib import Path
 
 import torch
 
-from chatserve_kernels import block_q8, cpu_blockmm, cpu_blockq8, cpu_build, cpu_ops
+from chatserve_kernels import block_q8, cpu_blockmm, cpu_blockq8, cpu_build, cpu_moe, cpu_ops
 from chatserve_kernels.block_formats import BlockWeight
 
 SOURCE = Path(__file__).with_name("cpu_moe_block.c")
-ROWS = Path(__file__).with_name("moe_rows.h")      # shared with cpu_moe: loads, stores, the combine
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -28,7 +27,7 @@ def _source(isa: str) -> Path:
     of its content, so an edit to any part rebuilds it."""
     level = cpu_blockq8._PRELUDE[isa] + cpu_blockmm.HELPERS.read_text() + cpu_blockq8.SOURCE.read_text()
     return cpu_build.composed_source(f"cpu_moe_block_{isa}",
-                                     level + "\n" + ROWS.read_text() + "\n" + SOURCE.read_text())
+                                     level + "\n" + cpu_moe.ROWS.read_text() + "\n" + SOURCE.read_text())
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,12 +47,6 @@ def library(isa: str):
 
 def available(isa: str) -> bool:
     return library(isa) is not None
-
-
-@functools.lru_cache(maxsize=1)
-def _silu_mul() -> int:
-    """The address of cpu_ops.c's chatserve_silu_mul, which the C call runs for SiLU·up."""
-    return ctypes.cast(cpu_ops.library().chatserve_silu_mul, ctypes.c_void_p).value or 0
 
 
 def _table(bands: list[list[BlockWeight]]) -> torch.Tensor:
@@ -89,17 +82,13 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Bloc
         threads: int | None = None) -> torch.Tensor:
     """x [T, H] fp32/bf16, ids [T, k] int64, weights [T, k] (x's dtype) → Σ_j weights[:, j] ·
     expert_{ids[:, j]}(x) [T, H] in x's dtype, combined in rank order j = 0, 1, …"""
+    x, ids, w, out = cpu_moe.call_args(x, ids, weights, experts.hidden)
     T, H = x.shape
-    assert H == experts.hidden and x.dtype in (torch.float32, torch.bfloat16) and ids.shape == weights.shape
-    x = x.contiguous()
-    ids = ids.to(torch.int64).contiguous()
-    w = weights.float().contiguous()                         # exact: bf16 → fp32
-    out = torch.empty(T, H, dtype=x.dtype)
     rc = library(experts.isa).chatserve_moe_block(
         experts.gu_table.data_ptr(), experts.gu_table.shape[1], experts.dn_table.data_ptr(),
         experts.dn_table.shape[1], H, experts.inter, len(experts), x.data_ptr(), T, ids.shape[1], ids.data_ptr(),
         w.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16), experts.x_bits,
-        threads or torch.get_num_threads(), cpu_blockmm.ONE_THREAD_MACS, _silu_mul())
+        threads or torch.get_num_threads(), cpu_blockmm.ONE_THREAD_MACS, cpu_ops.silu_mul_address())
     if rc:
         raise (MemoryError if rc == -2 else ValueError)(f"cpu_moe_block failed ({rc})")
     return out

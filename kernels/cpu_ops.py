@@ -33,6 +33,14 @@ def library():
     return lib
 
 
+@functools.lru_cache(maxsize=1)
+def silu_mul_address() -> int:
+    """The address of chatserve_silu_mul, for the C kernels that run SiLU·up inside one call (cpu_moe,
+    cpu_moe_block) with this very arithmetic; 0 without the library."""
+    lib = library()
+    return 0 if lib is None else ctypes.cast(lib.chatserve_silu_mul, ctypes.c_void_p).value or 0
+
+
 def usable(t: torch.Tensor) -> bool:
     """The fused ops can run on tensors like t (CPU, fp32 or bf16) and the library is built."""
     return t.device.type == "cpu" and t.dtype in _DTYPES and library() is not None
