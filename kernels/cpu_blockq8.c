@@ -623,11 +623,11 @@ int chatserve_bq8_tile(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, 
     return 0;
 }
 
-#if BQ8_LEVEL == 3
 /* x of one call, natural order: code planes xh (the codes at 8 bits; qh at 15) and xl (ql) [m, k]; per block
  * −z·Σq (int32), d and d·Σq [m, k / 32] */
 typedef struct { const int8_t *xh, *xl; const int32_t *nzq, *nzh; const float *d, *dsq; int64_t k, nb; } xnat;
 
+#if BQ8_LEVEL == 3
 static inline __m512i bc4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
 /* x rows [m0, m0 + MB) against one tile of 16 W rows → res [MB] (lane r = W row 16·t + r) */
@@ -735,6 +735,181 @@ static inline void store16(void *y, int y_bf16, int64_t off, __m512 v, __mmask16
             for (int i = 0; i < MB; i++) store16(y, yb, (m0 + i) * ldy + 16 * t, res[i], keep);           \
         }                                                                                                 \
     }
+#else
+/* Level 2 (AVX2): the same tiled layout, a tile's 16 rows as two ymm halves: rows 0-7 are bytes 0-31 of every
+ * 64-byte chunk and the first 8 entries of each scale array, rows 8-15 bytes 32-63 and the last 8; one ymm lane
+ * per output row, the level-3 arithmetic per lane in the same order. Integer dots: vpdpbusd ymm (AVX-VNNI) into
+ * int32 as at level 3, or (without it) pmaddubsw of u8 codes × s8 x summed in int16 and widened by pmaddwd, no
+ * more products per int16 sum than stay exact: Q4_x / Q4_K u ≤ 15, 8 maddubs (8 · 2 · 15 · 127 = 30480); Q6_K
+ * u ≤ 63, 2 (2 · 2 · 63 · 127 = 32004); Q8_0 the file's signed codes w as |w| × sign(x, w), 1 (2 · 128 · 127 =
+ * 32512), and no −z·Σq (Σ w·q is the dot itself). */
+static inline __m256i bc4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(ld16(p)); }
+static inline __m256 s8x8(const uint8_t *p) {              /* 8 int8 → float */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256i ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* s += the products u · x of each lane of 4: int32 (VNNI), or int16 pairs (maddubs) until iwide() */
+static inline __attribute__((always_inline)) __m256i isum(__m256i s, __m256i u, __m256i x) {
+#if BQ8_VNNI
+    return _mm256_dpbusd_avx_epi32(s, u, x);
+#else
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x));
+#endif
+}
+static inline __attribute__((always_inline)) __m256i iwide(__m256i s) {      /* isum's sums → int32 per lane */
+#if BQ8_VNNI
+    return s;
+#else
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+/* int16 sums widened after this many chunks (Q6_K, Q8_0); Q4_x / Q4_K: once per block */
+#define FLUSH_Q6 (BQ8_VNNI ? 4 : 2)
+#define FLUSH_Q8 (BQ8_VNNI ? 8 : 1)
+#define Q8_SIGNED (!BQ8_VNNI)           /* Q8_0 as |w| × sign(x, w): no zero, no −z·Σq */
+
+/* block j of half hf of a tile (W rows 8·hf .. 8·hf + 7 of it) for x rows [m0, m0 + MB) → acc[MB] */
+static inline __attribute__((always_inline)) void block8(const int fmt, const int MB, const int P, const uint8_t *wb,
+                                                         const int hf, const xnat *X, int64_t m0, int64_t j,
+                                                         __m256 *acc) {
+    const int64_t nb = X->nb, k = X->k;
+    const int q8 = fmt == Q8_0, six = fmt == Q6_K, codes = q8 ? 512 : 256;
+    const uint8_t *wc = wb + 32 * hf;                      /* this half's 32 bytes of every 64-byte chunk */
+    const __m256 d6 = six ? f16x8(wb + 384 + 16 * hf) : _mm256_setzero_ps();
+    const __m256 ws = fmt == Q4_K ? _mm256_loadu_ps((const float *)(wb + 256) + 8 * hf)
+                    : six ? _mm256_mul_ps(d6, s8x8(wb + 416 + 8 * hf))        /* Q6_K: d · sc, unpack()'s product */
+                    : f16x8(wb + codes + 16 * hf);
+    const __m256 mn = fmt == Q4_1 ? f16x8(wb + codes + 32 + 16 * hf)
+                    : fmt == Q4_K ? _mm256_loadu_ps((const float *)(wb + 320) + 8 * hf)
+                    : six ? _mm256_mul_ps(d6, s8x8(wb + 432 + 8 * hf))        /* Q6_K's ws₁ */
+                    : _mm256_setzero_ps();
+    const __m256i nib = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    __m256i sh[8], sl[8], th[8], tl[8];                    /* int32 sums; isum's partials */
+    if (six) {          /* one half of 16 elements at a time (its own scale), as at level 3 */
+        for (int eh = 0; eh < 2; eh++) {
+            const __m256i hb = ld32(wc + 256 + 64 * eh);
+            for (int i = 0; i < MB; i++) sh[i] = sl[i] = th[i] = tl[i] = zero;
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = ld32(wc + 64 * c);
+                const __m256i top = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), _mm256_set1_epi8(3));
+                const __m256i a = _mm256_or_si256(_mm256_and_si256(eh ? _mm256_srli_epi16(v, 4) : v, nib),
+                                                  _mm256_slli_epi16(top, 4));   /* | the high 2 bits << 4 */
+                for (int i = 0; i < MB; i++) {
+                    const int64_t e = (m0 + i) * k + 32 * j + 16 * eh + 4 * c;
+                    th[i] = isum(th[i], a, bc4(X->xh + e));
+                    if (P == 2) tl[i] = isum(tl[i], a, bc4(X->xl + e));
+                }
+                if ((c + 1) % FLUSH_Q6 == 0)
+                    for (int i = 0; i < MB; i++) {
+                        sh[i] = _mm256_add_epi32(sh[i], iwide(th[i])); th[i] = zero;
+                        if (P == 2) { sl[i] = _mm256_add_epi32(sl[i], iwide(tl[i])); tl[i] = zero; }
+                    }
+            }
+            for (int i = 0; i < MB; i++) {
+                const int64_t r = (m0 + i) * nb + j;
+                __m256i s = sh[i];
+                if (P == 2) s = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(s, 8), s), sl[i]);
+                s = _mm256_add_epi32(s, _mm256_set1_epi32(X->nzh[2 * r + eh]));
+                const __m256 wd = _mm256_mul_ps(eh ? mn : ws, _mm256_set1_ps(X->d[r]));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), wd, acc[i]);
+            }
+        }
+        return;
+    }
+    for (int i = 0; i < MB; i++) sh[i] = sl[i] = th[i] = tl[i] = zero;
+    if (q8) {
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = ld32(wc + 64 * c);
+            const __m256i u = Q8_SIGNED ? _mm256_abs_epi8(v) : _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+            for (int i = 0; i < MB; i++) {
+                const int64_t e = (m0 + i) * k + 32 * j + 4 * c;
+                const __m256i xh = bc4(X->xh + e);
+                th[i] = isum(th[i], u, Q8_SIGNED ? _mm256_sign_epi8(xh, v) : xh);
+                if (P == 2) {
+                    const __m256i xl = bc4(X->xl + e);
+                    tl[i] = isum(tl[i], u, Q8_SIGNED ? _mm256_sign_epi8(xl, v) : xl);
+                }
+            }
+            if ((c + 1) % FLUSH_Q8 == 0)
+                for (int i = 0; i < MB; i++) {
+                    sh[i] = _mm256_add_epi32(sh[i], iwide(th[i])); th[i] = zero;
+                    if (P == 2) { sl[i] = _mm256_add_epi32(sl[i], iwide(tl[i])); tl[i] = zero; }
+                }
+        }
+    } else {
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = ld32(wc + 64 * c);
+            const __m256i a = _mm256_and_si256(v, nib), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            for (int i = 0; i < MB; i++) {
+                const int64_t e = (m0 + i) * k + 32 * j + 4 * c;
+                th[i] = isum(isum(th[i], a, bc4(X->xh + e)), h, bc4(X->xh + e + 16));
+                if (P == 2) tl[i] = isum(isum(tl[i], a, bc4(X->xl + e)), h, bc4(X->xl + e + 16));
+            }
+        }
+        for (int i = 0; i < MB; i++) { sh[i] = iwide(th[i]); sl[i] = iwide(tl[i]); }
+    }
+    for (int i = 0; i < MB; i++) {
+        const int64_t r = (m0 + i) * nb + j;
+        __m256i s = P == 2 ? _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(sh[i], 8), sh[i]), sl[i]) : sh[i];
+        if (!(q8 && Q8_SIGNED)) s = _mm256_add_epi32(s, _mm256_set1_epi32(X->nzq[r]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, _mm256_set1_ps(X->d[r])), acc[i]);
+        if (fmt == Q4_1 || fmt == Q4_K) acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(X->dsq[r]), acc[i]);
+    }
+}
+
+/* x rows [m0, m0 + MB) against one tile of 16 W rows → res [MB][2] (half h, lane r = W row 16·t + 8·h + r):
+ * per block both halves, so each 64-byte chunk is read once */
+static inline __attribute__((always_inline)) void tile16(const int fmt, const int MB, const int P,
+                                                         const uint8_t *wt, const xnat *X, int64_t m0,
+                                                         __m256 (*res)[2]) {
+    const int64_t tb = tiled_bytes(fmt);
+    __m256 acc[2][8];
+    for (int i = 0; i < MB; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+#if TILE_HALVES_OUTER
+    for (int hf = 0; hf < 2; hf++)
+        for (int64_t j = 0; j < X->nb; j++) block8(fmt, MB, P, wt + j * tb, hf, X, m0, j, acc[hf]);
+#else
+    for (int64_t j = 0; j < X->nb; j++)
+        for (int hf = 0; hf < 2; hf++) block8(fmt, MB, P, wt + j * tb, hf, X, m0, j, acc[hf]);
+#endif
+    for (int i = 0; i < MB; i++) { res[i][0] = acc[0][i]; res[i][1] = acc[1][i]; }
+}
+
+/* 8 lanes → y[off ..] (bf16: rounded to nearest even, as torch does), the first `left` of them when left < 8 */
+static inline void store8(void *y, int y_bf16, int64_t off, __m256 v, int64_t left) {
+    if (!y_bf16) {
+        if (left >= 8) _mm256_storeu_ps((float *)y + off, v);
+        else _mm256_maskstore_ps((float *)y + off, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
+                                                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), v);
+        return;
+    }
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));   /* ≤ 0xFFFF */
+    if (left >= 8) { _mm_storeu_si128((__m128i *)((uint16_t *)y + off), h); return; }
+    uint16_t t[8];
+    _mm_storeu_si128((__m128i *)t, h);
+    memcpy((uint16_t *)y + off, t, sizeof(uint16_t) * (size_t)left);
+}
+
+#define TILED_RUN(F, MB, P)                                                                               \
+    static void tiled_##F##_##MB##_##P(const uint8_t *w, int64_t n, int64_t t0, int64_t t1, const xnat *X,  \
+                                       int64_t m0, void *y, int64_t ldy, int yb) {                       \
+        const int64_t tb = X->nb * tiled_bytes(F);                                                        \
+        __m256 res[MB][2];                                                                                \
+        for (int64_t t = t0; t < t1; t++) {                                                               \
+            tile16(F, MB, P, w + t * tb, X, m0, res);                                                     \
+            for (int h = 0; h < 2; h++) {                                                                 \
+                const int64_t left = n - 16 * t - 8 * h;                                                  \
+                if (left > 0)                                                                             \
+                    for (int i = 0; i < MB; i++) store8(y, yb, (m0 + i) * ldy + 16 * t + 8 * h, res[i][h], left); \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+#endif
 #define TILED_P(F, P) TILED_RUN(F, 1, P) TILED_RUN(F, 2, P) TILED_RUN(F, 4, P) TILED_RUN(F, 8, P)
 #define TILED(F) TILED_P(F, 1) TILED_P(F, 2)
 TILED(Q4_0) TILED(Q4_1) TILED(Q8_0) TILED(Q4_K) TILED(Q6_K)
@@ -742,6 +917,7 @@ TILED(Q4_0) TILED(Q4_1) TILED(Q8_0) TILED(Q4_K) TILED(Q6_K)
 typedef void (*tiled_fn)(const uint8_t *, int64_t, int64_t, int64_t, const xnat *, int64_t, void *, int64_t, int);
 #define TILED_ROW(F, P) {tiled_##F##_1_##P, tiled_##F##_2_##P, tiled_##F##_4_##P, tiled_##F##_8_##P}
 
+#if BQ8_LEVEL == 3
 /* x [m, k] → the tiled kernel's x: per block of 32, the codes of chatserve_bq8_quantize (the same float
  * arithmetic, vectorised: amax, top / amax, x · that rounded to nearest even) as planes xp [P, m, k] (P = 2:
  * qh then ql, q = 255 · qh + ql), −z·Σq [m, k / 32], −z·Σq per half [m, k / 16], d and d·Σq [m, k / 32] */
@@ -782,6 +958,66 @@ static void prep_x_tiled(const void *x, int x_bf16, int64_t m, int64_t k, int P,
             dsq[r * nb + j] = d[r * nb + j] * (float)s;
         }
 }
+
+#else
+/* 32 int32 (4 ymm, in order) → 32 int8 at p (values in [-127, 127]) */
+static inline void store_s8x32(int8_t *p, const __m256i *q) {
+    const __m256i a = _mm256_packs_epi32(q[0], q[1]), b = _mm256_packs_epi32(q[2], q[3]);   /* per 128-bit lane */
+    _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b),
+                                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* level 3's prep_x_tiled at level 2: the same codes, planes, sums and scales */
+static void prep_x_tiled(const void *x, int x_bf16, int64_t m, int64_t k, int P, int z, int8_t *xp, int32_t *nzq,
+                         int32_t *nzh, float *d, float *dsq) {
+    const float top = P == 2 ? 32512.f : 127.f;
+    const int64_t nb = k / 32;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t base = r * k + 32 * j;
+            __m256 v[4];
+            for (int e = 0; e < 4; e++)
+                v[e] = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                    _mm_loadu_si128((const __m128i *)((const uint16_t *)x + base + 8 * e))), 16))
+                              : _mm256_loadu_ps((const float *)x + base + 8 * e);
+            const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                            _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            const float inv = amax > 0.f ? top / amax : 0.f;
+            __m256i q[4];
+            for (int e = 0; e < 4; e++) q[e] = _mm256_cvtps_epi32(_mm256_mul_ps(v[e], _mm256_set1_ps(inv)));
+            int32_t s = 0;
+            for (int hh = 0; hh < 2; hh++) {
+                const int32_t sh = hsum_i32(_mm256_add_epi32(q[2 * hh], q[2 * hh + 1]));
+                s += sh;
+                nzh[2 * (r * nb + j) + hh] = -z * sh;
+            }
+            if (P == 1) store_s8x32(xp + base, q);
+            else {
+                /* qh = trunc((q ± 127) / 255) (exact in float: |q| + 127 < 2^15), ql = q − 255 · qh */
+                __m256i qh[4], ql[4];
+                for (int e = 0; e < 4; e++) {
+                    const __m256i t = _mm256_add_epi32(q[e], _mm256_sign_epi32(_mm256_set1_epi32(127), q[e]));
+                    qh[e] = _mm256_cvttps_epi32(_mm256_div_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(255.f)));
+                    ql[e] = _mm256_sub_epi32(q[e], _mm256_mullo_epi32(qh[e], _mm256_set1_epi32(255)));
+                }
+                store_s8x32(xp + base, qh);
+                store_s8x32(xp + m * k + base, ql);
+            }
+            d[r * nb + j] = amax / top;
+            nzq[r * nb + j] = -z * s;
+            dsq[r * nb + j] = d[r * nb + j] * (float)s;
+        }
+}
+#endif
 
 /* x [m, k] (fp32, or bf16 when x_bf16) · W ᵀ for W tiled by chatserve_bq8_tile → y [m, n] at row stride ldy
  * (bf16 when y_bf16). Threads split tiles; above 8 rows each thread runs its tiles in chunks of ~CHUNK_BYTES
@@ -835,10 +1071,6 @@ int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const v
     }
     return 0;
 }
-#else
-int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t m, int x_bf16,
-                        int x_bits, void *y, int64_t ldy, int y_bf16, int nt) { return 3; }
-#endif
 #else
 int chatserve_bq8_unpack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *u,
                          float *ws, float *mn) { return 3; }

@@ -127,9 +127,10 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
     return y
 
 
-# ---- the row-interleaved layout (AVX-512): W's blocks re-laid at load, a zmm lane per output row ----
+# ---- the row-interleaved layout: W's blocks re-laid at load, a vector lane per output row (a zmm holds a tile's
+# 16 rows; at the AVX2 levels two ymm hold rows 0-7 and 8-15 of the same layout, so one copy serves every level) ----
 TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
-TILED_ISAS = ("avx512",)
+TILED_ISAS = ("avx512", "avx2", "avx2-maddubs")
 # bytes of one (tile of 16 rows, block of 32) in the tiled layout: 16 · the file's block for Q4_0/Q4_1/Q8_0;
 # the K-quants' codes plus their scales per block of 32 (Q4_K: ws and mn as fp32; Q6_K: the file's d and sc)
 TILED_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "Q4_K": 384, "Q6_K": 448}
