@@ -1,9 +1,10 @@
 """`chatserve bench blockmm`: ms per call and GFLOP/s of the GGUF block-format matmuls per format and ISA
 level, cpu_blockmm (`FMT/isa`: fp32 dequantization, the prompt rows) and cpu_blockq8 (`FMT/q8xBITS-isa`:
-8- or 15-bit activations against the codes, the generated rows), beside today's CPU paths on the same shapes: oneDNN's
-packed bf16 linear (prefill) and cpu_qmatmul's int4/int8 repack (decode). Random blocks (speed does not
-depend on the values); best of --repeats calls with the weights hot in cache, so memory-bound rows read as
-upper bounds.
+8- or 15-bit activations against the codes, the generated rows; `FMT/q8xBITS-tiled-isa`: the same on the
+row-interleaved copy), beside today's CPU paths on the same shapes: oneDNN's packed bf16 linear (prefill;
+where oneDNN packs bf16) and cpu_qmatmul's int4/int8 repack (decode; where it runs). Random blocks (speed
+does not depend on the values); best of --repeats calls with the weights hot in cache, so memory-bound rows
+read as upper bounds.
 """
 from __future__ import annotations
 
@@ -45,9 +46,13 @@ def _baselines(wb, x, m: int, repeats: int) -> dict[str, float]:
 
     from chatserve_kernels import cpu_qmatmul
     out = {}
-    packed = torch.ops.mkldnn._reorder_linear_weight(wb, None)
-    out["onednn-bf16"] = _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                                  repeats)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(wb, None)
+    except RuntimeError:        # oneDNN packs bf16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT: no such row
+        packed = None
+    if packed is not None:
+        out["onednn-bf16"] = _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                                      repeats)
     if m <= 16 and cpu_qmatmul.available():
         for bits in (4, 8):
             qw = cpu_qmatmul.pack(*cpu_qmatmul.quantize(wb, bits), bits)

@@ -142,11 +142,13 @@ def test_bench_blockmm_reports_the_q8_kernel_for_decode_rows_only():
     assert [r["m"] for r in rows] == [1, 32]
     decode, prefill = rows[0]["ms"], rows[1]["ms"]
     assert {f"Q4_0/q8x{b}-{isa}" for isa in LEVELS for b in (8, 15)} <= set(decode) and all(v > 0 for v in decode.values())
+    tiled = [isa for isa in cpu_blockq8.TILED_ISAS if cpu_blockq8.supported(isa)]
+    assert tiled and {f"Q4_0/q8x{b}-tiled-{isa}" for isa in tiled for b in (8, 15)} <= set(decode)
     assert not any("q8" in key for key in prefill)               # past --q8-max-rows
     assert not any(key.startswith("F16/q8") for key in decode)    # no integer codes in F16
 
 
-# ---- the row-interleaved (tiled) layout: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K re-laid at load, AVX-512 ----
+# ---- the row-interleaved (tiled) layout: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K re-laid at load, AVX2 and AVX-512 ----
 TILED = [isa for isa in cpu_blockq8.TILED_ISAS if cpu_blockq8.supported(isa)]
 TILED_SHAPES = [(1, 32), (16, 64), (37, 96), (40, 576)]          # n not a multiple of 16: a padded last tile
 K_TILED = ("Q4_K", "Q6_K")

@@ -164,13 +164,17 @@ def q4_k_m_gguf(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_a_q4_k_m_model_decodes_on_tiled_copies_with_the_dense_logits(q4_k_m_gguf):
-    """At the AVX-512 level every dense band and the LM head of a Q4_K_M file runs its decode rows on a tiled
-    copy (Q4_K q and k one call, Q6_K v its own; gate and up one call): the logits are the dense model's within
-    the 15-bit rounding of x and the twin's, and the C decode chain gives the layer loop's bits."""
-    if "avx512" not in ISAS or not cpu_blockq8.available("avx512"):
-        pytest.skip("no AVX-512 VNNI: no tiled layout on this CPU")
-    runner = _runner(q4_k_m_gguf, in_place=True, isa="avx512")
+# the backend levels that tile their decode bands on this CPU (AVX2 and AVX-512 both do): not a skip
+TILED_ISAS = [isa for isa in ISAS if isa in cpu_blockq8.TILED_ISAS and cpu_blockq8.available(isa)]
+
+
+@pytest.mark.parametrize("isa", TILED_ISAS)
+def test_a_q4_k_m_model_decodes_on_tiled_copies_with_the_dense_logits(q4_k_m_gguf, isa):
+    """At every level with the tiled kernel (AVX2, AVX-512) every dense band and the LM head of a Q4_K_M file
+    runs its decode rows on a tiled copy (Q4_K q and k one call, Q6_K v its own; gate and up one call): the
+    logits are the dense model's within the 15-bit rounding of x and the twin's, and the C decode chain gives
+    the layer loop's bits."""
+    runner = _runner(q4_k_m_gguf, in_place=True, isa=isa)
     lins = [runner.model.lm_head] + [m for ly in runner.model.layers for m in (ly.qkv, ly.o, ly.mlp.gate_up,
                                                                                 ly.mlp.down)]
     assert all(isinstance(w, cpu_blockq8.TiledWeight) for m in lins for _, w in m.decode_calls)

@@ -13,9 +13,11 @@ import hf_checkpoints as H  # noqa: E402
 from test_gguf_quality import BATCH, PROMPT, _reference  # noqa: E402  (it registers the llama3_q4 shape)
 
 from chatserve.bench import quality  # noqa: E402
-from chatserve_kernels import cpu_blockmm  # noqa: E402
+from chatserve_kernels import cpu_blockmm, cpu_blockq8  # noqa: E402
 
 ISAS = ["torch"] + [isa for isa in cpu_blockmm.LEVELS if cpu_blockmm.supported(isa)]
+# the backend levels that tile their decode bands on this CPU (AVX2 and AVX-512 both do): not a skip
+TILED_ISAS = [isa for isa in ISAS if isa in cpu_blockq8.TILED_ISAS and cpu_blockq8.available(isa)]
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +53,17 @@ def test_in_place_decode_rows_follow_transformers_and_are_batch_invariant(q4_fil
         assert min(a.prefill_top1, a.decode_top1) >= 0.95, a
 
 
+@pytest.mark.parametrize("isa", TILED_ISAS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_in_place_decode_chain_gives_the_layer_loops_bits(q4_file, dtype):
-    """At the AVX-512 level Q4_0 bands run the decode rows on their tiled copies, all-generated steps through
-    the C decode chain (q/k/v and gate/up one call each): the same logits, bit for bit, as the layer loop that
-    a step mixing generated and prompt rows takes, so a generated row's result does not depend on the step."""
+def test_in_place_decode_chain_gives_the_layer_loops_bits(q4_file, dtype, isa):
+    """At every level with the tiled kernel (AVX2, AVX-512) Q4_0 bands run the decode rows on their tiled
+    copies, all-generated steps through the C decode chain (q/k/v and gate/up one call each): the same logits,
+    bit for bit, as the layer loop that a step mixing generated and prompt rows takes, so a generated row's
+    result does not depend on the step."""
     from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
-    from chatserve_kernels import cpu_blockq8
-    if cpu_blockq8.TILED_ISAS[0] not in ISAS:
-        pytest.skip("no AVX-512 VNNI: no tiled layout on this CPU")
     tokens, _ = _reference(q4_file)
-    runner = ModelRunner.from_config(offline_config(q4_file, dtype=dtype, gguf_in_place=True, cpu_isa="avx512",
+    runner = ModelRunner.from_config(offline_config(q4_file, dtype=dtype, gguf_in_place=True, cpu_isa=isa,
                                                     num_blocks=4 * BATCH, block_size=16, num_threads=1))
     chain, qkv = runner.model.chain, runner.model.layers[0].qkv
     assert chain is not None and qkv.tiled and len(qkv.decode_calls) == 1 and len(qkv.w.parts) == 3
