@@ -860,20 +860,21 @@ static inline __attribute__((always_inline)) void block8(const int fmt, const in
 }
 
 /* x rows [m0, m0 + MB) against one tile of 16 W rows → res [MB][2] (half h, lane r = W row 16·t + 8·h + r):
- * per block both halves, so each 64-byte chunk is read once */
+ * per block both halves, so each 64-byte chunk is read once. Software prefetch: without it the tiled Q8_0
+ * copy streamed from memory at 0.6-0.7x the per-lane kernel's speed on an AVX2 EPYC (8192x2048, one row),
+ * with it 1.7x (docs/benchmarks.md, 2026-12-03) */
+#define TILED_PF 4096
 static inline __attribute__((always_inline)) void tile16(const int fmt, const int MB, const int P,
                                                          const uint8_t *wt, const xnat *X, int64_t m0,
                                                          __m256 (*res)[2]) {
     const int64_t tb = tiled_bytes(fmt);
     __m256 acc[2][8];
     for (int i = 0; i < MB; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-#if TILE_HALVES_OUTER
-    for (int hf = 0; hf < 2; hf++)
-        for (int64_t j = 0; j < X->nb; j++) block8(fmt, MB, P, wt + j * tb, hf, X, m0, j, acc[hf]);
-#else
-    for (int64_t j = 0; j < X->nb; j++)
+    for (int64_t j = 0; j < X->nb; j++) {
+        if (m0 == 0)        /* the first x rows of a chunk stream it from memory: every line TILED_PF ahead */
+            for (int64_t o = 0; o < tb; o += 64) __builtin_prefetch(wt + j * tb + o + TILED_PF);
         for (int hf = 0; hf < 2; hf++) block8(fmt, MB, P, wt + j * tb, hf, X, m0, j, acc[hf]);
-#endif
+    }
     for (int i = 0; i < MB; i++) { res[i][0] = acc[0][i]; res[i][1] = acc[1][i]; }
 }
 
@@ -914,6 +915,9 @@ static inline void store8(void *y, int y_bf16, int64_t off, __m256 v, int64_t le
 #define TILED(F) TILED_P(F, 1) TILED_P(F, 2)
 TILED(Q4_0) TILED(Q4_1) TILED(Q8_0) TILED(Q4_K) TILED(Q6_K)
 
+#ifndef TILED_MB
+#define TILED_MB (BQ8_LEVEL == 3 ? 8 : 4)       /* x rows per pass over a tile: 8 zmm accumulators, or 2 · 4 ymm */
+#endif
 typedef void (*tiled_fn)(const uint8_t *, int64_t, int64_t, int64_t, const xnat *, int64_t, void *, int64_t, int);
 #define TILED_ROW(F, P) {tiled_##F##_1_##P, tiled_##F##_2_##P, tiled_##F##_4_##P, tiled_##F##_8_##P}
 
@@ -1020,9 +1024,10 @@ static void prep_x_tiled(const void *x, int x_bf16, int64_t m, int64_t k, int P,
 #endif
 
 /* x [m, k] (fp32, or bf16 when x_bf16) · W ᵀ for W tiled by chatserve_bq8_tile → y [m, n] at row stride ldy
- * (bf16 when y_bf16). Threads split tiles; above 8 rows each thread runs its tiles in chunks of ~CHUNK_BYTES
- * against every block of x rows (8, 4, 2, 1), so the weights stream once. A row's arithmetic is the same for
- * every m, chunking and thread count. 0 on success, 1 bad argument, 2 no memory. */
+ * (bf16 when y_bf16). Threads split tiles; above 8 rows (level 3; level 2 always) each thread runs its tiles in
+ * chunks of ~CHUNK_BYTES against every block of x rows (8 at level 3, 4, 2, 1), so the weights stream once. A
+ * row's arithmetic is the same for every m, chunking and thread count. 0 on success, 1 bad argument, 2 no
+ * memory. */
 int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t m, int x_bf16,
                         int x_bits, void *y, int64_t ldy, int y_bf16, int nt) {
     if (!tiled_fmt(fmt) || k % 32 || k % block_elems(fmt) || (x_bits != 8 && x_bits != 15)) return 1;
@@ -1054,7 +1059,8 @@ int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const v
                                           {TILED_ROW(Q4_K, 1), TILED_ROW(Q4_K, 2)},
                                           {TILED_ROW(Q6_K, 1), TILED_ROW(Q6_K, 2)}};
     const tiled_fn *f = fns[fmt == Q4_0 ? 0 : fmt == Q4_1 ? 1 : fmt == Q8_0 ? 2 : fmt == Q4_K ? 3 : 4][P - 1];
-    int64_t chunk = m <= 8 ? tiles : CHUNK_BYTES / tile_bytes;
+    /* level 2 always chunks: in passes of ≤ 4 rows, m = 3 or 5-8 would stream the weights more than once */
+    int64_t chunk = BQ8_LEVEL == 3 && m <= 8 ? tiles : CHUNK_BYTES / tile_bytes;
     if (chunk < 1) chunk = 1;
     if (tiles < 4 * nt) nt = 1;
     #pragma omp parallel for num_threads(nt) schedule(static)
@@ -1063,7 +1069,7 @@ int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const v
         for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
             const int64_t c1 = c0 + chunk < p1 ? c0 + chunk : p1;
             for (int64_t m0 = 0; m0 < m;) {
-                const int64_t left = m - m0, mb = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                const int64_t left = m - m0, mb = left >= 8 && TILED_MB >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 f[mb == 8 ? 3 : mb == 4 ? 2 : mb == 2 ? 1 : 0](w, n, c0, c1, &X, m0, y, ldy, y_bf16);
                 m0 += mb;
             }
