@@ -138,7 +138,6 @@ def test_no_table_where_the_call_would_not_give_the_loops_bits(monkeypatch):
     assert block_experts(mlps(TorchOps(1e-6)), "silu", TorchOps(1e-6)) is None     # torch's SiLU bits
     assert block_experts(mlps(fused, "F16"), "silu", fused) is None                # no codes: the float path
     assert block_experts(mlps(fused, bias=True), "silu", fused) is None
-    if LEVELS[0] == "avx512":
-        assert block_experts(mlps(fused, tile=True), "silu", fused) is None         # the tiled kernel's bits
+    assert block_experts(mlps(fused, tile=True), "silu", fused) is None             # the tiled kernel's bits
     monkeypatch.setenv("CHATSERVE_MOE_KERNEL", "0")
     assert block_experts(mlps(fused), "silu", fused) is None
