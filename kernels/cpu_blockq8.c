@@ -540,7 +540,7 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     return 0;
 }
 
-/* ---- the row-interleaved ("tiled") layout: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K at the AVX-512 level ----
+/* ---- the row-interleaved ("tiled") layout: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K at both levels (one copy for both) ----
  * chatserve_bq8_tile() re-lays the file's blocks at load, same bytes (codes, fp16 scales and mins), only
  * their order changed: W rows in tiles of 16 (the last padded with zero blocks), and per (tile, block j):
  *   codes: Q4_x 4 chunks of 64 bytes, byte 4·r + i of chunk c = row r's qs[4c + i] (low nibble: element
@@ -555,10 +555,10 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
  *         bits 2c..2c+1 = element 16·h + 4c + i), then the rows' fp16 d (the super-block's), then their int8 sc
  *         of elements 0-15, then of 16-31 (the file's bytes; the kernel forms ws = float(d) · sc as unpack()
  *         does): 448 bytes, 1.07 times the file's 16 · 26.25.
- * Q6_K's scale changes every 16 elements: its two halves are two integer sums and two FMAs, in order. One zmm lane is
- * one output row: the 4 x codes of a lane are broadcast, so no per-lane reduction is left, and the float
- * epilogue runs once per block for 16 rows. Arithmetic per x row m, W row n (the twin: block_q8.matmul_tiled):
- *   acc = 0; for each block j in increasing k: I = Σ (u − z) · q (exact int32; 255 · Σ u·qh + Σ u·ql − z·Σq at
+ * Q6_K's scale changes every 16 elements: its two halves are two integer sums and two FMAs, in order. One zmm lane
+ * is one output row (level 2: one ymm lane, a tile as two ymm halves of 8 rows): the 4 x codes of a lane are
+ * broadcast, so no per-lane reduction is left, and the float epilogue runs once per block for 16 rows.
+ * Arithmetic per x row m, W row n (the twin: block_q8.matmul_tiled): acc = 0; for each block j in increasing k: I = Σ (u − z) · q (exact int32; 255 · Σ u·qh + Σ u·ql − z·Σq at
  *   15 bits), acc = fma(float(I), ws · d, acc), then with a min acc = fma(mn, d · Σq, acc); y = acc. */
 static int tiled_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q4_K || fmt == Q6_K; }
 

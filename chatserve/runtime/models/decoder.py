@@ -357,7 +357,8 @@ class DecoderModel:
 
     def block_copy_bytes(self) -> int:
         """Bytes the block backends hold beside the mapped GGUF (the decode rows' row-interleaved copies of
-        Q4_0/Q4_1/Q8_0 bands at the AVX-512 level; their mapped pages are then read by prompt rows only)."""
+        Q4_0/Q4_1/Q8_0/Q4_K/Q6_K bands at the AVX2 and AVX-512 levels; their mapped pages are then read by prompt
+        rows only)."""
         lins = [self.lm_head] + [m for ly in self.layers for m in (ly.qkv, ly.o)]
         lins += [m for ly in self.layers if isinstance(ly.mlp, GatedMLP) for m in (ly.mlp.gate_up, ly.mlp.down)]
         return sum(m.resident_bytes() for m in lins if isinstance(m, BlockLinear))

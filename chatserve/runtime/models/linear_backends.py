@@ -56,9 +56,10 @@ CPU_ISAS = ("auto", "avx512", "avx2", "torch")
 # logits as close to float32 as the int4 path's; 8 bits (one plane) moved them 4.5-6.6 % of their scale on
 # the quality test's file (docs/kernels.md, "Quality of int8 x")
 DECODE_X_BITS = 15
-# generated rows on Q4_0/Q4_1/Q8_0 bands at the AVX-512 level run a row-interleaved copy of the band's blocks
-# (cpu_blockq8's tiled kernel: a vector lane per output row, one float epilogue per block and 16 rows) instead
-# of the file's order (a float epilogue per lane of 4 products); False keeps the file's order (benchmarks)
+# generated rows on Q4_0/Q4_1/Q8_0/Q4_K/Q6_K bands (AVX2 and AVX-512 levels) run a row-interleaved copy of the
+# band's blocks (cpu_blockq8's tiled kernel: a vector lane per output row, one float epilogue per block and 16
+# rows) instead of the file's order (a float epilogue per lane of 4 products); False keeps the file's order
+# (benchmarks)
 TILED_DECODE = True
 
 
@@ -178,7 +179,7 @@ class CpuBlockLinear(BlockLinear):
         super().__init__(w, b, tile)
         # at load: the int8-activation kernel of this level, else the twin's arithmetic (same results)
         self.q8 = cpu_blockq8.available(self.isa)
-        # and, where this level has one (AVX-512: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), the bands' blocks re-laid
+        # and, where this level has one (AVX2, AVX-512: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), the bands' blocks re-laid
         # row-interleaved for the generated rows (same codes and scales in another order, a copy the size of
         # the band, 4/3 or 1.07 of it for Q4_K / Q6_K whose scales are unpacked: the mapped pages are then
         # read only by prompt rows). The decode rows' calls: runs of adjacent bands of one tiled
