@@ -558,7 +558,8 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
  * Q6_K's scale changes every 16 elements: its two halves are two integer sums and two FMAs, in order. One zmm lane
  * is one output row (level 2: one ymm lane, a tile as two ymm halves of 8 rows): the 4 x codes of a lane are
  * broadcast, so no per-lane reduction is left, and the float epilogue runs once per block for 16 rows.
- * Arithmetic per x row m, W row n (the twin: block_q8.matmul_tiled): acc = 0; for each block j in increasing k: I = Σ (u − z) · q (exact int32; 255 · Σ u·qh + Σ u·ql − z·Σq at
+ * Arithmetic per x row m, W row n (the twin: block_q8.matmul_tiled):
+ *   acc = 0; for each block j in increasing k: I = Σ (u − z) · q (exact int32; 255 · Σ u·qh + Σ u·ql − z·Σq at
  *   15 bits), acc = fma(float(I), ws · d, acc), then with a min acc = fma(mn, d · Σq, acc); y = acc. */
 static int tiled_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q4_K || fmt == Q6_K; }
 
