@@ -227,6 +227,35 @@ def test_tiled_matmul_is_the_twins_bit_for_bit(isa, name, dtype, x_bits):
                                y.to(torch.bfloat16))
 
 
+# the code bytes of each format's block (from, to) and the byte that makes every code its largest |u − z| or u
+# (Q4_x/Q4_K nibbles 15, Q6_K 63, Q8_0 −128): the AVX2 level's int16 sums (pmaddubsw) are at their bound there
+EXTREME_CODES = {"Q4_0": (2, 18, 0xFF), "Q4_1": (4, 20, 0xFF), "Q8_0": (2, 34, 0x80), "Q4_K": (16, 144, 0xFF),
+                 "Q6_K": (0, 192, 0xFF)}
+
+
+@pytest.mark.parametrize("isa", TILED)
+@pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
+@pytest.mark.parametrize("x_bits", [8, 15])
+def test_tiled_integer_dots_stay_exact_at_their_largest(isa, name, x_bits):
+    """Every other W row at its largest codes and x blocks of one magnitude (every code ±top, or digits ±127 in
+    both planes), all of a sign or alternating: the integer sums at their largest (int16 partial sums at the
+    AVX2 level: 8 · 2 · 15 · 127, 2 · 2 · 63 · 127, 2 · 128 · 127) are exact, so the twin's bits."""
+    k = 512 if name in K_TILED else 128
+    w = make_weight(name, 40, k, seed=5, random_bytes=True)
+    lo, hi, byte = EXTREME_CODES[name]
+    blocks = w.data.reshape(40, -1, w.fmt.nbytes).clone()
+    blocks[0::2, :, lo:hi] = byte
+    w = bf.BlockWeight(blocks.reshape(40, -1).contiguous(), w.fmt, 40, k)
+    t = cpu_blockq8.tile(w, isa)
+    sign = torch.ones(6, k)
+    sign[1::2, 32:64] = -1                                             # a block all negative
+    sign[2, :] = torch.tensor([1.0, -1.0]).repeat(k // 2)              # alternating within blocks
+    x = sign * torch.logspace(-1, 1, 6).unsqueeze(1)
+    y = cpu_blockq8.matmul_tiled(x, t, isa, out_dtype=torch.float32, x_bits=x_bits)
+    assert y.abs().sum() > 0
+    assert torch.equal(y, block_q8.matmul_tiled(x, w, torch.float32, x_bits)), (name, x_bits)
+
+
 @pytest.mark.parametrize("isa", TILED)
 @pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
 def test_tiled_rows_are_batch_invariant(isa, name, monkeypatch):
