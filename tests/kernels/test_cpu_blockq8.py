@@ -5,12 +5,15 @@ within float rounding of its terms and the dense matmul within the int8 rounding
 level; and every output row is batch invariant (same bits at any M, beside any rows, on 1 or 2 threads)."""
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import pytest
 import torch
 from test_cpu_blockmm import gguf_reference, make_weight
 
 from chatserve_kernels import block_formats as bf
-from chatserve_kernels import block_q8, cpu_blockmm, cpu_blockq8
+from chatserve_kernels import block_q8, cpu_blockmm, cpu_blockq8, cpu_build
 
 # the levels this CPU runs: not a skip, a parametrization over what exists
 LEVELS = [isa for isa in cpu_blockq8.LEVELS if cpu_blockq8.supported(isa)]
@@ -233,6 +236,23 @@ EXTREME_CODES = {"Q4_0": (2, 18, 0xFF), "Q4_1": (4, 20, 0xFF), "Q8_0": (2, 34, 0
                  "Q6_K": (0, 192, 0xFF)}
 
 
+def extreme_weight(name: str, n: int, k: int) -> bf.BlockWeight:
+    """Random blocks with every other row's codes at their largest (EXTREME_CODES)."""
+    w = make_weight(name, n, k, seed=5, random_bytes=True)
+    lo, hi, byte = EXTREME_CODES[name]
+    blocks = w.data.reshape(n, -1, w.fmt.nbytes).clone()
+    blocks[0::2, :, lo:hi] = byte
+    return bf.BlockWeight(blocks.reshape(n, -1).contiguous(), w.fmt, n, k)
+
+
+def extreme_x(m: int, k: int) -> torch.Tensor:
+    """x blocks of one magnitude (every code ±top): all positive, a block all negative, or alternating."""
+    sign = torch.ones(m, k)
+    sign[1::2, 32:64] = -1
+    sign[2 % m, :] = torch.tensor([1.0, -1.0]).repeat(k // 2)
+    return sign * torch.logspace(-1, 1, m).unsqueeze(1)
+
+
 @pytest.mark.parametrize("isa", TILED)
 @pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
 @pytest.mark.parametrize("x_bits", [8, 15])
@@ -241,19 +261,66 @@ def test_tiled_integer_dots_stay_exact_at_their_largest(isa, name, x_bits):
     both planes), all of a sign or alternating: the integer sums at their largest (int16 partial sums at the
     AVX2 level: 8 · 2 · 15 · 127, 2 · 2 · 63 · 127, 2 · 128 · 127) are exact, so the twin's bits."""
     k = 512 if name in K_TILED else 128
-    w = make_weight(name, 40, k, seed=5, random_bytes=True)
-    lo, hi, byte = EXTREME_CODES[name]
-    blocks = w.data.reshape(40, -1, w.fmt.nbytes).clone()
-    blocks[0::2, :, lo:hi] = byte
-    w = bf.BlockWeight(blocks.reshape(40, -1).contiguous(), w.fmt, 40, k)
+    w, x = extreme_weight(name, 40, k), extreme_x(6, k)
     t = cpu_blockq8.tile(w, isa)
-    sign = torch.ones(6, k)
-    sign[1::2, 32:64] = -1                                             # a block all negative
-    sign[2, :] = torch.tensor([1.0, -1.0]).repeat(k // 2)              # alternating within blocks
-    x = sign * torch.logspace(-1, 1, 6).unsqueeze(1)
     y = cpu_blockq8.matmul_tiled(x, t, isa, out_dtype=torch.float32, x_bits=x_bits)
     assert y.abs().sum() > 0
     assert torch.equal(y, block_q8.matmul_tiled(x, w, torch.float32, x_bits)), (name, x_bits)
+
+
+# The AVX2 level's AVX-VNNI branch (vpdpbusd ymm, what "avx2" runs on a CPU with AVX-VNNI) on any AVX2 CPU:
+# the level-2 source built with vpdpbusd replaced by an exact AVX2 emulation (4 u8 × s8 products summed per
+# int32 lane), so that branch is run against the twin where the CPU lacks AVX-VNNI too
+_EMULATED_VNNI = """#pragma GCC target("no-avx512f")
+#include <immintrin.h>
+#define BQ8_LEVEL 2
+#ifndef __AVXVNNI__
+#define __AVXVNNI__ 1
+#endif
+static inline __m256i emulated_dpbusd(__m256i s, __m256i a, __m256i b) {
+    const __m256i a0 = _mm256_and_si256(a, _mm256_set1_epi16(0xFF)), a1 = _mm256_srli_epi16(a, 8);
+    const __m256i b0 = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), b1 = _mm256_srai_epi16(b, 8);
+    return _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(a0, b0), _mm256_madd_epi16(a1, b1)));
+}
+#define _mm256_dpbusd_avx_epi32 emulated_dpbusd
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def emulated_vnni_library():
+    lib = cpu_build.load(cpu_blockmm.level_source(cpu_blockq8.SOURCE, "avx2-emulated-vnni", _EMULATED_VNNI))
+    assert lib is not None, cpu_build.status("cpu_blockq8_avx2-emulated-vnni")
+    i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.chatserve_bq8_tile.argtypes = [i32, vp, i64, i64, i64, vp]
+    lib.chatserve_bq8_tiled.argtypes = [i32, vp, i64, i64, vp, i64, i32, i32, vp, i64, i32, i32]
+    lib.chatserve_bq8.argtypes = [i32, vp, i64, i64, i64, vp, i64, i32, i32, vp, i64, i32, i32]
+    return lib
+
+
+@pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
+def test_the_avx2_levels_vnni_branch_is_the_twins(name):
+    """With vpdpbusd (emulated exactly), the level-2 tiled kernel is the twin's bits and the per-lane kernel
+    within float rounding of its terms, on 1 and 2 threads, random and extreme codes and x."""
+    assert cpu_blockq8.supported("avx2")
+    lib = emulated_vnni_library()
+    assert lib.chatserve_bq8_level() == 21                                   # level 2, VNNI dots
+    g = torch.Generator().manual_seed(9)
+    for n, k in tiled_shapes(name):
+        for extreme in (False, True):
+            w = extreme_weight(name, n, k) if extreme else make_weight(name, n, k, seed=n * k)
+            t = torch.empty((n + 15) // 16 * (k // 32) * cpu_blockq8.TILED_BYTES[name], dtype=torch.uint8)
+            assert lib.chatserve_bq8_tile(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, n, k, t.data_ptr()) == 0
+            for m, threads in ((1, 1), (4, 2), (9, 1), (17, 2)):
+                x = extreme_x(m, k) if extreme else torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)
+                for x_bits in (8, 15):
+                    y, y2 = torch.empty(m, n), torch.empty(m, n)
+                    assert lib.chatserve_bq8_tiled(w.fmt.type_id, t.data_ptr(), n, k, x.data_ptr(), m, 0, x_bits,
+                                                   y.data_ptr(), n, 0, threads) == 0
+                    assert torch.equal(y, block_q8.matmul_tiled(x, w, torch.float32, x_bits)), (name, n, k, m)
+                    assert lib.chatserve_bq8(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, n, k, x.data_ptr(), m,
+                                             0, x_bits, y2.data_ptr(), n, 0, threads) == 0
+                    mag = block_q8.magnitude(x, w, x_bits).float()
+                    assert bool(((y2 - block_q8.matmul(x, w, torch.float32, x_bits)).abs() <= mag * 1e-5 + 1e-30).all())
 
 
 @pytest.mark.parametrize("isa", TILED)
