@@ -50,7 +50,7 @@ class ChainLayer:
 
 
 def usable(dtype: torch.dtype, tiled: bool = False) -> bool:
-    """The C libraries are built here (VNNI included) and take this activation dtype (tiled: the matrices are
+    """The C libraries are built here (cpu_qmatmul included) and take this activation dtype (tiled: the matrices are
     cpu_blockq8's tiled bands, which take float32 and bfloat16)."""
     probe = torch.empty(0, dtype=dtype)
     mm = dtype in (torch.float32, torch.bfloat16) if tiled else cpu_qmatmul.available()

@@ -82,7 +82,7 @@ static int64_t moe_jobs(moe_job *jobs, int64_t ngroups, int64_t tiles, int64_t c
  * x [T, H], ids [T, k] int64, wts [T, k] fp32 (the routing weights as the activation dtype holds them).
  * gu_w / dn_w: [E, 2] int64 (codes, scales+lows) of each expert's packed gate_up [2I, H] and down [H, I],
  * all of `bits` (4 or 8). silu_mul: cpu_ops.c's chatserve_silu_mul, called on gu [S, 2I] = [gate | up] rows,
- * so that SiLU·up is the layer loop's arithmetic by construction. Returns 0, -1 without the VNNI kernels, -2 when scratch could not be allocated. */
+ * so that SiLU·up is the layer loop's arithmetic by construction. Returns 0, -1 without the tile kernels (no AVX2), -2 when scratch could not be allocated. */
 int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H, int64_t I, int64_t E,
                   const void *x, int64_t T, int64_t k, const int64_t *ids, const float *wts, void *out,
                   int bf16, int nthreads, silu_mul_fn silu_mul) {

@@ -29,7 +29,7 @@ def _source() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def library():
-    """The compiled MoE call (ctypes), or None where cpu_qmatmul or cpu_ops cannot run (no VNNI, switched off,
+    """The compiled MoE call (ctypes), or None where cpu_qmatmul or cpu_ops cannot run (no AVX2, switched off,
     no compiler): the call runs cpu_ops' SiLU·mul through a pointer to it."""
     if not cpu_qmatmul.available() or cpu_ops.library() is None:
         return None

@@ -1,6 +1,7 @@
-"""Weight-only 4/8-bit matmul for few-row CPU steps (cpu_qmatmul.c via ctypes, AVX-512 VNNI): packs a
-matrix once into the kernel's tiled layout and multiplies bf16/fp32 rows by it. `dequantize` is the
-plain-torch twin of the packed weights (the test oracle); without VNNI `available()` is False.
+"""Weight-only 4/8-bit matmul for few-row CPU steps (cpu_qmatmul.c via ctypes: AVX-512 VNNI, or AVX2 + FMA +
+F16C with AVX-VNNI or maddubs): packs a matrix once into the kernel's tiled layout and multiplies bf16/fp32 rows
+by it. `dequantize` is the plain-torch twin of the packed weights (the test oracle); without AVX2 `available()`
+is False. Every level gives a row the same bits (`level_library` builds one on demand, for the tests).
 """
 from __future__ import annotations
 
@@ -19,10 +20,16 @@ TILE = 16
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
-@functools.lru_cache(maxsize=1)
-def library():
-    """The compiled VNNI matmul (ctypes), or None where it cannot be built or is switched off."""
-    lib = cpu_build.load(SOURCE)
+# Levels a build can be forced to (a prelude before the source), the CPU flags each needs, and what
+# chatserve_qmm_level() answers: 10 · level + 1 where its dots are VNNI instructions.
+LEVELS = {"avx512": "#define QMM_LEVEL 3\n", "avx2": "#define QMM_LEVEL 2\n",
+          "avx2-maddubs": "#define QMM_LEVEL 2\n#define QMM_MADDUBS 1\n"}
+CODES = {"avx512": 31, "avx2": 21, "avx2-maddubs": 20}
+_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512_vnni"), "avx2": ("avx2", "fma", "f16c"),
+          "avx2-maddubs": ("avx2", "fma", "f16c")}
+
+
+def _bind(lib):
     if lib is None or lib.chatserve_qmm_tile() != TILE:
         return None
     lib.chatserve_qmm.argtypes = [_vp, _vp, _i32, _i64, _i64, _vp, _i64, _vp, _i32, _i32]
@@ -30,9 +37,39 @@ def library():
     return lib
 
 
+@functools.lru_cache(maxsize=1)
+def library():
+    """The compiled matmul at the best level this CPU has (ctypes), or None where it cannot be built or is
+    switched off."""
+    return _bind(cpu_build.load(SOURCE))
+
+
 def available() -> bool:
-    """The VNNI kernel is built for this CPU (and not switched off with CHATSERVE_CPU_KERNELS=0)."""
+    """The kernel is built for this CPU (and not switched off with CHATSERVE_CPU_KERNELS=0)."""
     return library() is not None
+
+
+def level() -> str:
+    """The level library() runs: "avx512", "avx2" (AVX-VNNI dots), "avx2-maddubs", or "" when unavailable."""
+    lib = library()
+    return {c: lv for lv, c in CODES.items()}.get(lib.chatserve_qmm_level(), "?") if lib else ""
+
+
+def supported_levels() -> list[str]:
+    """The levels this CPU can run ("avx2" only where it has AVX-VNNI; "avx2-maddubs" wherever AVX2 is)."""
+    have = cpu_build.cpu_flags()
+    return [lv for lv, need in _NEEDS.items()
+            if all(f in have for f in need) and (lv != "avx2" or "avx_vnni" in have)]
+
+
+@functools.lru_cache(maxsize=None)
+def level_library(name: str):
+    """The matmul built at level `name` (one of supported_levels()), or None where it cannot be."""
+    if name not in supported_levels():
+        return None
+    lib = _bind(cpu_build.load(cpu_build.composed_source(
+        f"cpu_qmatmul_{name.replace('-', '_')}", LEVELS[name] + SOURCE.read_text())))
+    return lib if lib is not None and lib.chatserve_qmm_level() == CODES[name] else None
 
 
 @dataclass
@@ -166,13 +203,13 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> to
     return (lo[..., None] + g * scale[..., None]).reshape(N, K)
 
 
-def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: PackedWeight, lib=None) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] of x's dtype. x enters as 15-bit codes per group of 32
-    for 4-bit weights and as int8 codes for 8-bit ones."""
+    for 4-bit weights and as int8 codes for 8-bit ones. lib: a level_library() (default: library())."""
     assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.n, dtype=x.dtype)
-    rc = library().chatserve_qmm(*w.ptrs, w.bits, w.n, w.k,
+    rc = (lib or library()).chatserve_qmm(*w.ptrs, w.bits, w.n, w.k,
                                  x.data_ptr(), x.shape[0], y.data_ptr(), int(x.dtype == torch.bfloat16),
                                  torch.get_num_threads())
     if rc:

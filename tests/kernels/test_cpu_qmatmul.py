@@ -1,5 +1,6 @@
-"""cpu_qmatmul (AVX-512 VNNI) against its torch twin: packed 4/8-bit weights times fp32/bf16 rows, every
-row-block path (1, 2, 4 rows and their mixes), a row count that is not a tile multiple."""
+"""cpu_qmatmul (AVX-512 VNNI, or AVX2 with AVX-VNNI or maddubs) against its torch twin: packed 4/8-bit weights
+times fp32/bf16 rows, every row-block path (1, 2, 4 rows and their mixes), a row count that is not a tile
+multiple; exact integer dots at the extreme codes; the same bits at every level this CPU can run."""
 from __future__ import annotations
 
 import pytest
@@ -79,3 +80,39 @@ def test_rows_are_batch_and_thread_invariant(bits, dtype):
                 torch.testing.assert_close(Q.matmul(x[:m], packed), alone[:m], rtol=0, atol=0)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bits,k", [(4, 32), (8, 64)])
+def test_integer_dots_are_exact_at_the_extreme_codes(bits, k):
+    """Codes at 0 and the top (15, 255) against x codes at ±the top (32639, 127): with scale 1, low 0 and x
+    already on its code grid the output is the exact integer dot (below 2^24), so a saturating pair sum
+    (pmaddubsw on raw 8-bit codes: 2 · 255 · 127 > 32767) shows."""
+    g = torch.Generator().manual_seed(bits)
+    n, top, xtop = 40, (1 << bits) - 1, 32639 if bits == 4 else 127
+    codes = torch.randint(0, 2, (n, k), generator=g) * top
+    codes[:, :8] = top                                       # the same codes on a pair: the largest pair sums
+    packed = Q.pack(codes, torch.ones(n, k // 32), torch.zeros(n, k // 32), bits)
+    x = (torch.randint(0, 2, (5, k), generator=g) * 2 - 1).float() * xtop
+    x[0] = xtop
+    x[1] = -xtop
+    want = (x.double() @ codes.double().t()).float()        # exact: |dot| < 2^24
+    torch.testing.assert_close(Q.matmul(x, packed), want, rtol=0, atol=0)
+
+
+def test_every_level_this_cpu_runs_gives_the_same_bits():
+    """The AVX-512 and AVX2 levels (with AVX-VNNI or maddubs dots) share the float epilogue per lane, so a
+    row's bits do not depend on the level that ran it. Ragged N exercises both halves of an AVX2 tile."""
+    levels = Q.supported_levels()
+    assert "avx2-maddubs" in levels and Q.level() in levels
+    g = torch.Generator().manual_seed(7)
+    for bits in (4, 8):
+        for n in (16 * 5 + 3, 16 * 5 + 11):
+            packed = Q.pack(*Q.quantize(torch.randn(n, 256, generator=g) * 0.05, bits), bits)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(9, 256, generator=g).to(dtype)
+                want = Q.matmul(x, packed)
+                for name in levels:
+                    lib = Q.level_library(name)
+                    assert lib is not None, f"level {name} did not build (see the log)"
+                    for m in (1, 2, 9):
+                        torch.testing.assert_close(Q.matmul(x[:m], packed, lib), want[:m], rtol=0, atol=0)

@@ -114,7 +114,7 @@ def test_int8_weight_only_linear_close_to_dense():
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     x = torch.randn(3, 64, generator=g)
     lin = Linear(w, b, "int8", small_m=4)
-    if lin.qw is not None:                                            # the VNNI kernel: 8-bit codes
+    if lin.qw is not None:                                            # cpu_qmatmul: 8-bit codes
         assert (lin.qw.bits, lin.qw.n, lin.qw.k) == (8, 96, 64)
     else:                                                             # torch's int8 kernel
         assert lin.wq.dtype == torch.int8 and lin.wq.shape == (96, 64)
@@ -132,7 +132,7 @@ def test_int4_weight_only_linear_close_to_dense():
     x = torch.randn(3, 64, generator=g)
     lin = Linear(w, b, "int4", small_m=4)
     assert lin.kind == "int4"
-    if lin.qw is not None:                                            # the VNNI kernel's packed codes
+    if lin.qw is not None:                                            # cpu_qmatmul's packed codes
         assert (lin.qw.bits, lin.qw.n, lin.qw.k) == (4, 96, 64)
     else:                                                             # [K/32 groups, N, (scale, zero)]
         assert lin.scales.shape == (2, 96, 2)

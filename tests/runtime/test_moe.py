@@ -233,7 +233,7 @@ def test_a_loaded_moe_models_decode_rows_take_cpu_moes_one_call_with_the_loops_b
     from chatserve_kernels import cpu_moe
 
     if not cpu_moe.available():
-        pytest.skip("cpu_moe needs cpu_qmatmul (AVX-512 VNNI)")
+        pytest.skip("cpu_moe needs cpu_qmatmul (AVX2 + FMA + F16C)")
     path = H.save_safetensors(H.hf_model(name), tmp_path / "m")
     w = load_weights(path, "bfloat16", progress=False)
     m = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, weight_quant="int4")

@@ -23,7 +23,7 @@ from chatserve.runtime.models.linear_backends import (DECODE_X_BITS, BlockLinear
 from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, MoESpec, UnsupportedModelError
-from chatserve_kernels import AttentionMetadata, cpu_blockq8, cpu_decode
+from chatserve_kernels import AttentionMetadata, cpu_blockq8, cpu_decode, cpu_qmatmul
 from chatserve_kernels.attention_backend import AttentionBackend, pick_attention_backend
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
@@ -348,7 +348,8 @@ class DecoderModel:
             if isinstance(lin, CpuBlockLinear) and lin.tiled:
                 linears += " (generated rows: a row-interleaved copy of them)"
         else:
-            quant = ("cpu_qmatmul" if lin.qw is not None else f"torch {lin.kind}" if lin.wq is not None else None)
+            quant = (f"cpu_qmatmul ({cpu_qmatmul.level()})" if lin.qw is not None
+                     else f"torch {lin.kind}" if lin.wq is not None else None)
             dense = "oneDNN bf16" if lin.packed is not None else f"torch {str(self.dtype).replace('torch.', '')}"
             linears = f"{quant} for generated rows, {dense} for prompt rows" if quant else dense
         attn = self.attention_backend.name if self.attention_backend is not None else "picked at the first step"

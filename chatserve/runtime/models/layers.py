@@ -76,8 +76,8 @@ class Linear:
     """y = x Wᵀ + b. With a weight_quant, steps of at most `small_m` tokens (decode) use a weight-only
     quantized copy of W; larger steps (prefill) keep the dense weight, where GEMMs are compute-bound.
     The quantized copy, in order of preference:
-      cpu_qmatmul (AVX-512 VNNI): 4- or 8-bit codes per group of 32 with an fp16 scale and low, one pass
-            over the packed weights (int8 means 8-bit codes here);
+      cpu_qmatmul (AVX-512 VNNI, or AVX2 + FMA + F16C): 4- or 8-bit codes per group of 32 with an fp16
+            scale and low, one pass over the packed weights (int8 means 8-bit codes here);
       torch's kernels otherwise: int8 with per-output-channel scales (torch._weight_int8pack_mm), int4 in
             groups of 32 (torch._weight_int4pack_mm_for_cpu), both with bf16 activations (fp32 ones take a
             generic path several times slower).
