@@ -43,21 +43,8 @@ static void moe_tiles(int bits, const uint8_t *w, const uint16_t *sl, int64_t N,
     const size_t ybytes = bf16 ? 2 : 4;
     for (int64_t m = 0; m < M;) {
         const int64_t mb = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-        const int8_t *h = xh + m * K;
-        const float *s = sx + m * G, *u = xs + m * G;
-        char *o = y + (size_t)(m * N) * ybytes;
-        if (bits == 4) {
-            const int8_t *l = xl + m * K;
-            if (mb == 8) qmm_i16_8(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
-            else if (mb == 4) qmm_i16_4(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
-            else if (mb == 2) qmm_i16_2(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
-            else qmm_i16_1(w, sl, G, K, h, l, s, u, t0, t1, N, o, bf16);
-        } else {
-            if (mb == 8) qmm_i8_8(w, sl, G, K, h, s, u, t0, t1, N, o, bf16);
-            else if (mb == 4) qmm_i8_4(w, sl, G, K, h, s, u, t0, t1, N, o, bf16);
-            else if (mb == 2) qmm_i8_2(w, sl, G, K, h, s, u, t0, t1, N, o, bf16);
-            else qmm_i8_1(w, sl, G, K, h, s, u, t0, t1, N, o, bf16);
-        }
+        qmm_block(bits, qmm_planes(bits, bf16), mb, w, sl, G, K, xh + m * K, xl + m * K, sx + m * G, xs + m * G,
+                  t0, t1, N, y + (size_t)(m * N) * ybytes, bf16);
         m += mb;
     }
 }
@@ -88,7 +75,7 @@ int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H,
                   int bf16, int nthreads, silu_mul_fn silu_mul) {
 #if QMM_TILE
     const int64_t S = T * k, GH = H / GROUP, GI = I / GROUP, N1 = 2 * I;
-    const size_t ab = bf16 ? 2 : 4, planes = bits == 4 ? 2 : 1;
+    const size_t ab = bf16 ? 2 : 4, planes = (size_t)qmm_planes(bits, bf16);
     const int64_t tiles1 = (N1 + 15) / 16, tiles2 = (H + 15) / 16;
     /* scratch: quantized x [T] and its gathered copy per slot [S]; gu [S, 2I], h [S, I], its codes; y [S, H] */
     int64_t *cnt = calloc((size_t)E + 1, sizeof(int64_t)), *pos = malloc(sizeof(int64_t) * (size_t)S);
@@ -127,12 +114,12 @@ int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H,
         for (int64_t s = 0; s < S; s++) pos[s] = next[ids[s]]++;
         free(next);
     }
-    const float top = bits == 4 ? 32639.f : 127.f;
-    quantize_rows(x, bf16, T, H, top, xq, bits == 4 ? xq + T * H : NULL, xsx, xsx + T * GH);
+    const float top = planes == 2 ? 32639.f : 127.f;
+    quantize_rows(x, bf16, T, H, top, xq, planes == 2 ? xq + T * H : NULL, xsx, xsx + T * GH);
     for (int64_t s = 0; s < S; s++) {                 /* the slot's row of quantized x, at its grouped place */
         const int64_t t = s / k, p = pos[s];
         memcpy(gq + p * H, xq + t * H, (size_t)H);
-        if (bits == 4) memcpy(gq + S * H + p * H, xq + T * H + t * H, (size_t)H);
+        if (planes == 2) memcpy(gq + S * H + p * H, xq + T * H + t * H, (size_t)H);
         memcpy(gsx + p * GH, xsx + t * GH, sizeof(float) * (size_t)GH);
         memcpy(gsx + S * GH + p * GH, xsx + T * GH + t * GH, sizeof(float) * (size_t)GH);
     }
@@ -153,7 +140,7 @@ int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H,
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < S; p++)             /* h quantized per slot as the down matmul's input */
             quantize_rows(hh + (size_t)(p * I) * ab, bf16, 1, I, top, hq + p * I,
-                          bits == 4 ? hq + S * I + p * I : NULL, hsx + p * GI, hsx + S * GI + p * GI);
+                          planes == 2 ? hq + S * I + p * I : NULL, hsx + p * GI, hsx + S * GI + p * GI);
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < n2; j++) {          /* down of every group: yd [S, H] */
             const int64_t g = jobs2[j].g, r0 = gstart[g], M = gstart[g + 1] - r0, e = gexp[g];

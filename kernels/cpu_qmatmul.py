@@ -205,7 +205,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> to
 
 def matmul(x: torch.Tensor, w: PackedWeight, lib=None) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 → x · Wᵀ [M, N] of x's dtype. x enters as 15-bit codes per group of 32
-    for 4-bit weights and as int8 codes for 8-bit ones. lib: a level_library() (default: library())."""
+    for 4-bit weights and for 8-bit ones under fp32 x, as int8 codes for 8-bit ones under bf16 x (qmm_planes in
+    cpu_qmatmul.c). lib: a level_library() (default: library())."""
     assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.n, dtype=x.dtype)

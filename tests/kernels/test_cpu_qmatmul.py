@@ -26,7 +26,7 @@ def test_matches_the_dequantized_matmul(bits, n, k, dtype):
         y = Q.matmul(x, packed)
         assert y.shape == (m, n) and y.dtype == dtype
         ref = x.float() @ w.t()
-        # the only approximation is x's int8 codes per group of 32 (≤ 0.5/127 of the group's max each),
+        # the only approximation is x's codes per group of 32 (int8 at worst: ≤ 0.5/127 of the group's max each),
         # which multiply code · scale (the low times the exact group sum of x is exact; a scale may be negative)
         step = (x.float().abs().reshape(m, -1, 32).amax(-1) / 254).repeat_interleave(32, -1)
         bound = step @ Q.dequantize(codes, scale.abs(), torch.zeros_like(lo)).t()
@@ -48,7 +48,8 @@ def test_quantize_round_trips_a_grouped_4bit_matrix():
 
 
 def test_linear_float_out_keeps_the_kernels_float32_result():
-    """The LM head's logits: bf16 rows in, float32 out, not rounded through bf16 (rounded logits tie)."""
+    """The LM head's logits: bf16 rows in, float32 out, not rounded through bf16 (rounded logits tie): the rows
+    enter the kernel as float32 (so as 15-bit codes) and its float32 result is returned as it is."""
     from chatserve.runtime.models.layers import Linear
 
     g = torch.Generator().manual_seed(0)
@@ -58,7 +59,7 @@ def test_linear_float_out_keeps_the_kernels_float32_result():
     y = head.float_out(x)                                   # [3, 512]
     assert y.dtype == torch.float32 and head.qw is not None
     assert (y.bfloat16().float() != y).any()                # not on the bf16 grid
-    torch.testing.assert_close(y.bfloat16(), head(x), rtol=0, atol=0)
+    torch.testing.assert_close(y, head(x.float()), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -82,21 +83,23 @@ def test_rows_are_batch_and_thread_invariant(bits, dtype):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("bits,k", [(4, 32), (8, 64)])
-def test_integer_dots_are_exact_at_the_extreme_codes(bits, k):
-    """Codes at 0 and the top (15, 255) against x codes at ±the top (32639, 127): with scale 1, low 0 and x
-    already on its code grid the output is the exact integer dot (below 2^24), so a saturating pair sum
+@pytest.mark.parametrize("bits,k,dtype", [(4, 32, torch.float32), (8, 32, torch.float32), (8, 64, torch.bfloat16)])
+def test_integer_dots_are_exact_at_the_extreme_codes(bits, k, dtype):
+    """Codes at 0 and the top (15, 255) against x codes at ±the top (15-bit codes, 32639: 4-bit weights, and 8-bit
+    ones under fp32 x; int8 codes, 127: 8-bit weights under bf16 x): with scale 1, low 0 and x already on its code
+    grid the output is the exact integer dot rounded once to the output dtype, so a saturating pair sum
     (pmaddubsw on raw 8-bit codes: 2 · 255 · 127 > 32767) shows."""
     g = torch.Generator().manual_seed(bits)
-    n, top, xtop = 40, (1 << bits) - 1, 32639 if bits == 4 else 127
+    n, top = 40, (1 << bits) - 1
+    xtop = 127 if bits == 8 and dtype == torch.bfloat16 else 32639
     codes = torch.randint(0, 2, (n, k), generator=g) * top
     codes[:, :8] = top                                       # the same codes on a pair: the largest pair sums
     packed = Q.pack(codes, torch.ones(n, k // 32), torch.zeros(n, k // 32), bits)
     x = (torch.randint(0, 2, (5, k), generator=g) * 2 - 1).float() * xtop
     x[0] = xtop
     x[1] = -xtop
-    want = (x.double() @ codes.double().t()).float()        # exact: |dot| < 2^24
-    torch.testing.assert_close(Q.matmul(x, packed), want, rtol=0, atol=0)
+    want = (x.double() @ codes.double().t()).float().to(dtype)   # one rounding of the exact integer
+    torch.testing.assert_close(Q.matmul(x.to(dtype), packed), want, rtol=0, atol=0)
 
 
 def test_every_level_this_cpu_runs_gives_the_same_bits():

@@ -227,8 +227,10 @@ class Linear:
 
     def float_out(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ + b in float32 (the LM head), through the quantized copy at every row count when there is
-        one (batch invariance). cpu_qmatmul's output takes x's dtype, so it gets float32 rows and its
-        result is never rounded to bf16 (bf16 logits tie, and a tie makes greedy decoding arbitrary);
+        one (batch invariance). cpu_qmatmul's output takes x's dtype, so it gets float32 rows (which it
+        codes in 15 bits per group, not 8: an int8 LM-head input moved near-ties of the default model's
+        greedy answer) and its result is never rounded to bf16 (bf16 logits tie, and a tie makes greedy
+        decoding arbitrary);
         the other kernels compute in their own dtype and are cast up."""
         # x: [T, K] → [T, N] float32
         if self.qw is not None:
