@@ -4,7 +4,9 @@
  * x is quantized per group of 32 on the fly and every dot product is exact integer work:
  *   4-bit: x as 15-bit codes in two int8 planes (two dots per chunk), finer than the bf16 x torch's int4
  *          kernel takes; 8-bit x here moved the decoder's logits visibly away from float32's.
- *   8-bit: x as int8 codes. Used for the LM head, whose logits track float32 as closely as with bf16 x.
+ *   8-bit: x as 15-bit codes (two planes) under fp32 activations, which include the LM head's rows (float_out),
+ *          and as int8 codes under bf16 ones; int8 x on the head flipped a near-tie of the default model's
+ *          greedy answer ("Paris") on an AVX2 box (qmm_planes).
  *
  * Layout (built by cpu_qmatmul.py): rows in tiles of 16 (a 32-bit lane per row), and per (tile, group):
  *   8-bit: 8 chunks of 64 bytes; byte 4·r + i of chunk j is row r's code at k = 4·j + i;
