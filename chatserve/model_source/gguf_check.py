@@ -15,9 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from chatserve.model_source.errors import ModelCheckError
 from chatserve.model_source.hub import one_line
 from chatserve.runtime.arch_config import ArchConfig, UnsupportedModelError, gguf_config
-from chatserve.runtime.gguf_view import ViewReader
-
-from chatserve.runtime.weights import GGUF_MAGIC as MAGIC, is_gguf_file  # noqa: F401  (re-exported)
+from chatserve.runtime.gguf_view import GGUF_MAGIC as MAGIC, ViewReader, is_gguf_file  # noqa: F401  (re-exported)
 
 
 class CheckedReader(ViewReader):

@@ -49,7 +49,7 @@ def prepare_model(cfg: EngineConfig, *, count_kv_cache: bool = True) -> EngineCo
         model = replace(model, model=found.path,
                         served_model_name=model.served_model_name or found.name)
     cache = cfg.cache if count_kv_cache else replace(cfg.cache, num_blocks=0)
-    check_model(model.resolved_model(), cache, model.dtype, on_cpu=runs_on_cpu(model.device),
+    check_model(model.resolved_model(), cache, model.dtype, on_cpu=lambda: runs_on_cpu(model.device),
                 name=model.served_model_name)
     return replace(cfg, model=model)
 

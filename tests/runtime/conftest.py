@@ -2,6 +2,8 @@
 load of the same GGUF), tiny random checkpoints, and a contiguous-cache forward helper."""
 from __future__ import annotations
 
+import fcntl
+import os
 import time
 from typing import Callable
 
@@ -47,19 +49,44 @@ def default_model(default_weights):
                       max_model_len=4096)
 
 
+def _hf_gguf_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """transformers' own GGUF parsing of `path`: its config dict, and the dequantized, un-permuted tensors
+    named for its own model class (a weightless shell of it, built from that config, names them)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    with torch.device("meta"):
+        shell = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=shell)["tensors"]
+    return cfg, {k: torch.as_tensor(v) for k, v in tensors.items()}
+
+
 @pytest.fixture(scope="session")
-def default_hf(default_path):
+def default_hf_checkpoint(default_path, tmp_path_factory, worker_id) -> tuple[dict, dict[str, torch.Tensor]]:
+    """transformers' parse of the default GGUF (_hf_gguf_checkpoint), done once per test run: it costs
+    ~20 CPU seconds, and test_llama_vs_hf.py and test_weights.py may run on different xdist workers. The first
+    worker to need it saves it under the run's shared temp root (a lock held meanwhile); the others load it."""
+    if worker_id == "master":                                  # not under xdist
+        return _hf_gguf_checkpoint(default_path)
+    saved = tmp_path_factory.getbasetemp().parent / "default-hf-checkpoint.pt"
+    with open(str(saved) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            torch.save(_hf_gguf_checkpoint(default_path), str(saved) + ".part")
+            os.replace(str(saved) + ".part", saved)
+        return torch.load(saved, weights_only=False)
+
+
+@pytest.fixture(scope="session")
+def default_hf(default_hf_checkpoint):
     """transformers' own GGUF parsing (config and dequantized, un-permuted tensors) of the default
     model in its Llama class (fp32, eager): the reference shares nothing with chatserve's loading."""
     transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    cfg = load_gguf_checkpoint(default_path, return_tensors=False)["config"]
+    cfg, tensors = default_hf_checkpoint
     config = transformers.AutoConfig.for_model(**cfg)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                           dtype=torch.float32)
-    tensors = load_gguf_checkpoint(default_path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()},
-                                                strict=False)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model.eval()

@@ -150,18 +150,14 @@ def test_default_model_config_and_load_time(default_weights):
 
 
 @pytest.mark.slow
-def test_default_qk_match_transformers_gguf_loader(default_path, default_weights):
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    c = default_weights.config
-    with torch.device("meta"):
-        shell = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, vocab_size=c.vocab_size))
-    ref = load_gguf_checkpoint(default_path, return_tensors=True, model_to_load=shell)["tensors"]
+def test_default_qk_match_transformers_gguf_loader(default_weights, default_hf_checkpoint):
+    """transformers' own parse of the GGUF (tests/runtime/conftest.py, shared with test_llama_vs_hf.py: its
+    config, its Llama class naming the tensors) against ours."""
+    cfg, ref = default_hf_checkpoint
+    assert cfg["model_type"] == "llama"
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
                  "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
-        assert torch.equal(default_weights.tensors[name], torch.as_tensor(ref[name]).float()), name
+        assert torch.equal(default_weights.tensors[name], ref[name].float()), name
 
 
 def test_safetensors_sharded_equals_single(tmp_path):

@@ -80,6 +80,12 @@ class ProcServer:
         return self.proc.returncode
 
 
+# The session's shared default-model server (tests/conftest.py live_server): the default settings but for a
+# smaller KV cache (512 blocks, not a memory-sized one) and context; a test that needs a second server of the
+# same model (batch invariance's chunked prefill) starts it with these and its one extra flag.
+LIVE_SERVER_ARGS = ("--kv-blocks", "512", "--max-model-len", "2048")
+
+
 def real_model_available() -> bool:
     """The default model is installed (the server's own modules are imported unguarded: an ImportError
     there is a failure, not a skip)."""

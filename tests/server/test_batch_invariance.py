@@ -2,6 +2,10 @@
 matmuls where the CPU has them): one greedy request gets the same tokens and the same logprobs,
 bit for bit, alone, amid 1, 7 and 15 concurrent requests with other prompts, on a prefix-cache hit,
 and with its prompt prefilled in 16-token chunks by a second server.
+
+The first server is the session's shared one (tests/conftest.py live_server: default settings but for a
+512-block KV cache and a 2048 context, LIVE_SERVER_ARGS; nothing else runs on it while this test does);
+the chunked one has the same flags plus --max-num-batched-tokens 16, so the chunking is the one difference.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import asyncio
 import httpx
 import pytest
 
-from server_support import real_model_available, start_real_server
+from server_support import LIVE_SERVER_ARGS, real_model_available, start_real_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not real_model_available(), reason="default model not installed")]
@@ -66,15 +70,8 @@ async def _target_amid(url: str, others: int) -> tuple[str, list]:
     return _answer(results[0])
 
 
-@pytest.fixture(scope="module")
-def default_server(tmp_path_factory):
-    srv = start_real_server(str(tmp_path_factory.mktemp("inv")), startup_timeout=900)
-    yield srv
-    srv.stop()
-
-
-def test_greedy_output_is_batch_invariant(default_server, tmp_path):
-    url = default_server.url
+def test_greedy_output_is_batch_invariant(live_server, tmp_path):
+    url = live_server.url
     alone = _answer(httpx.post(url + "/v1/chat/completions", json=_body(TARGET, 24), timeout=600))
     text, steps = alone
     assert text.strip() and len(steps) >= 8
@@ -84,7 +81,8 @@ def test_greedy_output_is_batch_invariant(default_server, tmp_path):
         got = asyncio.run(_target_amid(url, others))
         assert got[0] == text, f"beside {others} others: {got[0]!r} != {text!r}"
         assert got[1] == steps, f"beside {others} others the logprobs differ"
-    chunked = start_real_server(str(tmp_path), "--max-num-batched-tokens", "16", startup_timeout=900)
+    chunked = start_real_server(str(tmp_path), *LIVE_SERVER_ARGS, "--max-num-batched-tokens", "16",
+                                startup_timeout=900)
     try:
         got = _answer(httpx.post(chunked.url + "/v1/chat/completions", json=_body(TARGET, 24), timeout=600))
     finally:

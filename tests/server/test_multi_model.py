@@ -20,6 +20,8 @@ pytestmark = pytest.mark.timeout(900)
 HI = [{"role": "user", "content": "Name a colour."}]
 
 
+# --gguf-in-place: the pool (loads, unloads, shares, the 503) is the check, and the default GGUF mapped in place
+# loads in seconds; the default path int4-repacks it at every load (tens of CPU seconds on an AVX2-only box).
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory, tiny_model):
     if not real_model_available():
@@ -27,7 +29,8 @@ def multi(tmp_path_factory, tiny_model):
     path = default_model_path()
     srv = start_real_server(str(tmp_path_factory.mktemp("multi")), "--model", f"smol={path}",
                             "--model", f"smol2={path}", "--model", f"tiny={tiny_model}",
-                            "--max-loaded-models", "2", "--kv-blocks", "128", "--max-model-len", "1200")
+                            "--max-loaded-models", "2", "--kv-blocks", "128", "--max-model-len", "1200",
+                            "--gguf-in-place")
     yield srv
     srv.stop()
 

@@ -18,6 +18,8 @@ MiB = 1 << 20
 BUDGET = 61 * MiB                    # not a whole number of blocks per share: the rounding is visible
 
 
+# --gguf-in-place: the pool (loads, unloads, shares, the 503) is the check, and the default GGUF mapped in place
+# loads in seconds; the default path int4-repacks it at every load (tens of CPU seconds on an AVX2-only box).
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     if not real_model_available():
@@ -25,7 +27,7 @@ def srv(tmp_path_factory):
     path = default_model_path()
     s = start_real_server(str(tmp_path_factory.mktemp("kvsplit")), "--model", f"smol={path}",
                           "--model", f"smol2={path}", "--model", f"smol3={path}", "--max-loaded-models", "2",
-                          "--kv-cache-memory", str(BUDGET), "--max-model-len", "512")
+                          "--kv-cache-memory", str(BUDGET), "--max-model-len", "512", "--gguf-in-place")
     yield s
     s.stop()
 
