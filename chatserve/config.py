@@ -37,8 +37,11 @@ PROCESS_ENV = {
     "CHATSERVE_CPU_KERNELS": "0: never build or load the C kernels; the torch path runs",
     "CHATSERVE_MOE_KERNEL": "0: a MoE layer's decode rows run the expert loop, not cpu_moe's one C call "
                             "(same results; for before/after benchmarks)",
+    "CHATSERVE_WEIGHT_CACHE": "0: quantize a model's decode weights at every load instead of mapping the packed "
+                              "copy an earlier load left in <cache root>/qmatmul",
     "CHATSERVE_FORCE_TRITON": "1: the Triton kernels on CPU tensors too, through TRITON_INTERPRET=1 (tests)",
-    "CHATSERVE_CACHE_DIR": "the per-user disk cache root (converted tokenizers, compiled kernels); "
+    "CHATSERVE_CACHE_DIR": "the per-user disk cache root (converted tokenizers, compiled kernels, packed "
+                           "decode weights); "
                            "default $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve",
 }
 

@@ -14,7 +14,8 @@ CPU_KERNELS = "CHATSERVE_CPU_KERNELS"    # "0": never build or load the C kernel
 FORCE_TRITON = "CHATSERVE_FORCE_TRITON"  # "1": Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1)
 CACHE_DIR = "CHATSERVE_CACHE_DIR"        # the per-user cache root (compiled kernels live in <root>/kernels)
 MOE_KERNEL = "CHATSERVE_MOE_KERNEL"      # "0": MoE decode rows through the expert loop, not cpu_moe's one call
-NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL)
+WEIGHT_CACHE = "CHATSERVE_WEIGHT_CACHE"  # "0": never read or write cpu_qmatmul's packed weights on disk
+NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, WEIGHT_CACHE)
 # other programs' variables the kernels honour (config.FOREIGN_ENV declares them too)
 CC = "CC"                                # the C compiler for the CPU kernels
 TRITON_INTERPRET = "TRITON_INTERPRET"    # triton's own switch: "1" runs kernels in its CPU interpreter
@@ -29,6 +30,11 @@ def cpu_kernels_enabled() -> bool:
 def moe_kernel_enabled() -> bool:
     """cpu_moe's one call per MoE layer for decode rows (read when a model is built; "0" for A/B runs)."""
     return os.environ.get(MOE_KERNEL, "1") != "0"
+
+
+def weight_cache_enabled() -> bool:
+    """cpu_qmatmul's packed weights kept on disk between processes (cpu_qmatmul.pack_cached)."""
+    return os.environ.get(WEIGHT_CACHE, "1") != "0"
 
 
 def force_triton() -> bool:

@@ -119,3 +119,34 @@ def test_every_level_this_cpu_runs_gives_the_same_bits():
                     assert lib is not None, f"level {name} did not build (see the log)"
                     for m in (1, 2, 9):
                         torch.testing.assert_close(Q.matmul(x[:m], packed, lib), want[:m], rtol=0, atol=0)
+
+
+def test_pack_cached_keeps_the_packed_weights_on_disk_and_gives_the_same_bytes(tmp_path, monkeypatch):
+    """The first load quantizes and writes one file; the next maps it (no quantize call); a corrupt file is
+    quantized again and replaced; CHATSERVE_WEIGHT_CACHE=0 writes nothing. Every time: pack(quantize(w))."""
+    monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=g) * 0.05
+    want = Q.pack(*Q.quantize(w, 4), 4)
+
+    def same(p):
+        assert (p.bits, p.n, p.k) == (4, 40, 96)
+        assert torch.equal(p.codes, want.codes) and torch.equal(p.scale_lo, want.scale_lo)
+
+    same(Q.pack_cached(w, 4))
+    files = list((tmp_path / "qmatmul").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".pt"
+    calls = []
+    real = Q.quantize
+    monkeypatch.setattr(Q, "quantize", lambda *a: calls.append(a) or real(*a))
+    same(Q.pack_cached(w, 4))
+    assert calls == []                                       # mapped, not quantized
+    assert len(Q.pack_cached(w, 8).scale_lo) and len(list((tmp_path / "qmatmul").iterdir())) == 2   # bits: own file
+    calls.clear()
+    files[0].write_bytes(b"not a torch file")
+    same(Q.pack_cached(w, 4))
+    assert len(calls) == 1 and files[0].stat().st_size > 1000   # quantized again, replaced
+    monkeypatch.setenv("CHATSERVE_WEIGHT_CACHE", "0")
+    same(Q.pack_cached(w, 4))
+    Q.pack_cached(w + 1.0, 4)
+    assert len(list((tmp_path / "qmatmul").iterdir())) == 2   # nothing written with the cache off

@@ -118,7 +118,7 @@ class Linear:
         if weight_quant and cpu and K % INT4_GROUP == 0 and cpu_qmatmul.available() \
                 and float(w.abs().max()) < cpu_qmatmul.FP16_MAX:
             bits = 4 if weight_quant == "int4" else 8
-            self.qw = cpu_qmatmul.pack(*cpu_qmatmul.quantize(w, bits), bits)
+            self.qw = cpu_qmatmul.pack_cached(w, bits)
         elif weight_quant:
             self._torch_quantized(w)
         if w.dtype in (torch.bfloat16, torch.float32) and cpu and _onednn_packs(w.dtype):
