@@ -212,7 +212,7 @@ def pack_cached(w: torch.Tensor, bits: int) -> PackedWeight:
     if not env.weight_cache_enabled():
         return pack(*quantize(w, bits), bits)
     wc = w.detach().contiguous()
-    digest = xxhash.xxh3_128_hexdigest(wc.view(torch.uint8).reshape(-1).numpy())
+    digest = xxhash.xxh3_128_hexdigest(memoryview(wc.view(torch.uint8).reshape(-1).numpy()))
     name = f"{digest}-{str(wc.dtype)[6:]}-{wc.shape[0]}x{wc.shape[1]}-{bits}b-v{CACHE_FORMAT}.pt"
     path = env.cache_root() / "qmatmul" / name
     try:
