@@ -212,7 +212,8 @@ def pack_cached(w: torch.Tensor, bits: int) -> PackedWeight:
     if not env.weight_cache_enabled():
         return pack(*quantize(w, bits), bits)
     wc = w.detach().contiguous()
-    digest = xxhash.xxh3_128_hexdigest(memoryview(wc.view(torch.uint8).reshape(-1).numpy()))
+    raw = wc.view(torch.uint8).reshape(-1).numpy()
+    digest = xxhash.xxh3_128_hexdigest(raw)  # type: ignore[arg-type]  # an ndarray is a buffer; its stubs say otherwise
     name = f"{digest}-{str(wc.dtype)[6:]}-{wc.shape[0]}x{wc.shape[1]}-{bits}b-v{CACHE_FORMAT}.pt"
     path = env.cache_root() / "qmatmul" / name
     try:
