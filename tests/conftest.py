@@ -17,6 +17,11 @@ from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # no
 from server_support import LIVE_SERVER_ARGS, real_model_available, start_fake_server, start_real_server  # noqa: E402
 from session_fakes import RedisServer, redis_binary  # noqa: E402
 
+# The suite's random-weight models would leave packed weights nobody loads again in the user's cache
+# (cpu_qmatmul.pack_cached, one file per matrix): off for every test and server it starts; the cache's own
+# test turns it on in a temporary cache root.
+os.environ.setdefault("CHATSERVE_WEIGHT_CACHE", "0")
+
 
 @pytest.fixture
 def redis_server():
