@@ -205,8 +205,8 @@ CACHE_FORMAT = 1          # bump when quantize() or pack() would give other byte
 
 def pack_cached(w: torch.Tensor, bits: int) -> PackedWeight:
     """pack(*quantize(w, bits), bits), kept on disk under <cache root>/qmatmul by a hash of w's bytes, dtype, shape
-    and bits: a later load of the same weights (a server restart, each test server of a suite run) maps the
-    packed copy instead of quantizing again (12 of the 17 s a default-model server took to start on an AVX2 box).
+    and bits: a later load of the same weights (a server restart) maps the packed copy instead of quantizing
+    again (a default-model server start 24-26 s -> 14-15 s on a loaded AVX2 box; the test suite runs with it off).
     A file is written under a temporary name and renamed, so concurrent loads are safe; an unreadable one is
     quantized again and replaced. CHATSERVE_WEIGHT_CACHE=0 turns it off."""
     if not env.weight_cache_enabled():
