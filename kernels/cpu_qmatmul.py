@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from chatserve_kernels import cpu_build, env
+from chatserve_kernels import cpu_blockq8, cpu_build, env
 
 SOURCE = Path(__file__).with_name("cpu_qmatmul.c")
 GROUP = 32
@@ -24,13 +24,11 @@ TILE = 16
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
-# Levels a build can be forced to (a prelude before the source), the CPU flags each needs, and what
-# chatserve_qmm_level() answers: 10 · level + 1 where its dots are VNNI instructions.
+# Levels a build can be forced to (a prelude before the source; the levels, and the CPU flags each needs, are
+# cpu_blockq8's), and what chatserve_qmm_level() answers: 10 · level + 1 where its dots are VNNI instructions.
 LEVELS = {"avx512": "#define QMM_LEVEL 3\n", "avx2": "#define QMM_LEVEL 2\n",
           "avx2-maddubs": "#define QMM_LEVEL 2\n#define QMM_MADDUBS 1\n"}
 CODES = {"avx512": 31, "avx2": 21, "avx2-maddubs": 20}
-_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512_vnni"), "avx2": ("avx2", "fma", "f16c"),
-          "avx2-maddubs": ("avx2", "fma", "f16c")}
 
 
 def _bind(lib):
@@ -61,9 +59,7 @@ def level() -> str:
 
 def supported_levels() -> list[str]:
     """The levels this CPU can run ("avx2" only where it has AVX-VNNI; "avx2-maddubs" wherever AVX2 is)."""
-    have = cpu_build.cpu_flags()
-    return [lv for lv, need in _NEEDS.items()
-            if all(f in have for f in need) and (lv != "avx2" or "avx_vnni" in have)]
+    return [lv for lv in LEVELS if cpu_blockq8.supported(lv) and (lv != "avx2" or cpu_blockq8.uses_vnni(lv))]
 
 
 @functools.lru_cache(maxsize=None)
