@@ -34,21 +34,6 @@ int chatserve_moe_tile(void) { return QMM_TILE; }
 
 
 #if QMM_TILE
-/* Rows [0, M) of quantized input (codes xh [M, K] (and the low plane xl for 4-bit), sx, xs [M, G]) through
- * tiles [t0, t1) of one packed matrix into y [M, N] (activation dtype): cpu_qmatmul's row blocks of 8/4/2/1. */
-static void moe_tiles(int bits, const uint8_t *w, const uint16_t *sl, int64_t N, int64_t K, const int8_t *xh,
-                      const int8_t *xl, const float *sx, const float *xs, int64_t M, int64_t t0, int64_t t1,
-                      char *y, int bf16) {
-    const int64_t G = K / GROUP;
-    const size_t ybytes = bf16 ? 2 : 4;
-    for (int64_t m = 0; m < M;) {
-        const int64_t mb = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-        qmm_block(bits, qmm_planes(bits, bf16), mb, w, sl, G, K, xh + m * K, xl + m * K, sx + m * G, xs + m * G,
-                  t0, t1, N, y + (size_t)(m * N) * ybytes, bf16);
-        m += mb;
-    }
-}
-
 /* One job: tiles [t0, t1) of expert group g. */
 typedef struct { int64_t g, t0, t1; } moe_job;
 
@@ -130,9 +115,9 @@ int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H,
     #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t j = 0; j < n1; j++) {              /* gate_up of every group: gu [S, 2I] */
         const int64_t g = jobs[j].g, r0 = gstart[g], M = gstart[g + 1] - r0, e = gexp[g];
-        moe_tiles(bits, (const uint8_t *)gu_w[2 * e], (const uint16_t *)gu_w[2 * e + 1], N1, H,
-                  gq + r0 * H, gq + S * H + r0 * H, gsx + r0 * GH, gsx + S * GH + r0 * GH, M,
-                  jobs[j].t0, jobs[j].t1, gu + (size_t)(r0 * N1) * ab, bf16);
+        qmm_rows(bits, (const uint8_t *)gu_w[2 * e], (const uint16_t *)gu_w[2 * e + 1], N1, H,
+                 gq + r0 * H, gq + S * H + r0 * H, gsx + r0 * GH, gsx + S * GH + r0 * GH, M,
+                 jobs[j].t0, jobs[j].t1, gu + (size_t)(r0 * N1) * ab, bf16);
     }
     silu_mul(bf16, gu, hh, S, I, nt);               /* h = store(store(silu(g)) · u): cpu_ops' own function */
     #pragma omp parallel num_threads(nt)
@@ -144,9 +129,9 @@ int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H,
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < n2; j++) {          /* down of every group: yd [S, H] */
             const int64_t g = jobs2[j].g, r0 = gstart[g], M = gstart[g + 1] - r0, e = gexp[g];
-            moe_tiles(bits, (const uint8_t *)dn_w[2 * e], (const uint16_t *)dn_w[2 * e + 1], H, I,
-                      hq + r0 * I, hq + S * I + r0 * I, hsx + r0 * GI, hsx + S * GI + r0 * GI, M,
-                      jobs2[j].t0, jobs2[j].t1, yd + (size_t)(r0 * H) * ab, bf16);
+            qmm_rows(bits, (const uint8_t *)dn_w[2 * e], (const uint16_t *)dn_w[2 * e + 1], H, I,
+                     hq + r0 * I, hq + S * I + r0 * I, hsx + r0 * GI, hsx + S * GI + r0 * GI, M,
+                     jobs2[j].t0, jobs2[j].t1, yd + (size_t)(r0 * H) * ab, bf16);
         }
     }
     moe_combine(yd, pos, wts, T, k, H, out, bf16);

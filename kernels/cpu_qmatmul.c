@@ -376,6 +376,25 @@ static void qmm_block(int bits, int planes, int64_t mb, const uint8_t *w, const 
  * activations, already as coarse as int8 x. */
 static inline int qmm_planes(int bits, int bf16) { return bits == 4 || !bf16 ? 2 : 1; }
 
+#if QMM_TILE
+/* Rows [0, M) of quantized x (codes xh [M, K] and, with two planes, xl; sx, xs [M, G]) through tiles [t0, t1)
+ * of one packed matrix into y [M, N] (fp32, or bf16 when bf16 != 0), in row blocks of 8, 4, 2, 1: chatserve_qmm's
+ * chunks and cpu_moe.c's expert groups. */
+static void qmm_rows(int bits, const uint8_t *w, const uint16_t *sl, int64_t N, int64_t K, const int8_t *xh,
+                     const int8_t *xl, const float *sx, const float *xs, int64_t M, int64_t t0, int64_t t1,
+                     char *y, int bf16) {
+    const int64_t G = K / GROUP;
+    const size_t ybytes = bf16 ? 2 : 4;
+    const int planes = qmm_planes(bits, bf16);
+    for (int64_t m = 0; m < M;) {
+        const int64_t mb = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+        qmm_block(bits, planes, mb, w, sl, G, K, xh + m * K, planes == 2 ? xl + m * K : NULL, sx + m * G,
+                  xs + m * G, t0, t1, N, y + (size_t)(m * N) * ybytes, bf16);
+        m += mb;
+    }
+}
+#endif
+
 #define CHUNK_BYTES (96 * 1024)      /* codes + scales a chunk of tiles holds: well inside L2 */
 
 /* y[M, N] (fp32, or bf16 when bf16 != 0) = x[M, K] · Wᵀ for packed W (see the top). K % 32 == 0.
@@ -393,7 +412,6 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
     }
     quantize_rows(x, bf16, M, K, planes == 2 ? 32639.f : 127.f, xq, planes == 2 ? xq + M * K : NULL, sx, xs);
     const int nt = nthreads > 1 && tiles >= 8 ? nthreads : 1;
-    const size_t ybytes = bf16 ? 2 : 4;
     /* More than 8 rows: each thread's tiles in chunks of ~CHUNK_BYTES of codes and scales, every row block
      * over a chunk before the next, so the weights stream from memory once and the later blocks read them
      * from L2. Each output's arithmetic is the same at any chunking (a tile is summed alone). */
@@ -404,13 +422,7 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
         const int64_t t0 = tiles * part / nt, t1 = tiles * (part + 1) / nt;
         for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
           const int64_t c1 = c0 + chunk < t1 ? c0 + chunk : t1;
-          for (int64_t m = 0; m < M;) {      /* rows of x in blocks of 8, 4, 2, 1 */
-            const int64_t mb = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-            char *o = (char *)y + (size_t)(m * N) * ybytes;
-            const int8_t *xl = planes == 2 ? xq + M * K + m * K : NULL;
-            qmm_block(bits, planes, mb, w, sl, G, K, xq + m * K, xl, sx + m * G, xs + m * G, c0, c1, N, o, bf16);
-            m += mb;
-          }
+          qmm_rows(bits, w, sl, N, K, xq, planes == 2 ? xq + M * K : NULL, sx, xs, M, c0, c1, (char *)y, bf16);
         }
     }
     free(xq); free(sx); free(xs);
