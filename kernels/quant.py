@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from chatserve_kernels import zero_pages
+
 INT8_MAX = 127.0
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
@@ -36,7 +38,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim:
                       dtype: torch.dtype, kv_cache_dtype: str = "auto",
                       device: torch.device | str = "cpu",
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One layer's paged K/V cache, zero-filled, and its scales (None for an unquantized cache).
+    """One layer's paged K/V cache, zero-filled, and its scales (None for an unquantized cache). On the CPU
+    the zeros are pages the OS zeroes when first touched (zero_pages.zeros), not bytes written here.
 
     k, v:             [num_blocks, block_size, kv_heads, head_dim] of the storage dtype
     k_scale, v_scale: [num_blocks, block_size, kv_heads] float32 (int8, fp8), [1] float32 = 1.0
@@ -44,13 +47,13 @@ def allocate_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim:
     """
     elem, mode = storage_dtype(kv_cache_dtype, dtype)
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k = torch.zeros(shape, dtype=elem, device=device)
-    v = torch.zeros(shape, dtype=elem, device=device)
+    k = zero_pages.zeros(shape, elem, device)
+    v = zero_pages.zeros(shape, elem, device)
     ks: torch.Tensor | None
     vs: torch.Tensor | None
     if mode == SCALE_TOKEN:
-        ks = torch.zeros(shape[:3], dtype=torch.float32, device=device)
-        vs = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+        ks = zero_pages.zeros(shape[:3], torch.float32, device)
+        vs = zero_pages.zeros(shape[:3], torch.float32, device)
     elif mode == SCALE_TENSOR:
         ks = torch.ones(1, dtype=torch.float32, device=device)
         vs = torch.ones(1, dtype=torch.float32, device=device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from chatserve.runtime.arch_config import ArchConfig
-from chatserve_kernels import quant
+from chatserve_kernels import quant, zero_pages
 
 KVCaches = list[tuple[torch.Tensor, ...]]   # per layer (k, v) or (k, v, k_scale, v_scale)
 
@@ -35,7 +35,9 @@ def num_blocks_for_budget(config: ArchConfig, block_size: int, dtype: torch.dtyp
 def allocate_kv_caches(config: ArchConfig, block_size: int, dtype: torch.dtype,
                        device: str | torch.device = "cpu", num_blocks: int | None = None,
                        memory_bytes: int | None = None, kv_cache_dtype: str = "auto") -> KVCaches:
-    """Zeroed caches (zeros, not empty: masked-out garbage could be NaN and poison attention)."""
+    """Zeroed caches (zeros, not empty: masked-out garbage could be NaN and poison attention). On the CPU
+    the zeros cost nothing up front (zero_pages.zeros: pages the OS zeroes at first touch), so the cache's
+    bytes become resident as its blocks are used, not at allocation."""
     if num_blocks is None:
         if memory_bytes is None:
             raise ValueError("give num_blocks or memory_bytes")
@@ -44,8 +46,8 @@ def allocate_kv_caches(config: ArchConfig, block_size: int, dtype: torch.dtype,
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if kv_cache_dtype == "auto":
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        return [(torch.zeros(shape, dtype=dtype, device=device),
-                 torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
+        return [(zero_pages.zeros(shape, dtype, device), zero_pages.zeros(shape, dtype, device))
+                for _ in range(config.num_layers)]
     caches: KVCaches = []
     for _ in range(config.num_layers):
         k, v, ks, vs = quant.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads,
