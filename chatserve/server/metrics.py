@@ -90,7 +90,9 @@ class _EngineCollector:
         fin = CounterMetricFamily("chatserve:request_success", "Finished sequences by reason.",
                                   labels=["model_name", "finished_reason"])
         kv = GaugeMetricFamily("chatserve:kv_cache_memory_bytes", "Bytes of this model's KV cache (its share "
-                               "of --kv-cache-memory while several models share it).", labels=["model_name"])
+                               "of --kv-cache-memory while several models share it): reserved, not resident; on "
+                               "the CPU a page of it becomes resident when a block in it is first used.",
+                               labels=["model_name"])
         info = GaugeMetricFamily("chatserve:cache_config_info", "The KV cache's configuration (value 1).",
                                  labels=["model_name", *_CACHE_INFO_LABELS])
         for model, e, s in loaded:

@@ -117,7 +117,8 @@ def model_lines(served: ServedModel, load_s: float) -> list[str]:
         f"   (loaded in {load_s:.1f} s)",
         f"  backends   {runner.model.describe_backends()}; "
         f"batch-invariant {'on' if runner.batch_invariant else 'off (--no-batch-invariant)'}",
-        f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens ({mem / (1 << 20):.0f} MiB)"
+        f"  KV cache   {blocks} blocks × {bs} tokens = {tokens:,} tokens ({mem / (1 << 20):.0f} MiB"
+        f"{', resident as blocks are used' if str(runner.device).startswith('cpu') else ''})"
         f", prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}",
         f"  context    {ctx:,} tokens; {tokens / max(1, ctx):.1f} sequences fit at full context; "
         f"max {cfg.scheduler.max_num_seqs} running, {cfg.scheduler.max_waiting_requests} waiting",
