@@ -169,6 +169,35 @@ def test_cold_then_warm_load(tmp_path):
     print(f"tokenizer load: cold {cold_s:.2f}s, warm {warm_s:.2f}s")
 
 
+def test_end_of_turn_probe_is_kept_in_the_disk_cache(tmp_path, monkeypatch):
+    """The probe renders the template (importing transformers: seconds of a server start) once per cached
+    tokenizer; a warm load reads its answer, a template override probes its own template."""
+    from chatserve.text import chat_template as renderer
+    from chatserve.text import tokenizer as mod
+
+    mod._memo.clear()
+    cold = Tokenizer.from_model(MODEL, cache_dir=tmp_path)
+    im_end = cold.encode("<|im_end|>")
+    assert cold.end_of_turn_id == im_end[0] and cold.end_of_turn_probe == im_end
+    (meta,) = tmp_path.glob("*.meta.json")
+    assert json.loads(meta.read_text())["end_of_turn_probe"] == im_end
+    mod._memo.clear()
+    rendered: list[str] = []
+    real = renderer.render
+    monkeypatch.setattr(renderer, "render", lambda t, *a, **k: rendered.append(t) or real(t, *a, **k))
+    warm = Tokenizer.from_model(MODEL, cache_dir=tmp_path)
+    assert rendered == [] and warm.end_of_turn_id == cold.end_of_turn_id
+    assert warm.eos_token_ids == cold.eos_token_ids
+    other = warm.with_chat_template("{% for m in messages %}{{ m.content }}<|endoftext|>{% endfor %}")
+    assert len(rendered) == 1 and other.end_of_turn_id == warm.encode("<|endoftext|>")[0]
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "end_of_turn_probe": ["x"]}))   # damaged
+    mod._memo.clear()
+    again = Tokenizer.from_model(MODEL, cache_dir=tmp_path)
+    assert len(rendered) == 2 and again.end_of_turn_id == cold.end_of_turn_id
+    assert json.loads(meta.read_text())["end_of_turn_probe"] == im_end                  # repaired
+    mod._memo.clear()
+
+
 def test_hf_directory(tok, hf, tmp_path):
     hf.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))

@@ -75,6 +75,20 @@ def write_cache(cdir: Path, key: str, backend: tokenizers.Tokenizer, meta: dict)
         pass  # a read-only home is no reason to fail; the next load converts again
 
 
+def save_meta(p: Path, meta: dict, *, cache_dir: Path | None = None) -> None:
+    """Rewrite the cached metadata of `p`'s tokenizer (what load_backend returned, plus what the Tokenizer
+    learned from it: the end-of-turn probe), so that the next load of the same files reads it too."""
+    cdir = cache_dir if cache_dir is not None else disk_cache.cache_dir("tokenizers")
+    key = source_key(p)
+    if not (cdir / f"{key}.tokenizer.json").is_file():
+        return                      # no cached backend to go with it (a read-only cache)
+    try:
+        data = json.dumps({**meta, "format": CACHE_FORMAT})
+        disk_cache.write_atomic(cdir / f"{key}.meta.json", data.encode("utf-8"))
+    except OSError:
+        pass
+
+
 def _load_gguf(p: Path) -> tuple[tokenizers.Tokenizer, dict]:
     """Build the tokenizer from GGUF metadata with transformers' converter (the fast internal path when
     this transformers version has it, else the public AutoTokenizer)."""

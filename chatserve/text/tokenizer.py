@@ -17,7 +17,7 @@ from typing import Any
 import tokenizers
 
 from chatserve.text import chat_template as chat_template_module
-from chatserve.text.loading import load_backend, source_key
+from chatserve.text.loading import load_backend, save_meta, source_key
 
 # Added tokens that end a turn or a document in common model families (llama.cpp calls these "EOG"):
 # a model that samples one of them is done, whatever its nominal EOS is.
@@ -48,7 +48,11 @@ class Tokenizer:
         add_eos_token: bool | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         name: str | None = None,
+        end_of_turn_probe: list[int] | None = None,
     ) -> None:
+        """end_of_turn_probe: what `_probe_end_of_turn` found for this backend and template in an earlier
+        load ([id], or [] for nothing), kept in the tokenizer's disk cache; None: probe now. The probe
+        renders the template, and the renderer's first import (transformers) is seconds of a start."""
         self._backend = backend
         self.name = name
         self.chat_template = chat_template
@@ -67,7 +71,11 @@ class Tokenizer:
         self._offload: tuple[Callable[[str], list[int]], int] | None = None   # see with_offload
         self._token_str_cache: dict[int, str] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
-        self.end_of_turn_id: int | None = self._probe_end_of_turn()
+        if end_of_turn_probe is None:
+            probed = self._probe_end_of_turn()
+            end_of_turn_probe = [] if probed is None else [probed]
+        self.end_of_turn_probe: list[int] = list(end_of_turn_probe)
+        self.end_of_turn_id: int | None = self.end_of_turn_probe[0] if self.end_of_turn_probe else None
         if self.end_of_turn_id is None:
             self.end_of_turn_id = self.eos_token_id
         eos = {i for i in (self.eos_token_id, self.end_of_turn_id) if i is not None}
@@ -97,9 +105,11 @@ class Tokenizer:
         with _memo_lock:
             if use_cache and key in _memo:
                 return _memo[key]
-        backend, meta = load_backend(p, cache_dir=None if cache_dir is None else Path(cache_dir),
-                                     use_cache=use_cache)
+        cdir = None if cache_dir is None else Path(cache_dir)
+        backend, meta = load_backend(p, cache_dir=cdir, use_cache=use_cache)
         tok = cls._from_meta(backend, meta, name=str(p))
+        if use_cache and _probe_list(meta.get("end_of_turn_probe")) is None:   # probed now: saved for the next load
+            save_meta(p, {**meta, "end_of_turn_probe": tok.end_of_turn_probe}, cache_dir=cdir)
         if use_cache:
             with _memo_lock:
                 _memo[key] = tok
@@ -115,6 +125,7 @@ class Tokenizer:
             add_eos_token=meta.get("add_eos_token"),
             extra_eos_token_ids=meta.get("extra_eos_token_ids") or (),
             name=name,
+            end_of_turn_probe=_probe_list(meta.get("end_of_turn_probe")),
         )
 
     def with_chat_template(self, chat_template: str | None) -> "Tokenizer":
@@ -260,6 +271,13 @@ class Tokenizer:
         return ids[0] if ids and ids[0] in self._special_ids else None
 
     # ── multi-turn prefix reuse ──────────────────────────────────────────────────────────────────
+
+
+def _probe_list(value: Any) -> list[int] | None:
+    """A cached end-of-turn probe ([id] or []), or None when the cache has none (or a malformed one)."""
+    if isinstance(value, list) and len(value) <= 1 and all(type(i) is int for i in value):
+        return list(value)
+    return None
 
 
 def _decoder_type(backend: tokenizers.Tokenizer) -> str | None:
