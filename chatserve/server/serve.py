@@ -220,6 +220,12 @@ def warm_tokenizer_process(served: ServedModel) -> None:
         asyncio.get_running_loop().run_in_executor(None, proc.start)
 
 
+def warm_chat_renderer(served: ServedModel) -> None:
+    """Import the chat template renderer in the background, not at the first chat request."""
+    from chatserve.text.chat_template import import_renderer
+    asyncio.get_running_loop().run_in_executor(None, import_renderer)
+
+
 def exit_reserve(drain_timeout: float) -> float:
     """Seconds of the drain timeout kept for closing sockets and exiting (at most 1 s, a quarter)."""
     return min(1.0, 0.25 * max(0.0, drain_timeout))
@@ -367,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         specs[0].name: PrebuiltParts(engine, sampling_defaults=generation_defaults)},
         kv_budget=shared_kv_budget(cfg, specs))
     registry.on_load.append(warm_tokenizer_process)
+    registry.on_load.append(warm_chat_renderer)
     state = ServerState(config=cfg, models=registry)
     stats = StatsLine(registry, sc.stats_interval)
     state.startup_hooks.append(stats.start)

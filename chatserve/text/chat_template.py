@@ -72,6 +72,12 @@ def render(template: str, messages: list[Mapping[str, Any]], *, add_generation_p
     return rendered[0]
 
 
+def import_renderer() -> None:
+    """Import the renderer (transformers: ~2 s) now, off the path of a chat request: a server calls this in
+    the background once it is ready, since a cached tokenizer no longer renders anything at load."""
+    from transformers.utils.chat_template_utils import render_jinja_template  # noqa: F401
+
+
 def check_plain(value: Any, where: str) -> None:
     """Template inputs must be plain JSON data (the template runs in a sandbox; objects do not go in)."""
     if value is None or isinstance(value, (str, bool, int, float)):
