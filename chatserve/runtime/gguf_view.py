@@ -89,7 +89,7 @@ class ViewReader(GGUFReader):
             return None
         dtype = np.dtype(scalar).newbyteorder(self.byte_order)
         size = count * dtype.itemsize
-        data: np.ndarray = self.data  # type: ignore[assignment]  # a plain ndarray view (see _get)
+        data: np.ndarray = self.data  # a plain ndarray view (see _get)
         if start + size > len(data):
             raise ValueError(f"a metadata array of {count} items at byte {offs} runs past the end of the file")
         items = list(data[start:start + size].view(dtype).reshape(count, 1))   # [1] views, as gguf-py's
@@ -98,7 +98,7 @@ class ViewReader(GGUFReader):
     def _string_items(self, offs: int, count: int) -> tuple[int, list[np.ndarray]]:
         """(bytes, [length, data] × count) of `count` strings from `offs`: a uint64 [1] view of each length
         and a uint8 view of each string's bytes, both into the mapped file."""
-        data: np.ndarray = self.data  # type: ignore[assignment]  # a plain ndarray view (see _get)
+        data: np.ndarray = self.data  # a plain ndarray view (see _get)
         end, buf = len(data), memoryview(data)  # type: ignore[arg-type]  # an ndarray is a buffer
         if 8 * count > end - offs:      # each string takes at least its 8-byte length
             raise ValueError(f"a string array of {count} items runs past the end of the file")
