@@ -50,6 +50,7 @@ typedef struct {                        /* per-thread workspace */
     float q[MAX_HQ * MAX_D], acc[MAX_HQ * MAX_D];
     float s[MAX_HQ * MAX_BS];
     float row[MAX_ROW];
+    float kv[MAX_BS * MAX_D];           /* a block's K or V rows of one kv head as fp32 (AVX2 body, bf16) */
     float mx[MAX_HQ], den[MAX_HQ];
     parts_t own;                        /* a whole row's segment partials */
     int64_t own_cap;                    /* floats each of own.acc, own.mx, own.den holds */
@@ -369,16 +370,160 @@ static inline __attribute__((always_inline)) void run_seg_avx512(const job_t *j,
 }
 
 #define SPECIAL(g, nv) if (G == g && NV == nv) { run_seg_avx512(j, w, it, k0, sl, g, nv); return; }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_BODY 1
+
+/* exp_neg over 8 lanes: the same polynomial as exp_neg, lane by lane */
+static inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5353362e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6180546e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503406e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Lanes of the 8-key tile starting at block offset c0 that hold keys [a, z): all-ones lanes */
+static inline __m256 tile_mask8(int c0, int a, int z) {
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(c0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i ge = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(a - 1));
+    const __m256i lt = _mm256_cmpgt_epi32(_mm256_set1_epi32(z), idx);
+    return _mm256_castsi256_ps(_mm256_and_si256(ge, lt));
+}
+
+/* Lane t of the result = the sum of x[t]'s 8 lanes, by one fixed tree: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) */
+static inline __m256 lane_sums8(const __m256 x[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* The 8 lanes of x summed by the same tree as lane_sums8 */
+static inline float sum8(__m256 x) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x, x), x);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* softmax_block over 8-key tiles at fixed block offsets: exp(s - max) in place, each tile's sum by
+ * sum8, tiles in order, so a row's sum order depends on its keys only. Returns alpha. */
+static inline float softmax_block8(float *s, int a, int z, float *mx, float *den) {
+    float bmax = *mx;
+    for (int t = a; t < z; t++) bmax = s[t] > bmax ? s[t] : bmax;
+    const float alpha = exp_neg(*mx - bmax);
+    *mx = bmax;
+    float sum = 0.0f;
+    for (int c0 = (a / 8) * 8; c0 < z; c0 += 8) {
+        const __m256 m = tile_mask8(c0, a, z);
+        const __m256 e = _mm256_and_ps(m, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + c0), _mm256_set1_ps(bmax))));
+        _mm256_storeu_ps(s + c0, e);
+        sum += sum8(e);
+    }
+    *den = *den * alpha + sum;
+    return alpha;
+}
+
+/* Rows [t0, t1) of kv head data at element offset off (rows `row` elements apart) as fp32: the cache
+ * itself for fp32, else converted into buf (rows D apart); *st: the returned rows' stride. Row t of
+ * the result is at index t * *st. */
+static inline const float *rows_f32(const job_t *j, const void *src, int64_t off, int row, int t0, int t1,
+                                    int D, float *buf, int64_t *st) {
+    if (j->dtype == 0) {
+        *st = row;
+        return (const float *)src + off;
+    }
+    const uint16_t *p = (const uint16_t *)src + off;
+    for (int t = t0; t < t1; t++)
+        for (int d = 0; d < D; d += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(p + (int64_t)t * row + d));
+            _mm256_storeu_ps(buf + t * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+    *st = D;
+    return buf;
+}
+
+/* The scores of query q (head_dim 8 * NV) against 8 keys k + t * st: each key's 8 lane partials (one
+ * product, then fmas over the NV chunks), summed by lane_sums8's fixed tree (the bits depend on the
+ * query and the key only). */
+static inline __attribute__((always_inline)) __m256 tile_dots8(const float *q, const float *k, int64_t st,
+                                                               const int NV) {
+    __m256 acc[8];
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int t = 0; t < 8; t++) acc[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + t * st));
+    for (int v = 1; v < NV; v++) {
+        const __m256 qv = _mm256_loadu_ps(q + v * 8);
+        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * st + v * 8), acc[t]);
+    }
+    return lane_sums8(acc);
+}
+
+/* run_seg for head_dim = 8 * NV (NV a compile-time constant after inlining) and a block size that is a
+ * multiple of 8: scores 8 keys a tile, the online softmax over 8-key tiles, then P·V per query head
+ * with at most 8 accumulator vectors live (AVX2 has 16 registers), the keys' rows read in place. */
+static inline __attribute__((always_inline)) void run_seg_avx2(const job_t *j, work_t *w, const item_t *it,
+                                                               int k0, int sl, const int NV) {
+    const int D = 8 * NV, bs = j->bs, hkv = j->hkv, G = j->hq / hkv, row = hkv * D;
+    const int lo = seg_begin(j, w, it, k0, j->hq, D);         /* this segment's keys [lo, sl) */
+    for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
+        int a, z;                                             /* keys [a, z) of this block */
+        const int64_t base = block_span(j, it, blk0, lo, sl, &a, &z);
+        const int t0 = (a / 8) * 8, t1 = ((z + 7) / 8) * 8;   /* the tiles covering [a, z) */
+        for (int hk = 0; hk < hkv; hk++) {
+            int64_t kst, vst;
+            const float *kr = rows_f32(j, j->k, base + hk * D, row, t0, t1, D, w->kv, &kst);
+            for (int c0 = t0; c0 < t1; c0 += 8)
+                for (int g = 0; g < G; g++) {
+                    const int h = hk * G + g;
+                    _mm256_storeu_ps(w->s + h * MAX_BS + c0, tile_dots8(w->q + h * D, kr + c0 * kst, kst, NV));
+                }
+            if (j->softcap > 0.0f)
+                for (int g = 0; g < G; g++)
+                    for (int t = a; t < z; t++)
+                        w->s[(hk * G + g) * MAX_BS + t] = capped(j, w->s[(hk * G + g) * MAX_BS + t]);
+            const float *vr = rows_f32(j, j->v, base + hk * D, row, a, z, D, w->kv, &vst);
+            for (int g = 0; g < G; g++) {
+                const int h = hk * G + g;
+                const float *s = w->s + h * MAX_BS;
+                const float alpha = softmax_block8(w->s + h * MAX_BS, a, z, &w->mx[h], &w->den[h]);
+                for (int c = 0; c < NV; c += 8) {                /* 8 output vectors at a time */
+                    const int nc = NV - c < 8 ? NV - c : 8;
+                    float *acc = w->acc + h * D + c * 8;
+                    __m256 av[8];
+                    for (int i = 0; i < nc; i++) av[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * 8), _mm256_set1_ps(alpha));
+                    for (int t = a; t < z; t++) {
+                        const __m256 p = _mm256_set1_ps(s[t]);
+                        const float *vt = vr + t * vst + c * 8;
+                        for (int i = 0; i < nc; i++) av[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + i * 8), av[i]);
+                    }
+                    for (int i = 0; i < nc; i++) _mm256_storeu_ps(acc + i * 8, av[i]);
+                }
+            }
+        }
+    }
+}
 #endif
 
-/* One segment [k0, sl) of a query row: the register-blocked AVX-512 body for the common head shapes,
- * else the generic one. The body chosen depends on the model's shapes only, never on the batch. */
+/* One segment [k0, sl) of a query row: the register-blocked AVX-512 body (or, on a CPU with AVX2 but
+ * no AVX-512, the AVX2 body) for the common head shapes, else the generic one. The body chosen depends on the model's shapes only, never on the batch. */
 static void segment(const job_t *j, work_t *w, const item_t *it, int k0, int sl) {
 #if defined(__AVX512F__)
     const int G = j->hq / j->hkv, NV = j->D / 16;
     if (j->D % 16 == 0) {
         SPECIAL(1, 4) SPECIAL(2, 4) SPECIAL(3, 4) SPECIAL(4, 4) SPECIAL(5, 4) SPECIAL(6, 4) SPECIAL(8, 4)
         SPECIAL(1, 8) SPECIAL(2, 8) SPECIAL(4, 8)
+    }
+#elif defined(HAVE_AVX2_BODY)
+    if (j->D % 8 == 0 && j->bs % 8 == 0) {
+        if (j->D == 64) { run_seg_avx2(j, w, it, k0, sl, 8); return; }
+        if (j->D == 128) { run_seg_avx2(j, w, it, k0, sl, 16); return; }
+        if (j->D == 32) { run_seg_avx2(j, w, it, k0, sl, 4); return; }
     }
 #endif
     run_seg(j, w, it, k0, sl);
