@@ -39,6 +39,7 @@ typedef struct {                        /* one work item: query row `row` (posit
     int b, row, p;
     int k0, k1;                         /* a segment's keys; k0 < 0: the whole row, segment by segment */
     int part;                           /* the segment's partial slot (k0 >= 0) */
+    int n;                              /* k0 < 0: rows row.. (positions p..) of b done together (AVX2) */
 } item_t;
 
 typedef struct {                        /* segments' unnormalized results, merged by merge_rows */
@@ -50,7 +51,9 @@ typedef struct {                        /* per-thread workspace */
     float q[MAX_HQ * MAX_D], acc[MAX_HQ * MAX_D];
     float s[MAX_HQ * MAX_BS];
     float row[MAX_ROW];
-    float kv[MAX_BS * MAX_D];           /* a block's K or V rows of one kv head as fp32 (AVX2 body, bf16) */
+    float kb[MAX_BS * MAX_D], vb[MAX_BS * MAX_D];   /* a block's K, V rows of one kv head as fp32 (AVX2, bf16) */
+    float *gq;                          /* a row group's scaled queries (AVX2 body), gq_cap floats */
+    int64_t gq_cap;
     float mx[MAX_HQ], den[MAX_HQ];
     parts_t own;                        /* a whole row's segment partials */
     int64_t own_cap;                    /* floats each of own.acc, own.mx, own.den holds */
@@ -415,8 +418,12 @@ static inline float sum8(__m256 x) {
 /* softmax_block over 8-key tiles at fixed block offsets: exp(s - max) in place, each tile's sum by
  * sum8, tiles in order, so a row's sum order depends on its keys only. Returns alpha. */
 static inline float softmax_block8(float *s, int a, int z, float *mx, float *den) {
-    float bmax = *mx;
-    for (int t = a; t < z; t++) bmax = s[t] > bmax ? s[t] : bmax;
+    __m256 vmax = _mm256_set1_ps(*mx);   /* exact in any order; a NaN score is skipped, as softmax_block does */
+    for (int c0 = (a / 8) * 8; c0 < z; c0 += 8)
+        vmax = _mm256_max_ps(_mm256_blendv_ps(vmax, _mm256_loadu_ps(s + c0), tile_mask8(c0, a, z)), vmax);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float bmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     const float alpha = exp_neg(*mx - bmax);
     *mx = bmax;
     float sum = 0.0f;
@@ -464,49 +471,77 @@ static inline __attribute__((always_inline)) __m256 tile_dots8(const float *q, c
     return lane_sums8(acc);
 }
 
-/* run_seg for head_dim = 8 * NV (NV a compile-time constant after inlining) and a block size that is a
- * multiple of 8: scores 8 keys a tile, the online softmax over 8-key tiles, then P·V per query head
- * with at most 8 accumulator vectors live (AVX2 has 16 registers), the keys' rows read in place. */
-static inline __attribute__((always_inline)) void run_seg_avx2(const job_t *j, work_t *w, const item_t *it,
-                                                               int k0, int sl, const int NV) {
+/* One query row's state in a segment: its scaled query, its partial (acc [hq, D], mx, den [hq]) and the
+ * segment's end k1 (rows of one group share the segment's start). */
+typedef struct {
+    const float *q;
+    float *acc, *mx, *den;
+    int k1;
+} rowseg_t;
+
+/* Segment [k0, rs[r].k1) of n query rows of sequence b, head_dim = 8 * NV (NV a compile-time constant after
+ * inlining), block size a multiple of 8. Per block and kv head, the block's K and V rows stay in L1 while
+ * the n rows pass over them (the rows of one prompt chunk read their keys once, not once each), and
+ * each row does exactly what it does alone: scores 8 keys a tile (tile_dots8), the online softmax over
+ * 8-key tiles (softmax_block8) and P·V per query head with at most 8 live accumulators (AVX2 has 16
+ * registers), all over its own keys [a, z) of the block. So a row's bits do not depend on n. */
+static inline __attribute__((always_inline)) void run_rows_avx2(const job_t *j, work_t *w, int b, int k0,
+                                                                const rowseg_t *rs, int n, const int NV) {
     const int D = 8 * NV, bs = j->bs, hkv = j->hkv, G = j->hq / hkv, row = hkv * D;
-    const int lo = seg_begin(j, w, it, k0, j->hq, D);         /* this segment's keys [lo, sl) */
-    for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
-        int a, z;                                             /* keys [a, z) of this block */
-        const int64_t base = block_span(j, it, blk0, lo, sl, &a, &z);
-        const int t0 = (a / 8) * 8, t1 = ((z + 7) / 8) * 8;   /* the tiles covering [a, z) */
+    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
+    int kmax = k0;
+    for (int r = 0; r < n; r++) kmax = rs[r].k1 > kmax ? rs[r].k1 : kmax;
+    for (int blk0 = (k0 / bs) * bs; blk0 < kmax; blk0 += bs) {
+        const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
+        const int a = k0 > blk0 ? k0 - blk0 : 0, zmax = kmax - blk0 < bs ? kmax - blk0 : bs;
+        const int t0 = (a / 8) * 8;                           /* the first tile holding key a */
         for (int hk = 0; hk < hkv; hk++) {
             int64_t kst, vst;
-            const float *kr = rows_f32(j, j->k, base + hk * D, row, t0, t1, D, w->kv, &kst);
-            for (int c0 = t0; c0 < t1; c0 += 8)
+            const float *kr = rows_f32(j, j->k, base + hk * D, row, t0, ((zmax + 7) / 8) * 8, D, w->kb, &kst);
+            const float *vr = rows_f32(j, j->v, base + hk * D, row, a, zmax, D, w->vb, &vst);
+            for (int r = 0; r < n; r++) {
+                if (rs[r].k1 <= blk0) continue;
+                const int z = rs[r].k1 - blk0 < bs ? rs[r].k1 - blk0 : bs;    /* this row's keys [a, z) */
+                for (int c0 = t0; c0 < z; c0 += 8)
+                    for (int g = 0; g < G; g++) {
+                        const int h = hk * G + g;
+                        _mm256_storeu_ps(w->s + h * MAX_BS + c0, tile_dots8(rs[r].q + h * D, kr + c0 * kst, kst, NV));
+                    }
+                if (j->softcap > 0.0f)
+                    for (int g = 0; g < G; g++)
+                        for (int t = a; t < z; t++)
+                            w->s[(hk * G + g) * MAX_BS + t] = capped(j, w->s[(hk * G + g) * MAX_BS + t]);
                 for (int g = 0; g < G; g++) {
                     const int h = hk * G + g;
-                    _mm256_storeu_ps(w->s + h * MAX_BS + c0, tile_dots8(w->q + h * D, kr + c0 * kst, kst, NV));
-                }
-            if (j->softcap > 0.0f)
-                for (int g = 0; g < G; g++)
-                    for (int t = a; t < z; t++)
-                        w->s[(hk * G + g) * MAX_BS + t] = capped(j, w->s[(hk * G + g) * MAX_BS + t]);
-            const float *vr = rows_f32(j, j->v, base + hk * D, row, a, z, D, w->kv, &vst);
-            for (int g = 0; g < G; g++) {
-                const int h = hk * G + g;
-                const float *s = w->s + h * MAX_BS;
-                const float alpha = softmax_block8(w->s + h * MAX_BS, a, z, &w->mx[h], &w->den[h]);
-                for (int c = 0; c < NV; c += 8) {                /* 8 output vectors at a time */
-                    const int nc = NV - c < 8 ? NV - c : 8;
-                    float *acc = w->acc + h * D + c * 8;
-                    __m256 av[8];
-                    for (int i = 0; i < nc; i++) av[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * 8), _mm256_set1_ps(alpha));
-                    for (int t = a; t < z; t++) {
-                        const __m256 p = _mm256_set1_ps(s[t]);
-                        const float *vt = vr + t * vst + c * 8;
-                        for (int i = 0; i < nc; i++) av[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + i * 8), av[i]);
+                    float *s = w->s + h * MAX_BS;
+                    const float alpha = softmax_block8(s, a, z, &rs[r].mx[h], &rs[r].den[h]);
+                    for (int c = 0; c < NV; c += 8) {            /* 8 output vectors at a time */
+                        const int nc = NV - c < 8 ? NV - c : 8;
+                        float *acc = rs[r].acc + h * D + c * 8;
+                        __m256 av[8];
+                        for (int i = 0; i < nc; i++)
+                            av[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * 8), _mm256_set1_ps(alpha));
+                        for (int t = a; t < z; t++) {
+                            const __m256 p = _mm256_set1_ps(s[t]);
+                            const float *vt = vr + t * vst + c * 8;
+                            for (int i = 0; i < nc; i++) av[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + i * 8), av[i]);
+                        }
+                        for (int i = 0; i < nc; i++) _mm256_storeu_ps(acc + i * 8, av[i]);
                     }
-                    for (int i = 0; i < nc; i++) _mm256_storeu_ps(acc + i * 8, av[i]);
                 }
             }
         }
     }
+}
+
+/* n rows' segment through the AVX2 body for this head_dim; 0 when it does not take these shapes */
+static int rows_avx2(const job_t *j, work_t *w, int b, int k0, const rowseg_t *rs, int n) {
+    if (j->bs % 8) return 0;
+    if (j->D == 64) run_rows_avx2(j, w, b, k0, rs, n, 8);
+    else if (j->D == 128) run_rows_avx2(j, w, b, k0, rs, n, 16);
+    else if (j->D == 32) run_rows_avx2(j, w, b, k0, rs, n, 4);
+    else return 0;
+    return 1;
 }
 #endif
 
@@ -520,10 +555,11 @@ static void segment(const job_t *j, work_t *w, const item_t *it, int k0, int sl)
         SPECIAL(1, 8) SPECIAL(2, 8) SPECIAL(4, 8)
     }
 #elif defined(HAVE_AVX2_BODY)
-    if (j->D % 8 == 0 && j->bs % 8 == 0) {
-        if (j->D == 64) { run_seg_avx2(j, w, it, k0, sl, 8); return; }
-        if (j->D == 128) { run_seg_avx2(j, w, it, k0, sl, 16); return; }
-        if (j->D == 32) { run_seg_avx2(j, w, it, k0, sl, 4); return; }
+    const rowseg_t one = {w->q, w->acc, w->mx, w->den, sl};
+    if (j->bs % 8 == 0 && (j->D == 64 || j->D == 128 || j->D == 32)) {
+        seg_begin(j, w, it, k0, j->hq, j->D);
+        rows_avx2(j, w, it->b, k0, &one, 1);
+        return;
     }
 #endif
     run_seg(j, w, it, k0, sl);
@@ -574,9 +610,66 @@ static int own_slots(work_t *w, int n, int hq, int D) {
     return w->own_cap > 0;
 }
 
-/* One work item: one segment of a row into the shared slots, or a whole row: its segments one after
- * another into the thread's own slots, then merged into out. Returns 0 when memory ran out. */
+#if defined(HAVE_AVX2_BODY)
+#define GROUP 16                        /* most rows of one sequence that pass over its keys together */
+
+/* Whether rows can be grouped: the AVX2 body takes these shapes */
+static inline int groupable(const job_t *j) {
+    return j->bs % 8 == 0 && (j->D == 64 || j->D == 128 || j->D == 32);
+}
+
+/* n = it->n consecutive rows of sequence it->b (rows it->row.., positions it->p..) that see the same first
+ * key: segment after segment, the rows that reach it pass over its blocks together (run_rows_avx2), each
+ * into its own slots, from the same start state as seg_begin's; then each row is merged as run_item
+ * merges a row alone. A row's arithmetic is the same in a group as alone. */
+static int run_group(const job_t *j, work_t *w, const item_t *it) {
+    const int hq = j->hq, D = j->D, n = it->n, lo = first_key(j, it->p);
+    const int nsm = seg_count(lo, it->p + n);            /* the last row's segment count: the most */
+    const int64_t need = (int64_t)n * hq * D;
+    if (!own_slots(w, n * nsm, hq, D)) return 0;
+    if (w->gq_cap < need) {
+        free(w->gq);
+        w->gq = (float *)malloc((size_t)need * sizeof(float));
+        w->gq_cap = w->gq ? need : 0;
+        if (!w->gq) return 0;
+    }
+    for (int r = 0; r < n; r++)
+        for (int h = 0; h < hq; h++) {
+            const int64_t off = (int64_t)(it->row + r) * j->q_st + (int64_t)h * j->q_sh;
+            const float *qh = as_f32(j->dtype, j->q, off, w->row, D);
+            for (int d = 0; d < D; d++) w->gq[((int64_t)r * hq + h) * D + d] = qh[d] * j->scale;
+        }
+    for (int i = 0; i < nsm; i++) {
+        rowseg_t rs[GROUP];
+        int m = 0, k0 = 0;
+        for (int r = 0; r < n; r++) {
+            const int hi = it->p + r + 1;
+            if (seg_count(lo, hi) <= i) continue;              /* this row's keys end before segment i */
+            int k1;
+            seg_bounds(lo, hi, i, &k0, &k1);                   /* k0: the same for every row */
+            const int64_t slot = (int64_t)r * nsm + i;
+            float *acc = w->own.acc + slot * hq * D, *mx = w->own.mx + slot * hq, *den = w->own.den + slot * hq;
+            memset(acc, 0, (size_t)hq * D * sizeof(float));
+            for (int h = 0; h < hq; h++) mx[h] = -1e30f, den[h] = 0.0f;
+            rs[m++] = (rowseg_t){w->gq + (int64_t)r * hq * D, acc, mx, den, k1};
+        }
+        rows_avx2(j, w, it->b, k0, rs, m);
+    }
+    for (int r = 0; r < n; r++) merge_row(j, &w->own, it->row + r, r * nsm, seg_count(lo, it->p + r + 1));
+    return 1;
+}
+#else
+static inline int groupable(const job_t *j) { (void)j; return 0; }
+#define GROUP 1
+#endif
+
+/* One work item: one segment of a row into the shared slots, a group of rows (run_group), or a whole
+ * row: its segments one after another into the thread's own slots, then merged into out. Returns 0
+ * when memory ran out. */
 static int run_item(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
+#if defined(HAVE_AVX2_BODY)
+    if (it->n > 1) return run_group(j, w, it);
+#endif
     if (it->k0 >= 0) {
         segment(j, w, it, it->k0, it->k1);
         seg_end(w, pt, it->part, j->hq, j->D);
@@ -594,25 +687,31 @@ static int run_item(const job_t *j, work_t *w, const item_t *it, const parts_t *
     return 1;
 }
 
-/* Work items for the R query rows: a whole row each, or, when rows are fewer than two per thread
- * (a few decodes), one segment each so a long context still keeps every thread busy. Returns the
- * item count (items of a row are consecutive); *nparts: shared partial slots used. */
+/* Work items for the R query rows: a whole row each (where the AVX2 body runs, up to GROUP consecutive
+ * rows of a sequence with the same first key as one item, at most a thread's share), or, when rows are
+ * fewer than two per thread (a few decodes), one segment each so a long context still keeps every
+ * thread busy. Returns the item count (items of a row are consecutive); *nparts: shared partial slots
+ * used. How rows are grouped never changes a row's arithmetic. */
 static int64_t plan_items(const job_t *j, int B, int64_t R, int threads, item_t *items, int64_t *nparts) {
-    const int split = R < 2 * (int64_t)threads;
+    const int split = R < 2 * (int64_t)threads, group = groupable(j);
     int64_t m = 0;
     for (int b = 0; b < B; b++) {
         const int ql = j->qsl[b + 1] - j->qsl[b];
+        const int share = (ql + threads - 1) / threads, most = share < GROUP ? share : GROUP;
         for (int r = 0; r < ql; r++) {
             const int row = j->qsl[b] + r, p = j->lens[b] - ql + r;
             if (!split) {
-                items[m++] = (item_t){b, row, p, -1, -1, -1};
+                int n = 1;
+                while (group && n < most && r + n < ql && first_key(j, p + n) == first_key(j, p)) n++;
+                items[m++] = (item_t){b, row, p, -1, -1, -1, n};
+                r += n - 1;
                 continue;
             }
             const int lo = first_key(j, p), n = seg_count(lo, p + 1);
             for (int i = 0; i < n; i++) {
                 int k0, k1;
                 seg_bounds(lo, p + 1, i, &k0, &k1);
-                items[m] = (item_t){b, row, p, k0, k1, (int)m};
+                items[m] = (item_t){b, row, p, k0, k1, (int)m, 1};
                 m++;
             }
         }
