@@ -2,7 +2,8 @@
  * sequence's K/V, read from the paged cache in place (the torch twin gathers a padded copy).
  *
  * Built at first use by cpu_attention.py (cc -O3 -march=native -fopenmp) and called through ctypes,
- * which releases the GIL. OpenMP resolves to the libgomp torch has already loaded, so this kernel and
+ * which releases the GIL (with CHATSERVE_AVX2_ONLY defined, the AVX2 body on an AVX-512 CPU too: the
+ * tests' build). OpenMP resolves to the libgomp torch has already loaded, so this kernel and
  * torch's ops share one thread pool. fp32 arithmetic whatever the storage (fp32 or bf16).
  *
  * Batch invariance: a query row's result depends on its own query and keys only. Its visible keys
@@ -198,7 +199,7 @@ static void run_seg(const job_t *j, work_t *w, const item_t *it, int k0, int sl)
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(CHATSERVE_AVX2_ONLY)
 #include <immintrin.h>
 
 static inline __m512 load16(int dtype, const void *base, int64_t off) {    /* 16 values as fp32 */
@@ -548,7 +549,7 @@ static int rows_avx2(const job_t *j, work_t *w, int b, int k0, const rowseg_t *r
 /* One segment [k0, sl) of a query row: the register-blocked AVX-512 body (or, on a CPU with AVX2 but
  * no AVX-512, the AVX2 body) for the common head shapes, else the generic one. The body chosen depends on the model's shapes only, never on the batch. */
 static void segment(const job_t *j, work_t *w, const item_t *it, int k0, int sl) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(CHATSERVE_AVX2_ONLY)
     const int G = j->hq / j->hkv, NV = j->D / 16;
     if (j->D % 16 == 0) {
         SPECIAL(1, 4) SPECIAL(2, 4) SPECIAL(3, 4) SPECIAL(4, 4) SPECIAL(5, 4) SPECIAL(6, 4) SPECIAL(8, 4)
@@ -583,6 +584,17 @@ static void merge_row(const job_t *j, const parts_t *pt, int row, int first, int
         if (j->sinks) den += exp_neg(j->sinks[h] - M);     /* a sink: weight in the denominator only */
         write_out(j, (int64_t)row * j->o_st + (int64_t)h * j->o_sh, acc, den);
     }
+}
+
+/* The body this build runs for the common shapes: 3 AVX-512, 2 AVX2, 0 the generic one only. */
+int chatserve_attention_level(void) {
+#if defined(__AVX512F__) && !defined(CHATSERVE_AVX2_ONLY)
+    return 3;
+#elif defined(HAVE_AVX2_BODY)
+    return 2;
+#else
+    return 0;
+#endif
 }
 
 /* Segment boundaries: absolute multiples of SEG keys (a multiple of the block size), so a row's

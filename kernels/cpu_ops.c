@@ -107,7 +107,8 @@ void chatserve_rope(int dtype, void *x, int64_t x_st, const void *cos_t, const v
  * instructions under a mask, so every element, whatever its row or column, goes through one arithmetic
  * and a row's bits never depend on the row count (batch invariance). With AVX2 + FMA (no AVX-512): the
  * same arithmetic 8 columns at a time (exp8), so both levels give an element the same bits. Else scalar expf. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(CHATSERVE_AVX2_ONLY)
+#define OPS_LEVEL 3
 #include <immintrin.h>
 
 /* e^x over 16 lanes: n = round(x / ln 2), r = x - n ln 2 (two-part ln 2, Cody-Waite), e^r by a
@@ -184,6 +185,7 @@ static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
     }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define OPS_LEVEL 2
 
 /* exp16 over 8 lanes: the same instructions lane by lane (the same constants, reduction, polynomial and
  * two-factor 2^n), so an element's bits are those of the AVX-512 level. */
@@ -275,6 +277,13 @@ static inline void silu_mul8_bf16(const uint16_t *g, const uint16_t *u, uint16_t
 #endif
 SILU_MUL(float, f32)
 SILU_MUL(uint16_t, bf16)
+
+#ifndef OPS_LEVEL
+#define OPS_LEVEL 0
+#endif
+
+/* SiLU·up's level in this build: 3 AVX-512, 2 AVX2, 0 scalar (CHATSERVE_AVX2_ONLY: AVX2 on AVX-512 too) */
+int chatserve_ops_level(void) { return OPS_LEVEL; }
 
 void chatserve_silu_mul(int dtype, const void *gu, void *out, int64_t T, int64_t I, int nthreads) {
     if (dtype == 0) silu_mul_f32(gu, out, T, I, nthreads);
