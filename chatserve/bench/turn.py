@@ -6,10 +6,10 @@ rows at positions `--context`.. over the cached keys. This benchmark prefills `-
 the same context (the ratio the issue's goal is stated in), in an interleaved order so that a busy box
 slows every row alike. Each step's wall time and process CPU time are taken, and the same steps are
 split by op class: the Python entry points of the big items (`Linear._dense` and, in place,
-`BlockLinear.__call__`, the attention backend's
-`attend` and `store`, `cpu_ops.*`, `compute_logits`) are wrapped in counters (outermost call only);
-"rest" is what is left of the step (Python, metadata, aten glue, embedding). The C decode chain of a
-decode step is not split (it is one call). Medians over `--rounds` after one warm-up round.
+`BlockLinear.__call__`, the attention backend's `attend` and `store`, `cpu_ops.*`, `compute_logits`) are
+wrapped in counters (outermost call only); "rest" is what is left of the step (Python, metadata, aten
+glue, embedding). The C decode chain of a decode step is not split (it is one call). Medians over
+`--rounds` after one warm-up round.
 """
 from __future__ import annotations
 
@@ -114,9 +114,9 @@ def measure(args: argparse.Namespace) -> dict:
     news = [int(x) for x in str(args.new).split(",") if x]
     bs = 16
     blocks = -(-(args.context + max(news) + 2) // bs)
-    runner = ModelRunner(ModelConfig(model=args.model, dtype=args.dtype, weight_quant=args.weight_quant,
-                                     gguf_in_place=args.gguf_in_place, num_threads=threads), CacheConfig(block_size=bs, num_blocks=blocks),
-                         progress=False)
+    config = ModelConfig(model=args.model, dtype=args.dtype, weight_quant=args.weight_quant,
+                         gguf_in_place=args.gguf_in_place, num_threads=threads)
+    runner = ModelRunner(config, CacheConfig(block_size=bs, num_blocks=blocks), progress=False)
     params = SamplingParams(temperature=0.0)
     table = list(range(blocks))
     ctx = [(17 * i + 5) % runner.vocab_size for i in range(args.context)]
