@@ -2,7 +2,8 @@
  * sequence's K/V, read from the paged cache in place (the torch twin gathers a padded copy).
  *
  * Built at first use by cpu_attention.py (cc -O3 -march=native -fopenmp) and called through ctypes,
- * which releases the GIL. OpenMP resolves to the libgomp torch has already loaded, so this kernel and
+ * which releases the GIL (with CHATSERVE_AVX2_ONLY defined, the AVX2 body on an AVX-512 CPU too: the
+ * tests' build). OpenMP resolves to the libgomp torch has already loaded, so this kernel and
  * torch's ops share one thread pool. fp32 arithmetic whatever the storage (fp32 or bf16).
  *
  * Batch invariance: a query row's result depends on its own query and keys only. Its visible keys
@@ -39,6 +40,7 @@ typedef struct {                        /* one work item: query row `row` (posit
     int b, row, p;
     int k0, k1;                         /* a segment's keys; k0 < 0: the whole row, segment by segment */
     int part;                           /* the segment's partial slot (k0 >= 0) */
+    int n;                              /* k0 < 0: rows row.. (positions p..) of b done together (AVX2) */
 } item_t;
 
 typedef struct {                        /* segments' unnormalized results, merged by merge_rows */
@@ -50,6 +52,9 @@ typedef struct {                        /* per-thread workspace */
     float q[MAX_HQ * MAX_D], acc[MAX_HQ * MAX_D];
     float s[MAX_HQ * MAX_BS];
     float row[MAX_ROW];
+    float kb[MAX_BS * MAX_D], vb[MAX_BS * MAX_D];   /* a block's K, V rows of one kv head as fp32 (AVX2, bf16) */
+    float *gq;                          /* a row group's scaled queries (AVX2 body), gq_cap floats */
+    int64_t gq_cap;
     float mx[MAX_HQ], den[MAX_HQ];
     parts_t own;                        /* a whole row's segment partials */
     int64_t own_cap;                    /* floats each of own.acc, own.mx, own.den holds */
@@ -194,7 +199,7 @@ static void run_seg(const job_t *j, work_t *w, const item_t *it, int k0, int sl)
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(CHATSERVE_AVX2_ONLY)
 #include <immintrin.h>
 
 static inline __m512 load16(int dtype, const void *base, int64_t off) {    /* 16 values as fp32 */
@@ -369,16 +374,193 @@ static inline __attribute__((always_inline)) void run_seg_avx512(const job_t *j,
 }
 
 #define SPECIAL(g, nv) if (G == g && NV == nv) { run_seg_avx512(j, w, it, k0, sl, g, nv); return; }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_BODY 1
+
+/* exp_neg over 8 lanes: the same polynomial as exp_neg, lane by lane */
+static inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5353362e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6180546e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503406e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Lanes of the 8-key tile starting at block offset c0 that hold keys [a, z): all-ones lanes */
+static inline __m256 tile_mask8(int c0, int a, int z) {
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(c0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i ge = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(a - 1));
+    const __m256i lt = _mm256_cmpgt_epi32(_mm256_set1_epi32(z), idx);
+    return _mm256_castsi256_ps(_mm256_and_si256(ge, lt));
+}
+
+/* Lane t of the result = the sum of x[t]'s 8 lanes, by one fixed tree: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) */
+static inline __m256 lane_sums8(const __m256 x[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* The 8 lanes of x summed by the same tree as lane_sums8 */
+static inline float sum8(__m256 x) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x, x), x);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* softmax_block over 8-key tiles at fixed block offsets: exp(s - max) in place, each tile's sum by
+ * sum8, tiles in order, so a row's sum order depends on its keys only. Returns alpha. */
+static inline float softmax_block8(float *s, int a, int z, float *mx, float *den) {
+    __m256 vmax = _mm256_set1_ps(*mx);   /* exact in any order; a NaN score is skipped, as softmax_block does */
+    for (int c0 = (a / 8) * 8; c0 < z; c0 += 8)
+        vmax = _mm256_max_ps(_mm256_blendv_ps(vmax, _mm256_loadu_ps(s + c0), tile_mask8(c0, a, z)), vmax);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float bmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float alpha = exp_neg(*mx - bmax);
+    *mx = bmax;
+    float sum = 0.0f;
+    for (int c0 = (a / 8) * 8; c0 < z; c0 += 8) {
+        const __m256 m = tile_mask8(c0, a, z);
+        const __m256 e = _mm256_and_ps(m, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + c0), _mm256_set1_ps(bmax))));
+        _mm256_storeu_ps(s + c0, e);
+        sum += sum8(e);
+    }
+    *den = *den * alpha + sum;
+    return alpha;
+}
+
+/* Rows [t0, t1) of kv head data at element offset off (rows `row` elements apart) as fp32: the cache
+ * itself for fp32, else converted into buf (rows D apart); *st: the returned rows' stride. Row t of
+ * the result is at index t * *st. */
+static inline const float *rows_f32(const job_t *j, const void *src, int64_t off, int row, int t0, int t1,
+                                    int D, float *buf, int64_t *st) {
+    if (j->dtype == 0) {
+        *st = row;
+        return (const float *)src + off;
+    }
+    const uint16_t *p = (const uint16_t *)src + off;
+    for (int t = t0; t < t1; t++)
+        for (int d = 0; d < D; d += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(p + (int64_t)t * row + d));
+            _mm256_storeu_ps(buf + t * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+    *st = D;
+    return buf;
+}
+
+/* The scores of query q (head_dim 8 * NV) against 8 keys k + t * st: each key's 8 lane partials (one
+ * product, then fmas over the NV chunks), summed by lane_sums8's fixed tree (the bits depend on the
+ * query and the key only). */
+static inline __attribute__((always_inline)) __m256 tile_dots8(const float *q, const float *k, int64_t st,
+                                                               const int NV) {
+    __m256 acc[8];
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int t = 0; t < 8; t++) acc[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + t * st));
+    for (int v = 1; v < NV; v++) {
+        const __m256 qv = _mm256_loadu_ps(q + v * 8);
+        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * st + v * 8), acc[t]);
+    }
+    return lane_sums8(acc);
+}
+
+/* One query row's state in a segment: its scaled query, its partial (acc [hq, D], mx, den [hq]) and the
+ * segment's end k1 (rows of one group share the segment's start). */
+typedef struct {
+    const float *q;
+    float *acc, *mx, *den;
+    int k1;
+} rowseg_t;
+
+/* Segment [k0, rs[r].k1) of n query rows of sequence b, head_dim = 8 * NV (NV a compile-time constant after
+ * inlining), block size a multiple of 8. Per block and kv head, the block's K and V rows stay in L1 while
+ * the n rows pass over them (the rows of one prompt chunk read their keys once, not once each), and
+ * each row does exactly what it does alone: scores 8 keys a tile (tile_dots8), the online softmax over
+ * 8-key tiles (softmax_block8) and P·V per query head with at most 8 live accumulators (AVX2 has 16
+ * registers), all over its own keys [a, z) of the block. So a row's bits do not depend on n. */
+static inline __attribute__((always_inline)) void run_rows_avx2(const job_t *j, work_t *w, int b, int k0,
+                                                                const rowseg_t *rs, int n, const int NV) {
+    const int D = 8 * NV, bs = j->bs, hkv = j->hkv, G = j->hq / hkv, row = hkv * D;
+    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
+    int kmax = k0;
+    for (int r = 0; r < n; r++) kmax = rs[r].k1 > kmax ? rs[r].k1 : kmax;
+    for (int blk0 = (k0 / bs) * bs; blk0 < kmax; blk0 += bs) {
+        const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
+        const int a = k0 > blk0 ? k0 - blk0 : 0, zmax = kmax - blk0 < bs ? kmax - blk0 : bs;
+        const int t0 = (a / 8) * 8;                           /* the first tile holding key a */
+        for (int hk = 0; hk < hkv; hk++) {
+            int64_t kst, vst;
+            const float *kr = rows_f32(j, j->k, base + hk * D, row, t0, ((zmax + 7) / 8) * 8, D, w->kb, &kst);
+            const float *vr = rows_f32(j, j->v, base + hk * D, row, a, zmax, D, w->vb, &vst);
+            for (int r = 0; r < n; r++) {
+                if (rs[r].k1 <= blk0) continue;
+                const int z = rs[r].k1 - blk0 < bs ? rs[r].k1 - blk0 : bs;    /* this row's keys [a, z) */
+                for (int c0 = t0; c0 < z; c0 += 8)
+                    for (int g = 0; g < G; g++) {
+                        const int h = hk * G + g;
+                        _mm256_storeu_ps(w->s + h * MAX_BS + c0, tile_dots8(rs[r].q + h * D, kr + c0 * kst, kst, NV));
+                    }
+                if (j->softcap > 0.0f)
+                    for (int g = 0; g < G; g++)
+                        for (int t = a; t < z; t++)
+                            w->s[(hk * G + g) * MAX_BS + t] = capped(j, w->s[(hk * G + g) * MAX_BS + t]);
+                for (int g = 0; g < G; g++) {
+                    const int h = hk * G + g;
+                    float *s = w->s + h * MAX_BS;
+                    const float alpha = softmax_block8(s, a, z, &rs[r].mx[h], &rs[r].den[h]);
+                    for (int c = 0; c < NV; c += 8) {            /* 8 output vectors at a time */
+                        const int nc = NV - c < 8 ? NV - c : 8;
+                        float *acc = rs[r].acc + h * D + c * 8;
+                        __m256 av[8];
+                        for (int i = 0; i < nc; i++)
+                            av[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * 8), _mm256_set1_ps(alpha));
+                        for (int t = a; t < z; t++) {
+                            const __m256 p = _mm256_set1_ps(s[t]);
+                            const float *vt = vr + t * vst + c * 8;
+                            for (int i = 0; i < nc; i++) av[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + i * 8), av[i]);
+                        }
+                        for (int i = 0; i < nc; i++) _mm256_storeu_ps(acc + i * 8, av[i]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* n rows' segment through the AVX2 body for this head_dim; 0 when it does not take these shapes */
+static int rows_avx2(const job_t *j, work_t *w, int b, int k0, const rowseg_t *rs, int n) {
+    if (j->bs % 8) return 0;
+    if (j->D == 64) run_rows_avx2(j, w, b, k0, rs, n, 8);
+    else if (j->D == 128) run_rows_avx2(j, w, b, k0, rs, n, 16);
+    else if (j->D == 32) run_rows_avx2(j, w, b, k0, rs, n, 4);
+    else return 0;
+    return 1;
+}
 #endif
 
-/* One segment [k0, sl) of a query row: the register-blocked AVX-512 body for the common head shapes,
- * else the generic one. The body chosen depends on the model's shapes only, never on the batch. */
+/* One segment [k0, sl) of a query row: the register-blocked AVX-512 body (or, on a CPU with AVX2 but
+ * no AVX-512, the AVX2 body) for the common head shapes, else the generic one. The body chosen depends on the model's shapes only, never on the batch. */
 static void segment(const job_t *j, work_t *w, const item_t *it, int k0, int sl) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(CHATSERVE_AVX2_ONLY)
     const int G = j->hq / j->hkv, NV = j->D / 16;
     if (j->D % 16 == 0) {
         SPECIAL(1, 4) SPECIAL(2, 4) SPECIAL(3, 4) SPECIAL(4, 4) SPECIAL(5, 4) SPECIAL(6, 4) SPECIAL(8, 4)
         SPECIAL(1, 8) SPECIAL(2, 8) SPECIAL(4, 8)
+    }
+#elif defined(HAVE_AVX2_BODY)
+    const rowseg_t one = {w->q, w->acc, w->mx, w->den, sl};
+    if (j->bs % 8 == 0 && (j->D == 64 || j->D == 128 || j->D == 32)) {
+        seg_begin(j, w, it, k0, j->hq, j->D);
+        rows_avx2(j, w, it->b, k0, &one, 1);
+        return;
     }
 #endif
     run_seg(j, w, it, k0, sl);
@@ -402,6 +584,17 @@ static void merge_row(const job_t *j, const parts_t *pt, int row, int first, int
         if (j->sinks) den += exp_neg(j->sinks[h] - M);     /* a sink: weight in the denominator only */
         write_out(j, (int64_t)row * j->o_st + (int64_t)h * j->o_sh, acc, den);
     }
+}
+
+/* The body this build runs for the common shapes: 3 AVX-512, 2 AVX2, 0 the generic one only. */
+int chatserve_attention_level(void) {
+#if defined(__AVX512F__) && !defined(CHATSERVE_AVX2_ONLY)
+    return 3;
+#elif defined(HAVE_AVX2_BODY)
+    return 2;
+#else
+    return 0;
+#endif
 }
 
 /* Segment boundaries: absolute multiples of SEG keys (a multiple of the block size), so a row's
@@ -429,9 +622,66 @@ static int own_slots(work_t *w, int n, int hq, int D) {
     return w->own_cap > 0;
 }
 
-/* One work item: one segment of a row into the shared slots, or a whole row: its segments one after
- * another into the thread's own slots, then merged into out. Returns 0 when memory ran out. */
+#if defined(HAVE_AVX2_BODY)
+#define GROUP 16                        /* most rows of one sequence that pass over its keys together */
+
+/* Whether rows can be grouped: the AVX2 body takes these shapes */
+static inline int groupable(const job_t *j) {
+    return j->bs % 8 == 0 && (j->D == 64 || j->D == 128 || j->D == 32);
+}
+
+/* n = it->n consecutive rows of sequence it->b (rows it->row.., positions it->p..) that see the same first
+ * key: segment after segment, the rows that reach it pass over its blocks together (run_rows_avx2), each
+ * into its own slots, from the same start state as seg_begin's; then each row is merged as run_item
+ * merges a row alone. A row's arithmetic is the same in a group as alone. */
+static int run_group(const job_t *j, work_t *w, const item_t *it) {
+    const int hq = j->hq, D = j->D, n = it->n, lo = first_key(j, it->p);
+    const int nsm = seg_count(lo, it->p + n);            /* the last row's segment count: the most */
+    const int64_t need = (int64_t)n * hq * D;
+    if (!own_slots(w, n * nsm, hq, D)) return 0;
+    if (w->gq_cap < need) {
+        free(w->gq);
+        w->gq = (float *)malloc((size_t)need * sizeof(float));
+        w->gq_cap = w->gq ? need : 0;
+        if (!w->gq) return 0;
+    }
+    for (int r = 0; r < n; r++)
+        for (int h = 0; h < hq; h++) {
+            const int64_t off = (int64_t)(it->row + r) * j->q_st + (int64_t)h * j->q_sh;
+            const float *qh = as_f32(j->dtype, j->q, off, w->row, D);
+            for (int d = 0; d < D; d++) w->gq[((int64_t)r * hq + h) * D + d] = qh[d] * j->scale;
+        }
+    for (int i = 0; i < nsm; i++) {
+        rowseg_t rs[GROUP];
+        int m = 0, k0 = 0;
+        for (int r = 0; r < n; r++) {
+            const int hi = it->p + r + 1;
+            if (seg_count(lo, hi) <= i) continue;              /* this row's keys end before segment i */
+            int k1;
+            seg_bounds(lo, hi, i, &k0, &k1);                   /* k0: the same for every row */
+            const int64_t slot = (int64_t)r * nsm + i;
+            float *acc = w->own.acc + slot * hq * D, *mx = w->own.mx + slot * hq, *den = w->own.den + slot * hq;
+            memset(acc, 0, (size_t)hq * D * sizeof(float));
+            for (int h = 0; h < hq; h++) mx[h] = -1e30f, den[h] = 0.0f;
+            rs[m++] = (rowseg_t){w->gq + (int64_t)r * hq * D, acc, mx, den, k1};
+        }
+        rows_avx2(j, w, it->b, k0, rs, m);
+    }
+    for (int r = 0; r < n; r++) merge_row(j, &w->own, it->row + r, r * nsm, seg_count(lo, it->p + r + 1));
+    return 1;
+}
+#else
+static inline int groupable(const job_t *j) { (void)j; return 0; }
+#define GROUP 1
+#endif
+
+/* One work item: one segment of a row into the shared slots, a group of rows (run_group), or a whole
+ * row: its segments one after another into the thread's own slots, then merged into out. Returns 0
+ * when memory ran out. */
 static int run_item(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
+#if defined(HAVE_AVX2_BODY)
+    if (it->n > 1) return run_group(j, w, it);
+#endif
     if (it->k0 >= 0) {
         segment(j, w, it, it->k0, it->k1);
         seg_end(w, pt, it->part, j->hq, j->D);
@@ -449,25 +699,31 @@ static int run_item(const job_t *j, work_t *w, const item_t *it, const parts_t *
     return 1;
 }
 
-/* Work items for the R query rows: a whole row each, or, when rows are fewer than two per thread
- * (a few decodes), one segment each so a long context still keeps every thread busy. Returns the
- * item count (items of a row are consecutive); *nparts: shared partial slots used. */
+/* Work items for the R query rows: a whole row each (where the AVX2 body runs, up to GROUP consecutive
+ * rows of a sequence with the same first key as one item, at most a thread's share), or, when rows are
+ * fewer than two per thread (a few decodes), one segment each so a long context still keeps every
+ * thread busy. Returns the item count (items of a row are consecutive); *nparts: shared partial slots
+ * used. How rows are grouped never changes a row's arithmetic. */
 static int64_t plan_items(const job_t *j, int B, int64_t R, int threads, item_t *items, int64_t *nparts) {
-    const int split = R < 2 * (int64_t)threads;
+    const int split = R < 2 * (int64_t)threads, group = groupable(j);
     int64_t m = 0;
     for (int b = 0; b < B; b++) {
         const int ql = j->qsl[b + 1] - j->qsl[b];
+        const int share = (ql + threads - 1) / threads, most = share < GROUP ? share : GROUP;
         for (int r = 0; r < ql; r++) {
             const int row = j->qsl[b] + r, p = j->lens[b] - ql + r;
             if (!split) {
-                items[m++] = (item_t){b, row, p, -1, -1, -1};
+                int n = 1;
+                while (group && n < most && r + n < ql && first_key(j, p + n) == first_key(j, p)) n++;
+                items[m++] = (item_t){b, row, p, -1, -1, -1, n};
+                r += n - 1;
                 continue;
             }
             const int lo = first_key(j, p), n = seg_count(lo, p + 1);
             for (int i = 0; i < n; i++) {
                 int k0, k1;
                 seg_bounds(lo, p + 1, i, &k0, &k1);
-                items[m] = (item_t){b, row, p, k0, k1, (int)m};
+                items[m] = (item_t){b, row, p, k0, k1, (int)m, 1};
                 m++;
             }
         }

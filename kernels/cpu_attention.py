@@ -25,10 +25,31 @@ _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 @functools.lru_cache(maxsize=1)
 def c_paged_attention():
     """The compiled paged attention (a ctypes function), or None where it cannot be built or is switched off."""
-    lib = cpu_build.load(SOURCE)
+    return _bind(cpu_build.load(SOURCE))
+
+
+AVX2_ONLY = "#define CHATSERVE_AVX2_ONLY 1\n"
+
+
+@functools.lru_cache(maxsize=1)
+def avx2_paged_attention():
+    """The paged attention built with its AVX2 body even on an AVX-512 CPU (for the tests: every AVX2 CPU
+    checks that level), or None where the CPU lacks AVX2/FMA or it cannot be built."""
+    if not {"avx2", "fma"} <= cpu_build.cpu_flags():
+        return None
+    fn = _bind(cpu_build.load(cpu_build.composed_source("cpu_attention_avx2", AVX2_ONLY + SOURCE.read_text())))
+    return fn if fn is not None and fn.level() == 2 else None
+
+
+def _bind(lib):
+    """lib's chatserve_paged_attention with its ctypes signature (fn.level(): the body level it runs:
+    3 AVX-512, 2 AVX2, 0 generic), or None for no lib."""
     if lib is None:
         return None
+    lib.chatserve_attention_level.restype = _i32
+    lib.chatserve_attention_level.argtypes = []
     fn = lib.chatserve_paged_attention
+    fn.level = lib.chatserve_attention_level
     fn.restype = _i32
     fn.argtypes = [_i32, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _i64, _vp, _vp,
                    _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, ctypes.c_float, _vp, _vp, _i64, _i64, _i32]

@@ -105,8 +105,10 @@ void chatserve_rope(int dtype, void *x, int64_t x_st, const void *cos_t, const v
  * silu(x) = x / (1 + e^-x) in fp32. With AVX-512, 16 columns at a time through exp16 (a vector e^x
  * within ~1 ulp of expf, as torch's own vectorized exp) and exact-rounding stores; a tail is the same
  * instructions under a mask, so every element, whatever its row or column, goes through one arithmetic
- * and a row's bits never depend on the row count (batch invariance). Without AVX-512: scalar expf. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+ * and a row's bits never depend on the row count (batch invariance). With AVX2 + FMA (no AVX-512): the
+ * same arithmetic 8 columns at a time (exp8), so both levels give an element the same bits. Else scalar expf. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(CHATSERVE_AVX2_ONLY)
+#define OPS_LEVEL 3
 #include <immintrin.h>
 
 /* e^x over 16 lanes: n = round(x / ln 2), r = x - n ln 2 (two-part ln 2, Cody-Waite), e^r by a
@@ -181,6 +183,84 @@ static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
         for (int64_t t = 0; t < T; t++)                                                             \
             silu_mul_row_##S(gu + t * 2 * I, gu + t * 2 * I + I, out + t * I, I);                   \
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define OPS_LEVEL 2
+
+/* exp16 over 8 lanes: the same instructions lane by lane (the same constants, reduction, polynomial and
+ * two-factor 2^n), so an element's bits are those of the AVX-512 level. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));   /* 1 + r + r²p */
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i h = _mm256_srai_epi32(ni, 1);                                         /* n = h + (n - h) */
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    __m256 out = _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()),
+                                  _mm256_cmp_ps(x, _mm256_set1_ps(88.8f), _CMP_GT_OQ));
+    out = _mm256_blendv_ps(out, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
+    return _mm256_blendv_ps(out, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+/* fp32 → bf16 bits, round to nearest even, NaN kept quiet: f32_to_bf16 lane by lane */
+static inline __m128i bf16_round8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q),
+                                             _mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));   /* all <= 0xffff */
+}
+
+static inline __m256 bf16_load8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256 silu8(__m256 g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+/* 8 columns of one row; the row's last < 8 columns go through the same instructions on a zero-padded copy */
+static inline void silu_mul8_f32(const float *g, const float *u, float *o) {
+    _mm256_storeu_ps(o, _mm256_mul_ps(silu8(_mm256_loadu_ps(g)), _mm256_loadu_ps(u)));
+}
+
+static inline void silu_mul8_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o) {
+    const __m128i sb = bf16_round8(silu8(bf16_load8(g)));                              /* store(silu(g)) */
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(sb), 16));
+    _mm_storeu_si128((__m128i *)o, bf16_round8(_mm256_mul_ps(s, bf16_load8(u))));
+}
+
+#define SILU_MUL(TY, S)                                                                             \
+    static void silu_mul_##S(const TY *gu, TY *out, int64_t T, int64_t I, int nthreads) {          \
+        _Pragma("omp parallel for num_threads(threads_for(T * I, nthreads)) schedule(static)")     \
+        for (int64_t t = 0; t < T; t++) {                                                          \
+            const TY *g = gu + t * 2 * I, *u = g + I;                                               \
+            TY *o = out + t * I;                                                                    \
+            int64_t i = 0;                                                                          \
+            for (; i + 8 <= I; i += 8) silu_mul8_##S(g + i, u + i, o + i);                          \
+            if (i < I) {                                                                            \
+                TY gt[8] = {0}, ut[8] = {0}, ot[8];                                                 \
+                memcpy(gt, g + i, (size_t)(I - i) * sizeof(TY));                                    \
+                memcpy(ut, u + i, (size_t)(I - i) * sizeof(TY));                                    \
+                silu_mul8_##S(gt, ut, ot);                                                          \
+                memcpy(o + i, ot, (size_t)(I - i) * sizeof(TY));                                    \
+            }                                                                                       \
+        }                                                                                           \
+    }
 #else
 #define SILU_MUL(TY, S)                                                                             \
     static void silu_mul_##S(const TY *gu, TY *out, int64_t T, int64_t I, int nthreads) {          \
@@ -197,6 +277,13 @@ static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
 #endif
 SILU_MUL(float, f32)
 SILU_MUL(uint16_t, bf16)
+
+#ifndef OPS_LEVEL
+#define OPS_LEVEL 0
+#endif
+
+/* SiLU·up's level in this build: 3 AVX-512, 2 AVX2, 0 scalar (CHATSERVE_AVX2_ONLY: AVX2 on AVX-512 too) */
+int chatserve_ops_level(void) { return OPS_LEVEL; }
 
 void chatserve_silu_mul(int dtype, const void *gu, void *out, int64_t T, int64_t I, int nthreads) {
     if (dtype == 0) silu_mul_f32(gu, out, T, I, nthreads);

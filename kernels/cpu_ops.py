@@ -21,9 +21,27 @@ _i64, _i32, _vp, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_
 @functools.lru_cache(maxsize=1)
 def library():
     """The compiled fused ops (ctypes), or None where they cannot be built or are switched off."""
-    lib = cpu_build.load(SOURCE)
+    return _bind(cpu_build.load(SOURCE))
+
+
+@functools.lru_cache(maxsize=1)
+def avx2_library():
+    """The fused ops built at the AVX2 level even on an AVX-512 CPU (for the tests: both levels give
+    SiLU·up the same bits), or None where the CPU lacks AVX2/FMA or they cannot be built."""
+    if not {"avx2", "fma"} <= cpu_build.cpu_flags():
+        return None
+    lib = _bind(cpu_build.load(cpu_build.composed_source(
+        "cpu_ops_avx2", "#define CHATSERVE_AVX2_ONLY 1\n" + SOURCE.read_text())))
+    return lib if lib is not None and lib.chatserve_ops_level() == 2 else None
+
+
+def _bind(lib):
+    """lib with the ctypes signatures of its entry points (chatserve_ops_level: SiLU·up's level, 3 AVX-512,
+    2 AVX2, 0 scalar), or None for no lib."""
     if lib is None:
         return None
+    lib.chatserve_ops_level.argtypes = []
+    lib.chatserve_ops_level.restype = _i32
     lib.chatserve_add_rms_norm.argtypes = [_i32, _vp, _vp, _vp, _vp, _i64, _i64, _f32, _i32]
     lib.chatserve_rope.argtypes = [_i32, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i32]
     lib.chatserve_silu_mul.argtypes = [_i32, _vp, _vp, _i64, _i64, _i32]

@@ -5,10 +5,11 @@ rows at positions `--context`.. over the cached keys. This benchmark prefills `-
 (untimed), then times, round after round, one such step for each `--new` size and one decode step at
 the same context (the ratio the issue's goal is stated in), in an interleaved order so that a busy box
 slows every row alike. Each step's wall time and process CPU time are taken, and the same steps are
-split by op class: the Python entry points of the big items (`Linear._dense`, the attention backend's
-`attend` and `store`, `cpu_ops.*`, `compute_logits`) are wrapped in counters (outermost call only);
-"rest" is what is left of the step (Python, metadata, aten glue, embedding). The C decode chain of a
-decode step is not split (it is one call). Medians over `--rounds` after one warm-up round.
+split by op class: the Python entry points of the big items (`Linear._dense` and, in place,
+`BlockLinear.__call__`, the attention backend's `attend` and `store`, `cpu_ops.*`, `compute_logits`) are
+wrapped in counters (outermost call only); "rest" is what is left of the step (Python, metadata, aten
+glue, embedding). The C decode chain of a decode step is not split (it is one call). Medians over
+`--rounds` after one warm-up round.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class Counters:
 @contextlib.contextmanager
 def instrumented(runner: Any, counters: Counters) -> Iterator[None]:
     """Wrap the op classes' entry points in `counters` for the duration (restored after)."""
-    from chatserve.runtime.models import layers
+    from chatserve.runtime.models import layers, linear_backends
     from chatserve_kernels import attention_backend, cpu_ops
 
     patches: list[tuple[Any, str, Any]] = []
@@ -66,6 +67,7 @@ def instrumented(runner: Any, counters: Counters) -> Iterator[None]:
         setattr(owner, attr, counters.wrap(name, old))
 
     patch(layers.Linear, "_dense", "linears")
+    patch(linear_backends.BlockLinear, "__call__", "linears")      # --gguf-in-place matrices
     for cls in (attention_backend.TorchAttention, attention_backend.CpuAttention):
         if "attend" in vars(cls):
             patch(cls, "attend", "attention")
@@ -90,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M Q4_1)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--weight-quant", default="auto")
+    p.add_argument("--gguf-in-place", action="store_true",
+                   help="keep the GGUF's matrices in their block format (as serve's --gguf-in-place)")
     p.add_argument("--context", type=int, default=1024, help="cached tokens before the turn")
     p.add_argument("--new", default="16,32,64", help="new tokens of a turn (comma list)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (each runs every step once)")
@@ -110,9 +114,9 @@ def measure(args: argparse.Namespace) -> dict:
     news = [int(x) for x in str(args.new).split(",") if x]
     bs = 16
     blocks = -(-(args.context + max(news) + 2) // bs)
-    runner = ModelRunner(ModelConfig(model=args.model, dtype=args.dtype, weight_quant=args.weight_quant,
-                                     num_threads=threads), CacheConfig(block_size=bs, num_blocks=blocks),
-                         progress=False)
+    config = ModelConfig(model=args.model, dtype=args.dtype, weight_quant=args.weight_quant,
+                         gguf_in_place=args.gguf_in_place, num_threads=threads)
+    runner = ModelRunner(config, CacheConfig(block_size=bs, num_blocks=blocks), progress=False)
     params = SamplingParams(temperature=0.0)
     table = list(range(blocks))
     ctx = [(17 * i + 5) % runner.vocab_size for i in range(args.context)]
@@ -146,6 +150,7 @@ def measure(args: argparse.Namespace) -> dict:
                 run_step(kind)
     out: dict[str, Any] = {"context": args.context, "threads": threads, "rounds": args.rounds,
                            "dtype": str(runner.dtype).replace("torch.", ""), "weight_quant": runner.weight_quant,
+                           "gguf_in_place": args.gguf_in_place,
                            "load_before": os.getloadavg(), "steps": {}}
     for kind, xs in rows.items():
         xs = xs[1:]                                               # the warm-up round

@@ -115,8 +115,9 @@ def test_soft_capped_scores_match_the_twin(dt):
     assert not torch.allclose(out.float(), plain.float(), atol=1e-3)       # the cap changed something
 
 
-def _rows(case, query_lens, seq_lens, tables, rows_q, threads=2):
-    """Attend query rows rows_q (taken from case.q) as sequences (query_lens, seq_lens) over case's cache."""
+def _rows(case, query_lens, seq_lens, tables, rows_q, threads=2, fn=None):
+    """Attend query rows rows_q (taken from case.q) as sequences (query_lens, seq_lens) over case's cache
+    (fn: a build of the kernel, e.g. avx2_paged_attention(); default the native one)."""
     from chatserve_kernels import AttentionMetadata
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, case.k_cache.shape[1], "cpu")
     q = rows_q.contiguous()
@@ -124,7 +125,10 @@ def _rows(case, query_lens, seq_lens, tables, rows_q, threads=2):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert cpu_attention.paged_attention_cpu(q, case.k_cache, case.v_cache, meta, case.scale, out)
+        if fn is None:
+            assert cpu_attention.paged_attention_cpu(q, case.k_cache, case.v_cache, meta, case.scale, out)
+        else:
+            assert cpu_attention.run(fn, q, case.k_cache, case.v_cache, meta, case.scale, out, None, None)
     finally:
         torch.set_num_threads(before)
     return out
@@ -212,3 +216,39 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     mtime = first.stat().st_mtime_ns
     assert cpu_build.build(cpu_attention.SOURCE) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]      # no temp files left behind
+
+
+AVX2_GRID = [c for c in GRID if c[4] in (32, 64, 128) and c[5] % 8 == 0 and c[7] is None][::3]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dt", [F32, BF16])
+def test_avx2_body_matches_the_twin_and_is_batch_invariant(dt):
+    """Every CPU with AVX2 + FMA also builds the kernel's AVX2 body (the native one here when the CPU has no
+    AVX-512): rows against the twin over part of the grid, and one sequence's 300 prompt rows with the same
+    bits attended whole (rows grouped 16 to a pass over the keys), in 16-row chunks (groups of 8 at 2
+    threads), one by one and at 1 or 2 threads."""
+    fn = cpu_attention.avx2_paged_attention()
+    if not {"avx2", "fma"} <= cpu_build.cpu_flags():
+        assert fn is None
+        return
+    assert fn is not None and fn.level() == 2 and AVX2_GRID
+    for qls, sls, hq, hkv, d, bs, _, _ in AVX2_GRID:
+        case = make_case(qls, sls, q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs, dtype=dt)
+        out = torch.empty_like(case.q)
+        assert cpu_attention.run(fn, case.q, case.k_cache, case.v_cache, case.meta, case.scale, out, None, None)
+        twin = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        assert_close(out, twin, dt, {F32: (2e-5, 2e-5), BF16: (3e-2, 3e-2)})
+    L = 300
+    case = make_case([L, 1], [L, 500], q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dt)
+    table, q = case.tables[0], case.q[:L]
+    whole = _rows(case, [L], [L], [table], q, 1, fn)
+    assert torch.equal(_rows(case, [L], [L], [table], q, 2, fn), whole)
+    for chunk in (16, 1):
+        got = torch.cat([_rows(case, [min(chunk, L - a)], [min(a + chunk, L)], [table], q[a:a + chunk], 2, fn)
+                         for a in range(0, L, chunk)])
+        assert torch.equal(got, whole), chunk
+    mixed = _rows(case, [1, 20], [500, L], [case.tables[1], table], torch.cat([case.q[L:], q[-20:]]), 2, fn)
+    assert torch.equal(mixed[1:], whole[-20:])
+    assert_close(whole, paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)[:L],
+                 dt, {F32: (2e-5, 2e-5), BF16: (3e-2, 3e-2)})

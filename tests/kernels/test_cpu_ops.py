@@ -192,3 +192,27 @@ def test_store_rows_from_a_fused_qkv_matches_the_torch_store(dt):
     assert not cpu_ops.store_rows(k.to(other), v.to(other), caches[0], caches[1], slots)
     assert not cpu_ops.store_rows(k.transpose(1, 2), v.transpose(1, 2), caches[0], caches[1], slots)
     assert not cpu_ops.store_rows(k, v, caches[0], caches[1], slots.int())
+
+
+@needs_lib
+@pytest.mark.parametrize("dt", DTYPES)
+def test_silu_mul_avx2_level_gives_the_native_bits(dt):
+    """Every CPU with AVX2 + FMA builds SiLU·up at the AVX2 level too (exp8: exp16's arithmetic on 8 lanes):
+    its bits equal the native build's (AVX-512 where the CPU has it, else the same AVX2 code), torch's for
+    bf16, and a row's bits do not depend on the row count; a full-width and a 77-column (tail) case."""
+    lib = cpu_ops.avx2_library()
+    if not {"avx2", "fma"} <= cpu_build.cpu_flags():
+        assert lib is None
+        return
+    assert lib is not None and lib.chatserve_ops_level() == 2
+    for I in (1536, 77):
+        gu = _silu_inputs(33, I, dt)
+        out = torch.empty(33, I, dtype=dt)
+        lib.chatserve_silu_mul(cpu_ops._DTYPES[dt], gu.data_ptr(), out.data_ptr(), 33, I, 1)
+        assert _same(out, cpu_ops.silu_mul(gu))
+        if dt == torch.bfloat16:
+            gate, up = gu.chunk(2, -1)
+            assert _same(out, torch.nn.functional.silu(gate) * up)
+        one = torch.empty(1, I, dtype=dt)
+        lib.chatserve_silu_mul(cpu_ops._DTYPES[dt], gu[7:8].contiguous().data_ptr(), one.data_ptr(), 1, I, 1)
+        assert _same(one, out[7:8])
