@@ -141,14 +141,14 @@ static void dq_iq4_xs(const uint8_t *b, float *o) {
     }
 }
 
-/* the blocks stream from memory: fetch ~1 KiB ahead of the one being decoded */
-#define PF(p) __builtin_prefetch((p) + 1024)
-
 /* elements [k0, k1) of one row of W → fp32 out[k1 - k0]; k0 on a block boundary, k1 too unless it is the
- * row's end (a whole number of blocks either way: the row length is one) */
-static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, float *out) {
-#define BLOCKS(bs, bytes, call) \
-    for (int64_t i = k0 / (bs); i < k1 / (bs); i++) { const uint8_t *b = row + (bytes) * i; PF(b); call; } return 0;
+ * row's end (a whole number of blocks either way: the row length is one). Prefetch: 1 KiB ahead, or with
+ * next_span as far ahead as the span is long (the next time a span-by-span caller reads this row) */
+static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, float *out, int next_span) {
+#define BLOCKS(bs, bytes, call) { \
+    const int64_t ahead = next_span ? (k1 - k0) / (bs) * (bytes) : 1024; \
+    for (int64_t i = k0 / (bs); i < k1 / (bs); i++) { const uint8_t *b = row + (bytes) * i; \
+                                                     __builtin_prefetch(b + ahead); call; } return 0; }
     switch (fmt) {
     case F32: memcpy(out, row + 4 * k0, 4 * (size_t)(k1 - k0)); return 0;
     case F16: for (int64_t i = k0; i < k1; i++) out[i - k0] = h2f(row + 2 * i); return 0;
@@ -173,7 +173,7 @@ static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, flo
 }
 
 /* one row of W (k elements) → fp32 out[k] */
-static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) { return dequant_span(fmt, row, 0, k, out); }
+static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) { return dequant_span(fmt, row, 0, k, out, 0); }
 
 /* W [n, k] (rows of row_bytes) → out [n, k] fp32: the kernel's dequantization, for the bit-exact tests */
 int chatserve_bmm_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, float *out) {
@@ -200,9 +200,15 @@ static inline uint16_t f2bf(float f) {          /* round to nearest even, as tor
  * MC rows (their span of x stays in L2; bf16 rows are widened per block), the panel being swept stays in L1. */
 #define NP 16
 #define MB 6
+#ifndef KC
 #define KC 256            /* a multiple of every block size (32, 256) */
+#endif
+#ifndef MC
 #define MC 120            /* a multiple of MB */
+#endif
+#ifndef GPMAX
 #define GPMAX 8
+#endif
 
 /* rows [16][kc] (row stride kc) → panel [kc][16] */
 static void transpose16(const float *rows, int kc, float *panel) {
@@ -254,10 +260,51 @@ static inline __attribute__((always_inline)) void micro(int mr, const float *x, 
     ACC_OUT(0) ACC_OUT(1) ACC_OUT(2) ACC_OUT(3) ACC_OUT(4) ACC_OUT(5)
 }
 
-#define MICRO_CASE(r) case r: micro(r, x, ldx, p, kc, c, ldc, first); break;
-static void micro_any(int mr, const float *x, int64_t ldx, const float *p, int kc, float *c, int64_t ldc,
-                      int first) {
-    switch (mr) { MICRO_CASE(1) MICRO_CASE(2) MICRO_CASE(3) MICRO_CASE(4) MICRO_CASE(5) MICRO_CASE(6) }
+/* the same arithmetic for 1 or 2 rows against np (<= 4) panels at once (panel q at p + q * ps, its tile of
+ * partial sums at c + q * NP): with one panel their 2 or 4 chains would wait on the FMA latency */
+#define WIN(i, q) __m256 a##i##q##0 = _mm256_setzero_ps(), a##i##q##1 = a##i##q##0; \
+    if (mr > i && np > q && !first) { a##i##q##0 = _mm256_loadu_ps(c + i * ldc + q * NP); \
+                                      a##i##q##1 = _mm256_loadu_ps(c + i * ldc + q * NP + 8); }
+#define WFMA(q) if (np > q) { const __m256 v0 = _mm256_load_ps(p + q * ps + NP * k), \
+                                           v1 = _mm256_load_ps(p + q * ps + NP * k + 8); \
+    a0##q##0 = _mm256_fmadd_ps(b0, v0, a0##q##0); a0##q##1 = _mm256_fmadd_ps(b0, v1, a0##q##1); \
+    if (mr > 1) { a1##q##0 = _mm256_fmadd_ps(b1, v0, a1##q##0); a1##q##1 = _mm256_fmadd_ps(b1, v1, a1##q##1); } }
+#define WOUT(i, q) if (mr > i && np > q) { _mm256_storeu_ps(c + i * ldc + q * NP, a##i##q##0); \
+                                           _mm256_storeu_ps(c + i * ldc + q * NP + 8, a##i##q##1); }
+static inline __attribute__((always_inline)) void micro_wide(int mr, int np, const float *x, int64_t ldx,
+                                                             const float *p, int64_t ps, int kc, float *c,
+                                                             int64_t ldc, int first) {
+    WIN(0, 0) WIN(0, 1) WIN(0, 2) WIN(0, 3) WIN(1, 0) WIN(1, 1) WIN(1, 2) WIN(1, 3)
+    for (int k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_broadcast_ss(x + k), b1 = mr > 1 ? _mm256_broadcast_ss(x + ldx + k) : b0;
+        WFMA(0) WFMA(1) WFMA(2) WFMA(3)
+    }
+    WOUT(0, 0) WOUT(0, 1) WOUT(0, 2) WOUT(0, 3) WOUT(1, 0) WOUT(1, 1) WOUT(1, 2) WOUT(1, 3)
+}
+
+/* mr rows against np panels: the 6-row kernel panel by panel, or the wide one for 1 or 2 rows */
+#define MICRO_CASE(r) case r: for (int q = 0; q < np; q++) micro(r, x, ldx, p + q * ps, kc, c + q * NP, ldc, first); break;
+#define WIDE_CASE(r, n) case 8 * (r) + (n): micro_wide(r, n, x, ldx, p, ps, kc, c, ldc, first); break;
+static void micro_any(int mr, int np, const float *x, int64_t ldx, const float *p, int64_t ps, int kc, float *c,
+                      int64_t ldc, int first) {
+    if (mr <= 2) {
+        switch (8 * mr + np) {
+        WIDE_CASE(1, 1) WIDE_CASE(1, 2) WIDE_CASE(1, 3) WIDE_CASE(1, 4)
+        WIDE_CASE(2, 1) WIDE_CASE(2, 2) WIDE_CASE(2, 3) WIDE_CASE(2, 4)
+        }
+        return;
+    }
+    switch (mr) { MICRO_CASE(3) MICRO_CASE(4) MICRO_CASE(5) MICRO_CASE(6) }
+}
+
+/* mr rows × nr columns of finished sums (row stride ldc) → y at (m0, n0) */
+static void store_rows(const float *c, int64_t ldc, int mr, int64_t nr, void *y, int y_bf16, int64_t ldy,
+                       int64_t m0, int64_t n0) {
+    for (int r = 0; r < mr; r++) {
+        const int64_t off = (m0 + r) * ldy + n0;
+        if (y_bf16) for (int64_t j = 0; j < nr; j++) ((uint16_t *)y)[off + j] = f2bf(c[r * ldc + j]);
+        else memcpy((float *)y + off, c + r * ldc, sizeof(float) * (size_t)nr);
+    }
 }
 
 /* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32): y may be
@@ -273,7 +320,7 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     const int spans = (int)((k + KC - 1) / KC);
     const int64_t mc = m < MC ? m : MC;
     /* per thread: the group's panels, a row buffer, bf16 x widened, partial sums of every row (spans > 1) */
-    const size_t per = (size_t)(gp * NP * kc_max) + (size_t)(NP * kc_max) + (x_bf16 ? (size_t)(mc * kc_max) : 0)
+    const size_t per = (size_t)(gp * NP * kc_max) + (size_t)(NP * kc_max) + (size_t)(mc * kc_max)
                        + (size_t)((spans > 1 ? m : MB) * nc);
     const size_t per_al = (per + 15) / 16 * 16;
     float *buf = aligned_alloc(64, sizeof(float) * per_al * (size_t)nt);
@@ -287,7 +334,7 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         float *tb = buf;
 #endif
         float *panels = tb, *rows = panels + gp * NP * kc_max, *xw = rows + NP * kc_max;
-        float *part = xw + (x_bf16 ? mc * kc_max : 0);
+        float *part = xw + mc * kc_max;
         const int64_t p0 = g * gp, gpn = npanels - p0 < gp ? npanels - p0 : gp;
         for (int64_t k0 = 0; k0 < k && !bad; k0 += KC) {
             const int kc = k - k0 < KC ? (int)(k - k0) : KC;
@@ -295,40 +342,42 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             for (int64_t q = 0; q < gpn; q++) {                /* dequantize the group's span of W */
                 const int64_t n0 = (p0 + q) * NP;
                 for (int j = 0; j < NP; j++) {
-                    if (n0 + j < n) bad |= dequant_span(fmt, w + (n0 + j) * row_bytes, k0, k0 + kc, rows + j * kc);
+                    if (n0 + j < n) bad |= dequant_span(fmt, w + (n0 + j) * row_bytes, k0, k0 + kc, rows + j * kc, 1);
                     else memset(rows + j * kc, 0, sizeof(float) * (size_t)kc);
                 }
                 transpose16(rows, kc, panels + q * NP * kc);
             }
+            /* rows i.. (mr of them) of this block against panels q.. (np of them), stored to y on the last span;
+             * partial sums: rows of this group's columns (several spans) or one row block's tile */
+#define tile_rows(mr, np, i, q) do { \
+    float *c_ = (spans > 1 ? part + (m0 + (i)) * nc : part) + (q) * NP; \
+    micro_any(mr, np, xs + (i) * ldx, ldx, panels + (q) * NP * kc, NP * kc, kc, c_, nc, first); \
+    if (last) store_rows(c_, nc, mr, n - (p0 + (q)) * NP < (np) * NP ? n - (p0 + (q)) * NP : (np) * NP, \
+                         y, y_bf16, ldy, m0 + (i), (p0 + (q)) * NP); } while (0)
             for (int64_t m0 = 0; m0 < m; m0 += MC) {
                 const int64_t mr_all = m - m0 < MC ? m - m0 : MC;
-                const float *xs;
-                int64_t ldx;
-                if (x_bf16) {                                  /* widen this block's span of x */
-                    for (int64_t i = 0; i < mr_all; i++) {
+                /* this block's span of x, widened from bf16 or copied: rows K apart would share cache sets */
+                for (int64_t i = 0; i < mr_all; i++) {
+                    if (x_bf16) {
                         const uint16_t *src = (const uint16_t *)x + (m0 + i) * k + k0;
                         for (int c = 0; c < kc; c++) { uint32_t u = (uint32_t)src[c] << 16; memcpy(xw + i * kc + c, &u, 4); }
-                    }
-                    xs = xw, ldx = kc;
-                } else xs = (const float *)x + m0 * k + k0, ldx = k;
-                for (int64_t q = 0; q < gpn; q++) {
-                    const int64_t n0 = (p0 + q) * NP;
-                    const int nr = n - n0 < NP ? (int)(n - n0) : NP;
-                    for (int64_t i = 0; i < mr_all; i += MB) {
-                        const int mr = mr_all - i < MB ? (int)(mr_all - i) : MB;
-                        /* partial sums: row (m0 + i) of this group's columns, or one tile when K is one span */
-                        float *c = spans > 1 ? part + (m0 + i) * nc + q * NP : part;
-                        const int64_t ldc = spans > 1 ? nc : NP;
-                        micro_any(mr, xs + i * ldx, ldx, panels + q * NP * kc, kc, c, ldc, first);
-                        if (!last) continue;
-                        for (int r = 0; r < mr; r++) {
-                            const int64_t off = (m0 + i + r) * ldy + n0;
-                            if (y_bf16) for (int j = 0; j < nr; j++) ((uint16_t *)y)[off + j] = f2bf(c[r * ldc + j]);
-                            else memcpy((float *)y + off, c + r * ldc, sizeof(float) * (size_t)nr);
-                        }
-                    }
+                    } else memcpy(xw + i * kc, (const float *)x + (m0 + i) * k + k0, sizeof(float) * (size_t)kc);
+                }
+                const float *xs = xw;
+                const int64_t ldx = kc;
+                /* full 6-row tiles panel by panel (the panel stays in L1), then the last 1-5 rows against
+                 * 4 (1 row), 2 (2 rows) or 1 panel at a time */
+                const int64_t full = mr_all / MB * MB;
+                for (int64_t q = 0; q < gpn; q++)
+                    for (int64_t i = 0; i < full; i += MB)
+                        tile_rows(MB, 1, i, q);
+                if (full < mr_all) {
+                    const int rest = (int)(mr_all - full), np = rest == 1 ? 4 : rest == 2 ? 2 : 1;
+                    for (int64_t q = 0; q < gpn; q += np)
+                        tile_rows(rest, gpn - q < np ? (int)(gpn - q) : np, full, q);
                 }
             }
+#undef tile_rows
         }
     }
     free(buf);
