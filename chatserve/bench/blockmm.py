@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import time
 from pathlib import Path
@@ -126,9 +127,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             fns: dict[str, Callable[[], object]] = {"torch-fp32": lambda: torch.nn.functional.linear(x.float(), dense)}
             for f, w in weights.items():
                 for isa in isas:
-                    fns[f"{f}/{isa}"] = lambda w=w, isa=isa: cpu_blockmm.matmul(x, w, isa, threads=args.threads)
+                    fns[f"{f}/{isa}"] = functools.partial(cpu_blockmm.matmul, x, w, isa, threads=args.threads)
                     if isa in before:
-                        fns[f"{f}/{isa}-before"] = lambda w=w, isa=isa: _call(before[isa], x, w, args.threads)
+                        fns[f"{f}/{isa}-before"] = functools.partial(_call, before[isa], x, w, args.threads)
             ms.update(_alternated_ms(fns, args.repeats))
             for f, w in weights.items():
                 for isa in q8_isas if m <= args.q8_max_rows and cpu_blockq8.handles(w) else ():

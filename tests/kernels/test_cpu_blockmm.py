@@ -149,3 +149,15 @@ def test_a_row_length_off_the_block_is_refused(name):
         bf.BlockWeight(torch.zeros(2, 18, dtype=torch.uint8), bf.FORMATS[name], 2, 31)
     with pytest.raises(ValueError, match="needs uint8"):
         bf.BlockWeight(torch.zeros(2, 17, dtype=torch.uint8), bf.FORMATS[name], 2, 256)
+
+
+def test_bench_blockmm_times_a_before_source_beside_torch_fp32():
+    from chatserve.bench import blockmm
+    args = blockmm.build_parser().parse_args(["--formats", "Q4_1", "--shapes", "48x64", "--rows", "1,7", "--repeats",
+                                              "1", "--q8-isas", "", "--x-dtype", "float32", "--before",
+                                              str(cpu_blockmm.SOURCE), "--json"])
+    rows = blockmm.run(args)
+    assert [r["m"] for r in rows] == [1, 7]
+    for r in rows:
+        want = {"torch-fp32"} | {f"Q4_1/{isa}{tag}" for isa in LEVELS for tag in ("", "-before")}
+        assert want <= set(r["ms"]) and all(v > 0 for v in r["ms"].values())
