@@ -6,12 +6,16 @@
  *   - x rows are widened to fp32 (bf16 is exact in fp32);
  *   - W rows are dequantized to fp32 exactly as gguf-py's `dequantize` does (same operations, same order,
  *     no fused multiply-add: `chatserve_bmm_dequant` is checked bit for bit against the torch twin);
- *   - y[m, n] = one dot product over the whole of K: lane l of one vector accumulator takes k ≡ l mod VW in
- *     increasing k with FMA, then a fixed tree adds the lanes. Tiles of MR rows × NR columns only choose
- *     which accumulators live in registers together; no split of K, and threads split columns only.
- * Loop nest: rows in chunks of MC (their fp32 copy stays in L2); per chunk, threads take blocks of NR weight
- * rows, dequantize them once into a per-thread buffer and run every row of the chunk against them. For
- * M <= MC (decode) each weight is read once per call.
+ *   - AVX2 (level 2): y[m, n] is one FMA chain over k = 0, 1, …, K − 1 from +0, in one vector lane (the
+ *     broadcast microkernel below: x[m][k] broadcast, 8 columns of W per vector);
+ *   - AVX-512 (level 3): y[m, n] = one dot product over the whole of K: lane l of one vector accumulator takes
+ *     k ≡ l mod VW in increasing k with FMA, then a fixed tree adds the lanes. Tiles of MR rows × NR columns
+ *     only choose which accumulators live in registers together.
+ *   Neither splits K in a way that depends on M, and threads split columns only.
+ * Loop nests: AVX2, see chatserve_bmm's level-2 comment (each weight dequantized once per call). AVX-512:
+ * rows in chunks of MC (their fp32 copy stays in L2); per chunk, threads take blocks of NR weight rows,
+ * dequantize them once into a per-thread buffer and run every row of the chunk against them. For M <= MC
+ * (decode) each weight is read once per call.
  *
  * One source, two ISA levels: cpu_blockmm.py prepends `#define BMM_LEVEL 2` (AVX2 + FMA + F16C, 8 lanes)
  * or `3` (AVX-512 F/BW/VL, 16 lanes) and builds each through cpu_build.
@@ -142,13 +146,17 @@ static void dq_iq4_xs(const uint8_t *b, float *o) {
 }
 
 /* elements [k0, k1) of one row of W → fp32 out[k1 - k0]; k0 on a block boundary, k1 too unless it is the
- * row's end (a whole number of blocks either way: the row length is one). Prefetch: 1 KiB ahead, or with
- * next_span as far ahead as the span is long (the next time a span-by-span caller reads this row) */
+ * row's end (a whole number of blocks either way: the row length is one). Prefetch: a line 1 KiB ahead of
+ * each block, or with next_span every line of the block as far ahead as the span is long (where a
+ * span-by-span caller reads this row next; the rows interleave, so no hardware stream covers them) */
 static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, float *out, int next_span) {
 #define BLOCKS(bs, bytes, call) { \
     const int64_t ahead = next_span ? (k1 - k0) / (bs) * (bytes) : 1024; \
-    for (int64_t i = k0 / (bs); i < k1 / (bs); i++) { const uint8_t *b = row + (bytes) * i; \
-                                                     __builtin_prefetch(b + ahead); call; } return 0; }
+    for (int64_t i = k0 / (bs); i < k1 / (bs); i++) { \
+        const uint8_t *b = row + (bytes) * i; \
+        __builtin_prefetch(b + ahead); \
+        if (next_span) for (int o = 64; o < (bytes) + 63; o += 64) __builtin_prefetch(b + ahead + o); \
+        call; } return 0; }
     switch (fmt) {
     case F32: memcpy(out, row + 4 * k0, 4 * (size_t)(k1 - k0)); return 0;
     case F16: for (int64_t i = k0; i < k1; i++) out[i - k0] = h2f(row + 2 * i); return 0;
@@ -341,6 +349,9 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             const int first = k0 == 0, last = k0 + kc == k;
             for (int64_t q = 0; q < gpn; q++) {                /* dequantize the group's span of W */
                 const int64_t n0 = (p0 + q) * NP;
+                if (first)      /* the next panel's rows start cold: fetch their first span (kc / k of a row) */
+                    for (int64_t j = n0 + NP; j < n0 + 2 * NP && j < (p0 + gpn) * NP && j < n; j++)
+                        for (int64_t o = 0; o < row_bytes * kc / k; o += 64) __builtin_prefetch(w + j * row_bytes + o);
                 for (int j = 0; j < NP; j++) {
                     if (n0 + j < n) bad |= dequant_span(fmt, w + (n0 + j) * row_bytes, k0, k0 + kc, rows + j * kc, 1);
                     else memset(rows + j * kc, 0, sizeof(float) * (size_t)kc);
