@@ -321,9 +321,11 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
                   int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
     if (nt < 1) nt = 1;
     const int64_t npanels = (n + NP - 1) / NP;
-    int64_t gp = (npanels + nt - 1) / nt;                     /* panels per group: every thread gets one */
-    gp = gp < 1 ? 1 : gp > GPMAX ? GPMAX : gp;
-    const int64_t ngroups = (npanels + gp - 1) / gp, nc = gp * NP;
+    /* groups of at most GPMAX panels, as many per thread (36 panels on 2 threads: 6 groups of 6, not 8,8,8,8,4) */
+    int64_t ngroups = (npanels + GPMAX - 1) / GPMAX;
+    ngroups = (ngroups + nt - 1) / nt * nt;
+    const int64_t gp = (npanels + ngroups - 1) / ngroups, nc = gp * NP;
+    ngroups = (npanels + gp - 1) / gp;
     const int kc_max = k < KC ? (int)k : KC;
     const int spans = (int)((k + KC - 1) / KC);
     const int64_t mc = m < MC ? m : MC;
