@@ -6,12 +6,16 @@
  *   - x rows are widened to fp32 (bf16 is exact in fp32);
  *   - W rows are dequantized to fp32 exactly as gguf-py's `dequantize` does (same operations, same order,
  *     no fused multiply-add: `chatserve_bmm_dequant` is checked bit for bit against the torch twin);
- *   - y[m, n] = one dot product over the whole of K: lane l of one vector accumulator takes k ≡ l mod VW in
- *     increasing k with FMA, then a fixed tree adds the lanes. Tiles of MR rows × NR columns only choose
- *     which accumulators live in registers together; no split of K, and threads split columns only.
- * Loop nest: rows in chunks of MC (their fp32 copy stays in L2); per chunk, threads take blocks of NR weight
- * rows, dequantize them once into a per-thread buffer and run every row of the chunk against them. For
- * M <= MC (decode) each weight is read once per call.
+ *   - AVX2 (level 2): y[m, n] is one FMA chain over k = 0, 1, …, K − 1 from +0, in one vector lane (the
+ *     broadcast microkernel below: x[m][k] broadcast, 8 columns of W per vector);
+ *   - AVX-512 (level 3): y[m, n] = one dot product over the whole of K: lane l of one vector accumulator takes
+ *     k ≡ l mod VW in increasing k with FMA, then a fixed tree adds the lanes. Tiles of MR rows × NR columns
+ *     only choose which accumulators live in registers together.
+ *   Neither splits K in a way that depends on M, and threads split columns only.
+ * Loop nests: AVX2, see chatserve_bmm's level-2 comment (each weight dequantized once per call). AVX-512:
+ * rows in chunks of MC (their fp32 copy stays in L2); per chunk, threads take blocks of NR weight rows,
+ * dequantize them once into a per-thread buffer and run every row of the chunk against them. For M <= MC
+ * (decode) each weight is read once per call.
  *
  * One source, two ISA levels: cpu_blockmm.py prepends `#define BMM_LEVEL 2` (AVX2 + FMA + F16C, 8 lanes)
  * or `3` (AVX-512 F/BW/VL, 16 lanes) and builds each through cpu_build.
@@ -56,18 +60,6 @@ static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
     _mm512_storeu_ps(o, v);
 }
 #elif BMM_LEVEL == 2
-typedef __m256 vf;
-#define VW 8
-#define MR 2
-#define NR 4
-#define vzero() _mm256_setzero_ps()
-#define vload(p) _mm256_loadu_ps(p)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-static inline float hsum(vf v) {          /* fixed tree: 8 → 4 → 2 → 1 */
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
 static inline void emit8(float *o, __m128i q, float d, float m, int kind) {
     __m256 v = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     if (kind == 1) v = _mm256_add_ps(v, _mm256_set1_ps(m));
@@ -153,32 +145,43 @@ static void dq_iq4_xs(const uint8_t *b, float *o) {
     }
 }
 
-/* the blocks stream from memory: fetch ~1 KiB ahead of the one being decoded */
-#define PF(p) __builtin_prefetch((p) + 1024)
-
-/* one row of W (k elements) → fp32 out[k] */
-static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) {
+/* elements [k0, k1) of one row of W → fp32 out[k1 - k0]; k0 on a block boundary, k1 too unless it is the
+ * row's end (a whole number of blocks either way: the row length is one). Prefetch: a line 1 KiB ahead of
+ * each block, or with next_span every line of the block as far ahead as the span is long (where a
+ * span-by-span caller reads this row next; the rows interleave, so no hardware stream covers them) */
+static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, float *out, int next_span) {
+#define BLOCKS(bs, bytes, call) { \
+    const int64_t ahead = next_span ? (k1 - k0) / (bs) * (bytes) : 1024; \
+    for (int64_t i = k0 / (bs); i < k1 / (bs); i++) { \
+        const uint8_t *b = row + (bytes) * i; \
+        __builtin_prefetch(b + ahead); \
+        if (next_span) for (int o = 64; o < (bytes) + 63; o += 64) __builtin_prefetch(b + ahead + o); \
+        call; } return 0; }
     switch (fmt) {
-    case F32: memcpy(out, row, 4 * (size_t)k); return 0;
-    case F16: for (int64_t i = 0; i < k; i++) out[i] = h2f(row + 2 * i); return 0;
+    case F32: memcpy(out, row + 4 * k0, 4 * (size_t)(k1 - k0)); return 0;
+    case F16: for (int64_t i = k0; i < k1; i++) out[i - k0] = h2f(row + 2 * i); return 0;
     case BF16:
-        for (int64_t i = 0; i < k; i++) {
+        for (int64_t i = k0; i < k1; i++) {
             uint32_t u = (uint32_t)((const uint16_t *)row)[i] << 16;
-            memcpy(out + i, &u, 4);
+            memcpy(out + (i - k0), &u, 4);
         }
         return 0;
-    case Q4_0: for (int64_t i = 0; i < k / 32; i++) { PF(row + 18 * i); dq_q4_0(row + 18 * i, out + 32 * i); } return 0;
-    case Q4_1: for (int64_t i = 0; i < k / 32; i++) { PF(row + 20 * i); dq_q4_1(row + 20 * i, out + 32 * i); } return 0;
-    case Q5_0: for (int64_t i = 0; i < k / 32; i++) { PF(row + 22 * i); dq_q5(row + 22 * i, out + 32 * i, 0); } return 0;
-    case Q5_1: for (int64_t i = 0; i < k / 32; i++) { PF(row + 24 * i); dq_q5(row + 24 * i, out + 32 * i, 1); } return 0;
-    case Q8_0: for (int64_t i = 0; i < k / 32; i++) { PF(row + 34 * i); dq_q8_0(row + 34 * i, out + 32 * i); } return 0;
-    case Q4_K: for (int64_t i = 0; i < k / 256; i++) { PF(row + 144 * i); dq_qk(row + 144 * i, out + 256 * i, 0); } return 0;
-    case Q5_K: for (int64_t i = 0; i < k / 256; i++) { PF(row + 176 * i); dq_qk(row + 176 * i, out + 256 * i, 1); } return 0;
-    case Q6_K: for (int64_t i = 0; i < k / 256; i++) { PF(row + 210 * i); dq_q6_k(row + 210 * i, out + 256 * i); } return 0;
-    case IQ4_XS: for (int64_t i = 0; i < k / 256; i++) { PF(row + 136 * i); dq_iq4_xs(row + 136 * i, out + 256 * i); } return 0;
+    case Q4_0: BLOCKS(32, 18, dq_q4_0(b, out + (32 * i - k0)))
+    case Q4_1: BLOCKS(32, 20, dq_q4_1(b, out + (32 * i - k0)))
+    case Q5_0: BLOCKS(32, 22, dq_q5(b, out + (32 * i - k0), 0))
+    case Q5_1: BLOCKS(32, 24, dq_q5(b, out + (32 * i - k0), 1))
+    case Q8_0: BLOCKS(32, 34, dq_q8_0(b, out + (32 * i - k0)))
+    case Q4_K: BLOCKS(256, 144, dq_qk(b, out + (256 * i - k0), 0))
+    case Q5_K: BLOCKS(256, 176, dq_qk(b, out + (256 * i - k0), 1))
+    case Q6_K: BLOCKS(256, 210, dq_q6_k(b, out + (256 * i - k0)))
+    case IQ4_XS: BLOCKS(256, 136, dq_iq4_xs(b, out + (256 * i - k0)))
     default: return 1;
     }
+#undef BLOCKS
 }
+
+/* one row of W (k elements) → fp32 out[k] */
+static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) { return dequant_span(fmt, row, 0, k, out, 0); }
 
 /* W [n, k] (rows of row_bytes) → out [n, k] fp32: the kernel's dequantization, for the bit-exact tests */
 int chatserve_bmm_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, float *out) {
@@ -192,6 +195,208 @@ static inline uint16_t f2bf(float f) {          /* round to nearest even, as tor
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+#if BMM_LEVEL == 2
+/* ---- AVX2: broadcast microkernel on k-major panels ----
+ * A panel is NP = 16 weight rows (two ymm of output columns) × a span of k, dequantized once per call and
+ * stored k-major: panel[k][j] = W[n0 + j][k]. The microkernel holds an MB × 16 tile of y in 12 ymm
+ * accumulators; per k it broadcasts x[i][k] of each of its MB rows and FMAs it against the panel's two
+ * vectors at k. Output (i, n0 + j) lives in lane j % 8 of one accumulator and takes k = 0, 1, …, K − 1 in
+ * that order, one FMA each, from +0: the value does not depend on M, on the tile or row block it falls in,
+ * on the threads, or on KC (a span's partial sums go through memory in fp32 and come back exactly).
+ * Loop nest: threads take groups of GP panels (columns only); per group and span of KC k's, the panels are
+ * dequantized once (rows → a row buffer → transposed), then every row of x runs against them in blocks of
+ * MC rows (their span of x stays in L2; bf16 rows are widened per block), the panel being swept stays in L1. */
+#define NP 16
+#define MB 6
+#ifndef KC
+#define KC 256            /* a multiple of every block size (32, 256) */
+#endif
+#ifndef MC
+#define MC 120            /* a multiple of MB */
+#endif
+#ifndef GPMAX
+#define GPMAX 8
+#endif
+
+/* rows [16][kc] (row stride kc) → panel [kc][16] */
+static void transpose16(const float *rows, int kc, float *panel) {
+    int k = 0;
+    for (; k + 8 <= kc; k += 8)
+        for (int h = 0; h < 2; h++) {
+            const float *r = rows + 8 * h * kc + k;
+            __m256 a0 = _mm256_loadu_ps(r), a1 = _mm256_loadu_ps(r + kc), a2 = _mm256_loadu_ps(r + 2 * kc),
+                   a3 = _mm256_loadu_ps(r + 3 * kc), a4 = _mm256_loadu_ps(r + 4 * kc),
+                   a5 = _mm256_loadu_ps(r + 5 * kc), a6 = _mm256_loadu_ps(r + 6 * kc),
+                   a7 = _mm256_loadu_ps(r + 7 * kc);
+            __m256 b0 = _mm256_unpacklo_ps(a0, a1), b1 = _mm256_unpackhi_ps(a0, a1);
+            __m256 b2 = _mm256_unpacklo_ps(a2, a3), b3 = _mm256_unpackhi_ps(a2, a3);
+            __m256 b4 = _mm256_unpacklo_ps(a4, a5), b5 = _mm256_unpackhi_ps(a4, a5);
+            __m256 b6 = _mm256_unpacklo_ps(a6, a7), b7 = _mm256_unpackhi_ps(a6, a7);
+            __m256 c0 = _mm256_shuffle_ps(b0, b2, 0x44), c1 = _mm256_shuffle_ps(b0, b2, 0xEE);
+            __m256 c2 = _mm256_shuffle_ps(b1, b3, 0x44), c3 = _mm256_shuffle_ps(b1, b3, 0xEE);
+            __m256 c4 = _mm256_shuffle_ps(b4, b6, 0x44), c5 = _mm256_shuffle_ps(b4, b6, 0xEE);
+            __m256 c6 = _mm256_shuffle_ps(b5, b7, 0x44), c7 = _mm256_shuffle_ps(b5, b7, 0xEE);
+            float *o = panel + NP * k + 8 * h;
+            _mm256_storeu_ps(o + 0 * NP, _mm256_permute2f128_ps(c0, c4, 0x20));
+            _mm256_storeu_ps(o + 1 * NP, _mm256_permute2f128_ps(c1, c5, 0x20));
+            _mm256_storeu_ps(o + 2 * NP, _mm256_permute2f128_ps(c2, c6, 0x20));
+            _mm256_storeu_ps(o + 3 * NP, _mm256_permute2f128_ps(c3, c7, 0x20));
+            _mm256_storeu_ps(o + 4 * NP, _mm256_permute2f128_ps(c0, c4, 0x31));
+            _mm256_storeu_ps(o + 5 * NP, _mm256_permute2f128_ps(c1, c5, 0x31));
+            _mm256_storeu_ps(o + 6 * NP, _mm256_permute2f128_ps(c2, c6, 0x31));
+            _mm256_storeu_ps(o + 7 * NP, _mm256_permute2f128_ps(c3, c7, 0x31));
+        }
+    for (; k < kc; k++)
+        for (int j = 0; j < NP; j++) panel[NP * k + j] = rows[j * kc + k];
+}
+
+/* mr (<= MB) rows × 16 columns over kc k's: x rows at stride ldx, the panel k-major; the partial sums come
+ * from c (row stride ldc) unless first, and go back to c. Named accumulators, not an array: gcc keeps an
+ * array of vectors on the stack and stores it every k. */
+#define ACC_IN(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = a##i##0; \
+    if (mr > i && !first) { a##i##0 = _mm256_loadu_ps(c + i * ldc); a##i##1 = _mm256_loadu_ps(c + i * ldc + 8); }
+#define ACC_FMA(i) if (mr > i) { const __m256 b = _mm256_broadcast_ss(x + i * ldx + k); \
+    a##i##0 = _mm256_fmadd_ps(b, w0, a##i##0); a##i##1 = _mm256_fmadd_ps(b, w1, a##i##1); }
+#define ACC_OUT(i) if (mr > i) { _mm256_storeu_ps(c + i * ldc, a##i##0); _mm256_storeu_ps(c + i * ldc + 8, a##i##1); }
+static inline __attribute__((always_inline)) void micro(int mr, const float *x, int64_t ldx, const float *p,
+                                                        int kc, float *c, int64_t ldc, int first) {
+    ACC_IN(0) ACC_IN(1) ACC_IN(2) ACC_IN(3) ACC_IN(4) ACC_IN(5)
+    for (int k = 0; k < kc; k++) {
+        const __m256 w0 = _mm256_load_ps(p + NP * k), w1 = _mm256_load_ps(p + NP * k + 8);
+        ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5)
+    }
+    ACC_OUT(0) ACC_OUT(1) ACC_OUT(2) ACC_OUT(3) ACC_OUT(4) ACC_OUT(5)
+}
+
+/* the same arithmetic for 1 or 2 rows against np (<= 4) panels at once (panel q at p + q * ps, its tile of
+ * partial sums at c + q * NP): with one panel their 2 or 4 chains would wait on the FMA latency */
+#define WIN(i, q) __m256 a##i##q##0 = _mm256_setzero_ps(), a##i##q##1 = a##i##q##0; \
+    if (mr > i && np > q && !first) { a##i##q##0 = _mm256_loadu_ps(c + i * ldc + q * NP); \
+                                      a##i##q##1 = _mm256_loadu_ps(c + i * ldc + q * NP + 8); }
+#define WFMA(q) if (np > q) { const __m256 v0 = _mm256_load_ps(p + q * ps + NP * k), \
+                                           v1 = _mm256_load_ps(p + q * ps + NP * k + 8); \
+    a0##q##0 = _mm256_fmadd_ps(b0, v0, a0##q##0); a0##q##1 = _mm256_fmadd_ps(b0, v1, a0##q##1); \
+    if (mr > 1) { a1##q##0 = _mm256_fmadd_ps(b1, v0, a1##q##0); a1##q##1 = _mm256_fmadd_ps(b1, v1, a1##q##1); } }
+#define WOUT(i, q) if (mr > i && np > q) { _mm256_storeu_ps(c + i * ldc + q * NP, a##i##q##0); \
+                                           _mm256_storeu_ps(c + i * ldc + q * NP + 8, a##i##q##1); }
+static inline __attribute__((always_inline)) void micro_wide(int mr, int np, const float *x, int64_t ldx,
+                                                             const float *p, int64_t ps, int kc, float *c,
+                                                             int64_t ldc, int first) {
+    WIN(0, 0) WIN(0, 1) WIN(0, 2) WIN(0, 3) WIN(1, 0) WIN(1, 1) WIN(1, 2) WIN(1, 3)
+    for (int k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_broadcast_ss(x + k), b1 = mr > 1 ? _mm256_broadcast_ss(x + ldx + k) : b0;
+        WFMA(0) WFMA(1) WFMA(2) WFMA(3)
+    }
+    WOUT(0, 0) WOUT(0, 1) WOUT(0, 2) WOUT(0, 3) WOUT(1, 0) WOUT(1, 1) WOUT(1, 2) WOUT(1, 3)
+}
+
+/* mr rows against np panels: the 6-row kernel panel by panel, or the wide one for 1 or 2 rows */
+#define MICRO_CASE(r) case r: for (int q = 0; q < np; q++) micro(r, x, ldx, p + q * ps, kc, c + q * NP, ldc, first); break;
+#define WIDE_CASE(r, n) case 8 * (r) + (n): micro_wide(r, n, x, ldx, p, ps, kc, c, ldc, first); break;
+static void micro_any(int mr, int np, const float *x, int64_t ldx, const float *p, int64_t ps, int kc, float *c,
+                      int64_t ldc, int first) {
+    if (mr <= 2) {
+        switch (8 * mr + np) {
+        WIDE_CASE(1, 1) WIDE_CASE(1, 2) WIDE_CASE(1, 3) WIDE_CASE(1, 4)
+        WIDE_CASE(2, 1) WIDE_CASE(2, 2) WIDE_CASE(2, 3) WIDE_CASE(2, 4)
+        }
+        return;
+    }
+    switch (mr) { MICRO_CASE(3) MICRO_CASE(4) MICRO_CASE(5) MICRO_CASE(6) }
+}
+
+/* mr rows × nr columns of finished sums (row stride ldc) → y at (m0, n0) */
+static void store_rows(const float *c, int64_t ldc, int mr, int64_t nr, void *y, int y_bf16, int64_t ldy,
+                       int64_t m0, int64_t n0) {
+    for (int r = 0; r < mr; r++) {
+        const int64_t off = (m0 + r) * ldy + n0;
+        if (y_bf16) for (int64_t j = 0; j < nr; j++) ((uint16_t *)y)[off + j] = f2bf(c[r * ldc + j]);
+        else memcpy((float *)y + off, c + r * ldc, sizeof(float) * (size_t)nr);
+    }
+}
+
+/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32): y may be
+ * a column slice of a wider output (fused q/k/v or gate/up kept as separate tensors). 0 on success. */
+int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
+                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
+    if (nt < 1) nt = 1;
+    const int64_t npanels = (n + NP - 1) / NP;
+    /* groups of at most GPMAX panels, as many per thread (36 panels on 2 threads: 6 groups of 6, not 8,8,8,8,4) */
+    int64_t ngroups = (npanels + GPMAX - 1) / GPMAX;
+    ngroups = (ngroups + nt - 1) / nt * nt;
+    const int64_t gp = (npanels + ngroups - 1) / ngroups, nc = gp * NP;
+    ngroups = (npanels + gp - 1) / gp;
+    const int kc_max = k < KC ? (int)k : KC;
+    const int spans = (int)((k + KC - 1) / KC);
+    const int64_t mc = m < MC ? m : MC;
+    /* per thread: the group's panels, a row buffer, bf16 x widened, partial sums of every row (spans > 1) */
+    const size_t per = (size_t)(gp * NP * kc_max) + (size_t)(NP * kc_max) + (size_t)(mc * kc_max)
+                       + (size_t)((spans > 1 ? m : MB) * nc);
+    const size_t per_al = (per + 15) / 16 * 16;
+    float *buf = aligned_alloc(64, sizeof(float) * per_al * (size_t)nt);
+    if (!buf) return 2;
+    int bad = 0;
+    #pragma omp parallel for num_threads(nt) schedule(static) reduction(|: bad)
+    for (int64_t g = 0; g < ngroups; g++) {
+#ifdef _OPENMP
+        float *tb = buf + per_al * (size_t)omp_get_thread_num();
+#else
+        float *tb = buf;
+#endif
+        float *panels = tb, *rows = panels + gp * NP * kc_max, *xw = rows + NP * kc_max;
+        float *part = xw + mc * kc_max;
+        const int64_t p0 = g * gp, gpn = npanels - p0 < gp ? npanels - p0 : gp;
+        for (int64_t k0 = 0; k0 < k && !bad; k0 += KC) {
+            const int kc = k - k0 < KC ? (int)(k - k0) : KC;
+            const int first = k0 == 0, last = k0 + kc == k;
+            for (int64_t q = 0; q < gpn; q++) {                /* dequantize the group's span of W */
+                const int64_t n0 = (p0 + q) * NP;
+                if (first)      /* the next panel's rows start cold: fetch their first span (kc / k of a row) */
+                    for (int64_t j = n0 + NP; j < n0 + 2 * NP && j < (p0 + gpn) * NP && j < n; j++)
+                        for (int64_t o = 0; o < row_bytes * kc / k; o += 64) __builtin_prefetch(w + j * row_bytes + o);
+                for (int j = 0; j < NP; j++) {
+                    if (n0 + j < n) bad |= dequant_span(fmt, w + (n0 + j) * row_bytes, k0, k0 + kc, rows + j * kc, 1);
+                    else memset(rows + j * kc, 0, sizeof(float) * (size_t)kc);
+                }
+                transpose16(rows, kc, panels + q * NP * kc);
+            }
+            /* rows i.. (mr of them) of this block against panels q.. (np of them), stored to y on the last span;
+             * partial sums: rows of this group's columns (several spans) or one row block's tile */
+#define tile_rows(mr, np, i, q) do { \
+    float *c_ = (spans > 1 ? part + (m0 + (i)) * nc : part) + (q) * NP; \
+    micro_any(mr, np, xs + (i) * ldx, ldx, panels + (q) * NP * kc, NP * kc, kc, c_, nc, first); \
+    if (last) store_rows(c_, nc, mr, n - (p0 + (q)) * NP < (np) * NP ? n - (p0 + (q)) * NP : (np) * NP, \
+                         y, y_bf16, ldy, m0 + (i), (p0 + (q)) * NP); } while (0)
+            for (int64_t m0 = 0; m0 < m; m0 += MC) {
+                const int64_t mr_all = m - m0 < MC ? m - m0 : MC;
+                /* this block's span of x, widened from bf16 or copied: rows K apart would share cache sets */
+                for (int64_t i = 0; i < mr_all; i++) {
+                    if (x_bf16) {
+                        const uint16_t *src = (const uint16_t *)x + (m0 + i) * k + k0;
+                        for (int c = 0; c < kc; c++) { uint32_t u = (uint32_t)src[c] << 16; memcpy(xw + i * kc + c, &u, 4); }
+                    } else memcpy(xw + i * kc, (const float *)x + (m0 + i) * k + k0, sizeof(float) * (size_t)kc);
+                }
+                const float *xs = xw;
+                const int64_t ldx = kc;
+                /* full 6-row tiles panel by panel (the panel stays in L1), then the last 1-5 rows against
+                 * 4 (1 row), 2 (2 rows) or 1 panel at a time */
+                const int64_t full = mr_all / MB * MB;
+                for (int64_t q = 0; q < gpn; q++)
+                    for (int64_t i = 0; i < full; i += MB)
+                        tile_rows(MB, 1, i, q);
+                if (full < mr_all) {
+                    const int rest = (int)(mr_all - full), np = rest == 1 ? 4 : rest == 2 ? 2 : 1;
+                    for (int64_t q = 0; q < gpn; q += np)
+                        tile_rows(rest, gpn - q < np ? (int)(gpn - q) : np, full, q);
+                }
+            }
+#undef tile_rows
+        }
+    }
+    free(buf);
+    return bad ? 1 : 0;
+}
+#else
 /* mr × nr dot products over kp (a multiple of VW): x rows at stride ldx, W rows at stride kp */
 static inline __attribute__((always_inline)) void tile(int mr, int nr, const float *x, int64_t ldx,
                                                        const float *w, int64_t kp, float *res) {
@@ -277,6 +482,7 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     free(wb);
     return bad ? 1 : 0;
 }
+#endif
 #else
 int chatserve_bmm_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, float *out) { return 3; }
 int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,

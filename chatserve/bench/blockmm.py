@@ -1,16 +1,23 @@
 """`chatserve bench blockmm`: ms per call and GFLOP/s of the GGUF block-format matmuls per format and ISA
 level, cpu_blockmm (`FMT/isa`: fp32 dequantization, the prompt rows) and cpu_blockq8 (`FMT/q8xBITS-isa`:
 8- or 15-bit activations against the codes, the generated rows; `FMT/q8xBITS-tiled-isa`: the same on the
-row-interleaved copy), beside today's CPU paths on the same shapes: oneDNN's packed bf16 linear (prefill;
-where oneDNN packs bf16) and cpu_qmatmul's int4/int8 repack (decode; where it runs). Random blocks (speed
-does not depend on the values); best of --repeats calls with the weights hot in cache, so memory-bound rows
-read as upper bounds.
+row-interleaved copy), beside today's CPU paths on the same shapes: torch's dense fp32 linear (`torch-fp32`,
+what a float32 model runs), oneDNN's packed bf16 linear (prefill; where oneDNN packs bf16) and cpu_qmatmul's
+int4/int8 repack (decode; where it runs). --before FILE adds another cpu_blockmm.c built at the same levels
+(`FMT/isa-before`, e.g. main's: `git show main:kernels/cpu_blockmm.c > /tmp/before.c`). Random blocks (speed
+does not depend on the values); per shape and M the calls alternate, best of --repeats each (wall time, or
+with --clock thread the calling thread's CPU time), with the weights hot in cache, so memory-bound rows read
+as upper bounds.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import time
+from pathlib import Path
+from typing import Callable
 
 SHAPES = "576x576,192x576,1536x576,576x1536,49152x576,2048x2048,512x2048,8192x2048,2048x8192"
 
@@ -25,10 +32,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--x-bits", default="15", help="cpu_blockq8's x codes: comma list of 8, 15 (15 serves)")
     p.add_argument("--shapes", default=SHAPES, help="comma list of NxK (output features x input features)")
     p.add_argument("--rows", default="1,16,256", help="comma list of M (rows of x per call)")
+    p.add_argument("--x-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="x's dtype (float32: what a float32 model's prompt rows pass)")
+    p.add_argument("--before", type=Path, default=None,
+                   help="another cpu_blockmm.c to time beside this tree's (rows FMT/isa-before)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", default="wall", choices=("wall", "thread"),
+                   help="thread: the calling thread's CPU time for the alternated rows (--threads 1 only: the "
+                        "time a shared box's other processes take the core is not counted)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--json", action="store_true")
     return p
+
+
+def _alternated_ms(fns: dict[str, Callable[[], object]], repeats: int,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Best ms of each call, the calls taking turns (a load change hits every row alike)."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            t0 = clock()
+            fn()
+            best[key] = min(best[key], clock() - t0)
+    return {key: v * 1e3 for key, v in best.items()}
+
+
+def _before_library(source: Path, isa: str):
+    """`source` (a cpu_blockmm.c) built at level `isa`, bound like cpu_blockmm.library's."""
+    from chatserve_kernels import cpu_blockmm, cpu_build
+    lib = cpu_build.load(cpu_blockmm.level_source(source, f"{isa}_before", cpu_blockmm._PRELUDE[isa]))
+    if lib is None:
+        raise SystemExit(f"--before {source}: does not build at level {isa}")
+    lib.chatserve_bmm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                  ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def _call(lib, x, w, threads: int):
+    import torch
+    y = torch.empty(x.shape[0], w.n, dtype=x.dtype)
+    if lib.chatserve_bmm(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, w.n, w.k, x.data_ptr(), x.shape[0],
+                         int(x.dtype == torch.bfloat16), y.data_ptr(), w.n, int(y.dtype == torch.bfloat16), threads):
+        raise RuntimeError(f"--before kernel failed on {w.fmt.name}")
+    return y
 
 
 def _best_ms(fn, repeats: int) -> float:
@@ -66,6 +115,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     from chatserve_kernels import block_formats, cpu_blockmm, cpu_blockq8
     torch.set_num_threads(args.threads)
     isas = [i for i in args.isas.split(",") if cpu_blockmm.available(i)]
+    before = {i: _before_library(args.before, i) for i in isas} if args.before else {}
+    xdtype = getattr(torch, args.x_dtype)
+    if args.clock == "thread" and args.threads != 1:
+        raise SystemExit("--clock thread needs --threads 1 (other threads' CPU time is not the caller's)")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     q8_isas = [i for i in args.q8_isas.split(",") if i and cpu_blockq8.available(i)]
     rows = []
     for shape in args.shapes.split(","):
@@ -75,12 +129,17 @@ def run(args: argparse.Namespace) -> list[dict]:
                    if k % block_formats.FORMATS[f].block == 0}          # K-quants need K % 256 == 0
         tiled: dict = {}
         for m in (int(v) for v in args.rows.split(",")):
-            x = torch.randn(m, k).bfloat16()
+            x = torch.randn(m, k).to(xdtype)
             ms = _baselines(wb, x, m, args.repeats)
+            dense = wb.float()
+            fns: dict[str, Callable[[], object]] = {"torch-fp32": lambda: torch.nn.functional.linear(x.float(), dense)}
             for f, w in weights.items():
                 for isa in isas:
-                    ms[f"{f}/{isa}"] = _best_ms(lambda: cpu_blockmm.matmul(x, w, isa, threads=args.threads),
-                                                args.repeats)
+                    fns[f"{f}/{isa}"] = functools.partial(cpu_blockmm.matmul, x, w, isa, threads=args.threads)
+                    if isa in before:
+                        fns[f"{f}/{isa}-before"] = functools.partial(_call, before[isa], x, w, args.threads)
+            ms.update(_alternated_ms(fns, args.repeats, clock))
+            for f, w in weights.items():
                 for isa in q8_isas if m <= args.q8_max_rows and cpu_blockq8.handles(w) else ():
                     for bits in (int(b) for b in args.x_bits.split(",")):
                         ms[f"{f}/q8x{bits}-{isa}"] = _best_ms(

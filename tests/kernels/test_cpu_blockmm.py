@@ -1,8 +1,9 @@
 """cpu_blockmm (GGUF block formats in place, AVX2 and AVX-512 levels) and block_formats' torch twin:
 the twin's dequantization is bit-equal to gguf-py's on the same bytes, the kernel's is bit-equal to the
 twin's, the matmul matches the twin tightly and the dense dequantized matmul loosely for every format and
-level (ragged N, K at block boundaries), and every output row is batch invariant: the same bits for
-every M, whatever rows share the call, with 1 or 2 threads (issue 28)."""
+level (ragged N, K at block boundaries, K over several of the AVX2 level's KC spans, M off its 6-row tile),
+and every output row is batch invariant: the same bits for every M, whatever rows share the call, alone or
+among others, with 1 or 2 threads, fp32 or bf16 x and y (issue 28)."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +20,7 @@ from chatserve_kernels import cpu_blockmm
 LEVELS = [isa for isa in cpu_blockmm.LEVELS if cpu_blockmm.supported(isa)]
 FORMATS = list(bf.FORMATS)
 QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")   # gguf-py quantizes these
-BATCH_MS = (1, 2, 3, 5, 8, 15, 16, 17, 31, 64, 100, 257)
+BATCH_MS = (1, 2, 3, 5, 6, 7, 8, 15, 16, 17, 31, 64, 67, 100, 121, 257, 300)
 
 
 def test_this_cpu_has_a_level():
@@ -90,23 +91,55 @@ def test_matmul_matches_the_twin_and_the_dense_matmul(isa, name, dtype):
                 assert torch.equal(cpu_blockmm.matmul(x, w, isa), y.to(torch.bfloat16))
 
 
+def long_shapes(name: str) -> list[tuple[int, int]]:
+    """N off the 16-column panel and K over several 256-wide spans, with a short last span (a tail of one
+    block, or for F32/F16/BF16 a tail off the 8-wide transpose)."""
+    b = bf.FORMATS[name].block
+    if b == 256:
+        return [(37, 512), (19, 1280)]
+    return [(37, 9 * b), (130, 17 * b)] if b > 1 else [(37, 300), (19, 517)]
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("name", FORMATS)
+def test_matmul_over_long_k_and_ragged_tiles_matches_the_twin(isa, name):
+    g = torch.Generator().manual_seed(13)
+    for n, k in long_shapes(name):
+        w = make_weight(name, n, k, seed=n + k)
+        dense = gguf_reference(w)
+        for m in (1, 7, 13, 67):
+            x = torch.randn(m, k, generator=g)
+            y = cpu_blockmm.matmul(x, w, isa)
+            twin = bf.matmul_torch(x, w, torch.float32)
+            assert y.shape == (m, n) and y.abs().sum() > 0
+            scale = x.abs() @ dense.abs().t()
+            assert bool(((y - twin).abs() <= scale * 1e-5 + 1e-30).all()), (name, n, k, m)
+
+
 @pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("name", ["F16", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
-def test_rows_are_batch_invariant(isa, name, monkeypatch):
-    """Row i's bits do not depend on M, on the rows beside it, or on 1 or 2 threads."""
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_rows_are_batch_invariant(isa, name, x_dtype, monkeypatch):
+    """Row i's bits do not depend on M, on the rows beside it, or on 1 or 2 threads (K over two spans, N
+    over several panels and, with 2 threads, several column groups)."""
     monkeypatch.setattr(cpu_blockmm, "ONE_THREAD_MACS", 0)     # small calls too take the threads asked for
-    n, k = 37, 2 * bf.FORMATS[name].block if bf.FORMATS[name].block > 1 else 67
+    n, k = 53, 2 * bf.FORMATS[name].block if bf.FORMATS[name].block == 256 else 320
     w = make_weight(name, n, k, seed=11)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(max(BATCH_MS), k, generator=g).bfloat16()
+    x = torch.randn(max(BATCH_MS), k, generator=g).to(x_dtype)
     full = cpu_blockmm.matmul(x, w, isa, threads=1)
     assert full.float().abs().sum() > 0
+    full32 = cpu_blockmm.matmul(x, w, isa, threads=1, out_dtype=torch.float32)
+    if x_dtype == torch.bfloat16:       # bf16 y is the float32 y rounded once
+        assert torch.equal(full, full32.bfloat16())
+    for i in (0, 4, 66, 299):           # each row alone
+        assert torch.equal(cpu_blockmm.matmul(x[i:i + 1], w, isa, threads=1, out_dtype=torch.float32), full32[i:i + 1])
     for threads in (1, 2):
         for m in BATCH_MS:
             got = cpu_blockmm.matmul(x[:m], w, isa, threads=threads)
             assert torch.equal(got, full[:m]), (name, threads, m)
             # the same rows after other rows in the call
-            mixed = torch.cat([torch.randn(3, k, generator=g).bfloat16(), x[:m]])
+            mixed = torch.cat([torch.randn(3, k, generator=g).to(x_dtype), x[:m]])
             assert torch.equal(cpu_blockmm.matmul(mixed, w, isa, threads=threads)[3:], full[:m])
 
 
@@ -116,3 +149,15 @@ def test_a_row_length_off_the_block_is_refused(name):
         bf.BlockWeight(torch.zeros(2, 18, dtype=torch.uint8), bf.FORMATS[name], 2, 31)
     with pytest.raises(ValueError, match="needs uint8"):
         bf.BlockWeight(torch.zeros(2, 17, dtype=torch.uint8), bf.FORMATS[name], 2, 256)
+
+
+def test_bench_blockmm_times_a_before_source_beside_torch_fp32():
+    from chatserve.bench import blockmm
+    args = blockmm.build_parser().parse_args(["--formats", "Q4_1", "--shapes", "48x64", "--rows", "1,7", "--repeats",
+                                              "1", "--q8-isas", "", "--x-dtype", "float32", "--before",
+                                              str(cpu_blockmm.SOURCE), "--json"])
+    rows = blockmm.run(args)
+    assert [r["m"] for r in rows] == [1, 7]
+    for r in rows:
+        want = {"torch-fp32"} | {f"Q4_1/{isa}{tag}" for isa in LEVELS for tag in ("", "-before")}
+        assert want <= set(r["ms"]) and all(v > 0 for v in r["ms"].values())
