@@ -215,9 +215,14 @@ class Setting:
         return self.convert(text)
 
 
+def _auto_bool(text: str) -> bool | None:
+    """A tri-state flag's text: auto (or empty) → None, else a boolean."""
+    return None if text.strip().lower() in ("", "auto") else parse_bool(text)
+
+
 def _parser_for(f: Field, opt: Option) -> tuple[Callable[[str], Any], bool]:
     type_text = str(f.type).replace(" ", "")
-    is_bool = type_text == "bool"
+    is_bool = type_text in ("bool", "bool|None")      # bool | None: a flag whose unset value is "auto"
     if opt.parse is not None:
         parse = opt.parse
     elif is_bool:
@@ -228,7 +233,9 @@ def _parser_for(f: Field, opt: Option) -> tuple[Callable[[str], Any], bool]:
         parse = parse_float
     else:
         parse = parse_str
-    if "None" in type_text and not opt.many:
+    if type_text == "bool|None":
+        parse = _auto_bool
+    elif "None" in type_text and not opt.many:
         parse = _optional(parse)
     return parse, is_bool
 
@@ -267,9 +274,12 @@ class ModelConfig:
     weight_quant: str | None = option(
         "auto", "weight-only quantized decode matmuls (int4: CPU, int8 LM head); auto = int4 for a "
         "4-bit GGUF on CPU, else none", parse=_weight_quant, choices=("auto", None, "int8", "int4"))
-    gguf_in_place: bool = option(
-        False, "keep a GGUF's matrices in their block format (memory-mapped, no dense copy, no requantization) "
-        "and multiply by them with the block-format kernels (cpu_blockmm); off: dense copies + int4 repack")
+    gguf_in_place: bool | None = option(
+        None, "keep a GGUF's matrices in their block format (memory-mapped, no dense copy, no requantization) "
+        "and multiply by them with the block-format kernels (cpu_blockmm, cpu_blockq8); off: dense copies + int4 "
+        "repack; auto: in place on CPUs whose best block-kernel level is AVX2 (float32 there), where prompt and "
+        "generated rows both run at least as fast as on the dense copies (docs/benchmarks.md)",
+        shown_default="auto")
     cpu_isa: str = option("auto", "instruction level of the block-format kernels: auto (the best this CPU "
                           "runs), avx512, avx2 (forced, e.g. on an AVX-512 CPU), torch (the plain-torch twin)",
                           choices=("auto", "avx512", "avx2", "torch"))

@@ -74,15 +74,18 @@ class ModelRunner:
             torch.manual_seed(model.seed)
         self.dtype = torch_dtype(resolve_dtype(model.dtype, self.device))
         self.model_path = model.resolved_model()
-        in_place = model.gguf_in_place and self.device.type == "cpu"
         self.block_backend = choose_block_backend(self.device, model.cpu_isa)   # once, for the model's life
+        in_place = self.device.type == "cpu" and (
+            model.gguf_in_place if model.gguf_in_place is not None
+            else self.block_backend.in_place_by_default and self.dtype == torch.float32
+            and model.weight_quant == "auto")
         if weights is None:
             weights = load_weights(self.model_path, self.dtype, progress=progress, in_place=in_place)
         self.config: ArchConfig = weights.config
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         weight_quant = model.weight_quant
         if weight_quant == "auto":
-            weight_quant = None if in_place else auto_weight_quant(weights, self.device)
+            weight_quant = None if in_place and weights.source == "gguf" else auto_weight_quant(weights, self.device)
         self.weight_quant = weight_quant
         self.batch_invariant = model.batch_invariant     # RowSplit per step, else rows by step size
         if weight_quant and progress:

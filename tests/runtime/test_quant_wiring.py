@@ -68,3 +68,32 @@ def test_auto_keeps_dense_weights_for_a_float_checkpoint(tmp_path):
     path = make_tiny_model(tmp_path / "tiny")
     r = ModelRunner.from_config(offline_config(str(path), num_blocks=8, weight_quant="auto"))
     assert r.weight_quant is None
+
+
+def test_gguf_in_place_is_a_flag_whose_unset_value_is_auto():
+    from chatserve.server.serve import build_parser, config_from_args
+    assert EngineConfig.from_env({}).model.gguf_in_place is None
+    assert EngineConfig.from_env({"CHATSERVE_GGUF_IN_PLACE": "true"}).model.gguf_in_place is True
+    assert EngineConfig.from_env({"CHATSERVE_GGUF_IN_PLACE": "0"}).model.gguf_in_place is False
+    assert EngineConfig.from_env({"CHATSERVE_GGUF_IN_PLACE": "auto"}).model.gguf_in_place is None
+    env = EngineConfig.from_env({})
+    p = build_parser(env)
+    assert [config_from_args(p.parse_args(a), env).model.gguf_in_place
+            for a in ([], ["--gguf-in-place"], ["--no-gguf-in-place"])] == [None, True, False]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_runs_a_gguf_in_place_where_the_backend_says_so(dtype):
+    """auto: the default GGUF's matrices stay in their blocks on a backend that prefers it (cpu-avx2, AVX2-only
+    CPUs) under float32, and become dense copies + int4 everywhere else; the flags override either way."""
+    from chatserve.config import offline_config
+    from chatserve.runtime.model_runner import ModelRunner
+    from chatserve.runtime.models.linear_backends import choose_block_backend
+    import torch
+    backend = choose_block_backend(torch.device("cpu"))
+    r = ModelRunner.from_config(offline_config(None, dtype=dtype, num_blocks=8, weight_quant="auto"), progress=False)
+    in_place = backend.in_place_by_default and dtype == "float32"
+    assert bool(r.block_formats) == in_place, (backend.name, r.block_formats)
+    assert r.weight_quant == (None if in_place else "int4")
+    forced = ModelRunner.from_config(offline_config(None, dtype=dtype, num_blocks=8, gguf_in_place=True), progress=False)
+    assert forced.block_formats == ["Q4_1", "Q8_0"] and forced.weight_quant is None

@@ -109,6 +109,9 @@ class BlockLinear:
     and for generated rows (`band_q8`, int8 activations; bands of a format without codes use `band`)."""
 
     name: ClassVar[str] = ""
+    # --gguf-in-place auto: a GGUF runs on this backend (float32 activations) rather than on dense copies + an int4
+    # repack, because its prompt rows and its generated rows are both at least as fast (docs/benchmarks.md)
+    in_place_by_default: ClassVar[bool] = False
     qw = None          # not a cpu_qmatmul weight: the C decode chain leaves these models to the layer loop
     small_m = 16
 
@@ -237,6 +240,7 @@ class CpuAvx512BlockLinear(CpuBlockLinear):
 
 class CpuAvx2BlockLinear(CpuBlockLinear):
     name, isa = "cpu-avx2", "avx2"
+    in_place_by_default = True    # AVX2-only CPUs: the 6×16 prompt-row microkernel and the tiled decode kernel
 
 
 class TorchBlockLinear(BlockLinear):
