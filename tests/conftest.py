@@ -46,15 +46,15 @@ def shared_fake_server():
 
 @pytest.fixture
 def linear_rows(monkeypatch) -> list:
-    """The `rows` argument (a RowSplit, or None) of every Linear call from here on, in call order."""
-    from chatserve.runtime.models import layers
+    """The `rows` argument (a RowSplit, or None) of every Linear and BlockLinear (GGUF in place) call from here
+    on, in call order."""
+    from chatserve.runtime.models import layers, linear_backends
     seen: list = []
-    call = layers.Linear.__call__
-
-    def spy(self, x, rows=None):
-        seen.append(rows)
-        return call(self, x, rows)
-    monkeypatch.setattr(layers.Linear, "__call__", spy)
+    for cls in (layers.Linear, linear_backends.BlockLinear):
+        def spy(self, x, rows=None, _call=cls.__call__):
+            seen.append(rows)
+            return _call(self, x, rows)
+        monkeypatch.setattr(cls, "__call__", spy)
     return seen
 
 

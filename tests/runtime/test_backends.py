@@ -50,12 +50,14 @@ def test_no_capability_probe_runs_per_step(monkeypatch, settings):
 
 @pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
 @pytest.mark.parametrize("invariant", [True, False])
-def test_batch_invariant_flag_chooses_the_row_split(linear_rows, invariant):
+@pytest.mark.parametrize("in_place", [False, True], ids=["dense", "gguf-in-place"])
+def test_batch_invariant_flag_chooses_the_row_split(linear_rows, invariant, in_place):
     """--batch-invariant (default on) hands every Linear the step's RowSplit, so a mixed step sends its
     generated rows and its prompt rows down different kernels; --no-batch-invariant hands none, and the
     Linear picks by step size (the throughput-first choice of earlier releases)."""
     llm = LLM(None, dtype="auto", weight_quant="auto", num_blocks=96, max_num_batched_tokens=48,
-              batch_invariant=invariant)
+              batch_invariant=invariant, gguf_in_place=in_place)
+    assert bool(llm.runner.block_formats) is in_place
     assert llm.runner.batch_invariant is invariant
     prompts = [list(range(300, 303)), list(range(200, 290))]   # the long one's chunks run beside the short's decodes
     out = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

@@ -46,7 +46,7 @@ def _runner(path: str, dtype: str, weight_quant: str | None = "auto"):
     from chatserve.config import offline_config
     from chatserve.runtime.model_runner import ModelRunner
     return ModelRunner.from_config(offline_config(path, dtype=dtype, weight_quant=weight_quant, num_blocks=4 * BATCH,
-                                                  block_size=16, num_threads=1))
+                                                  block_size=16, num_threads=1, gguf_in_place=False))
 
 
 def _paths(runner):
