@@ -40,7 +40,7 @@ typedef struct {                        /* one work item: query row `row` (posit
     int b, row, p;
     int k0, k1;                         /* a segment's keys; k0 < 0: the whole row, segment by segment */
     int part;                           /* the segment's partial slot (k0 >= 0) */
-    int n;                              /* k0 < 0: rows row.. (positions p..) of b done together (AVX2) */
+    int n;                              /* k0 < 0: rows row.. (positions p..) of b done together (row group) */
 } item_t;
 
 typedef struct {                        /* segments' unnormalized results, merged by merge_rows */
@@ -52,13 +52,21 @@ typedef struct {                        /* per-thread workspace */
     float q[MAX_HQ * MAX_D], acc[MAX_HQ * MAX_D];
     float s[MAX_HQ * MAX_BS];
     float row[MAX_ROW];
-    float kb[MAX_BS * MAX_D], vb[MAX_BS * MAX_D];   /* a block's K, V rows of one kv head as fp32 (AVX2, bf16) */
-    float *gq;                          /* a row group's scaled queries (AVX2 body), gq_cap floats */
+    float kb[MAX_BS * MAX_D], vb[MAX_BS * MAX_D];   /* a block's K, V rows of one kv head as fp32 (row groups, bf16) */
+    float *gq;                          /* a row group's scaled queries, gq_cap floats */
     int64_t gq_cap;
     float mx[MAX_HQ], den[MAX_HQ];
     parts_t own;                        /* a whole row's segment partials */
     int64_t own_cap;                    /* floats each of own.acc, own.mx, own.den holds */
 } work_t;
+
+/* One query row's state in a segment: its scaled query, its partial (acc [hq, D], mx, den [hq]) and the
+ * segment's end k1 (rows of one group share the segment's start). */
+typedef struct {
+    const float *q;
+    float *acc, *mx, *den;
+    int k1;
+} rowseg_t;
 
 static __thread work_t *tls_work;       /* this thread's workspace, kept across calls */
 
@@ -269,110 +277,203 @@ static inline __m512 tile_sums(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
 }
 
-/* The scores of kv head hk's G query heads over the 16 keys of a tile (key t at element offset
- * off + t * row), written to w->s at offset c0 for the lanes in m. A key's score: its 16 lane partials
- * (one product, then fmas over the NV chunks of head_dim), summed by the fixed tree of quad_sums and
- * tile_sums, whichever row asks: the bits depend on the query and the key only. */
-static inline __attribute__((always_inline)) void tile_scores(const job_t *j, work_t *w, int64_t off, int row,
-                                                              __m512 qv[8][8], int hk, int c0,
+/* The scores of G query heads (vectors qv) over the 16 keys of a tile, key t's row of head_dim values at
+ * element offset off + t * st of k (dt 0: fp32, 1: bf16), into s[g * MAX_BS + c0 + t] for the lanes in m.
+ * A key's score: its 16 lane partials (one product, then fmas over the NV chunks of head_dim), summed by
+ * the fixed tree of quad_sums and tile_sums, whichever row asks and wherever the key's values are read
+ * from: the bits depend on the query and the key only. */
+static inline __attribute__((always_inline)) void tile_scores(int dt, const void *k, int64_t off, int64_t st,
+                                                              __m512 qv[8][8], float *s, int c0,
                                                               __mmask16 m, const int G, const int NV) {
     __m512 x[8][4];
     for (int qd = 0; qd < 4; qd++) {
         __m512 p[4][8];
-        for (int k = 0; k < 4; k++) {
-            const int64_t o = off + (int64_t)(qd * 4 + k) * row;
+        for (int t = 0; t < 4; t++) {
+            const int64_t o = off + (int64_t)(qd * 4 + t) * st;
             __m512 kv[8];
-            for (int v = 0; v < NV; v++) kv[v] = load16(j->dtype, j->k, o + v * 16);
+            for (int v = 0; v < NV; v++) kv[v] = load16(dt, k, o + v * 16);
             for (int g = 0; g < G; g++) {
                 __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
                 for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[g][v], kv[v], acc);
-                p[k][g] = acc;
+                p[t][g] = acc;
             }
         }
         for (int g = 0; g < G; g++) x[g][qd] = quad_sums(p[0][g], p[1][g], p[2][g], p[3][g]);
     }
     for (int g = 0; g < G; g++)
-        _mm512_mask_storeu_ps(w->s + (hk * G + g) * MAX_BS + c0, m, tile_sums(x[g][0], x[g][1], x[g][2], x[g][3]));
+        _mm512_mask_storeu_ps(s + g * MAX_BS + c0, m, tile_sums(x[g][0], x[g][1], x[g][2], x[g][3]));
 }
 
-/* run_seg for head_dim = 16 * NV and G query heads per kv head, both compile-time constants after
- * inlining: per block and kv head, the G query vectors and the G x NV output accumulators stay in
- * registers while the block's tokens stream through (no converted copies, no per-token stores). */
+/* The next cache block, pulled into L1 while a row scores this one (the rows of a block are scattered
+ * blocks apart, so the hardware prefetcher does not see them coming). */
+typedef struct {
+    const char *k, *v;                  /* its first bytes in the K and V caches */
+    int lines;                          /* its 64-byte lines (one cache) */
+    int part, parts;                    /* this pass over the block is part `part` of `parts`: pull its share */
+} pull_t;
+
+static inline void pull_share(const pull_t *pf, int part) {
+    const int per = (pf->lines + pf->parts - 1) / pf->parts;
+    for (int l = part * per; l < part * per + per && l < pf->lines; l++) {
+        _mm_prefetch(pf->k + l * 64, _MM_HINT_T0);
+        _mm_prefetch(pf->v + l * 64, _MM_HINT_T0);
+    }
+}
+
+/* One query row's G query heads of one kv head against keys [a, z) of one block, head_dim = 16 * NV (G, NV
+ * compile-time constants after inlining): key t's K and V values at element offset off + t * st of kc and vc
+ * (dt 0: fp32, 1: bf16); q: the row's G scaled query vectors [G, D]; acc [G, D], mx, den [G]: its running
+ * state; s: [G, MAX_BS] scratch. The G query vectors and the G x NV output accumulators stay in registers
+ * while the block's keys stream through. pf: NULL, or the next block to pull in (part pf->part of it per
+ * tile or key). The arithmetic is one and the same whoever calls (a row alone reading the cache, or a row
+ * group reading a block's K/V converted once): a row's bits do not depend on where its keys were read. */
+static inline __attribute__((always_inline)) void head_block(const job_t *j, int dt, const void *kc, const void *vc,
+                                                             int64_t off, int64_t st, const float *q, float *acc,
+                                                             float *mx, float *den, float *s, int a, int z,
+                                                             const pull_t *pf, const int G, const int NV) {
+    const int D = 16 * NV;
+    __m512 qv[8][8], av[8][8];               /* G x NV used; fixed sizes keep them in registers (VLAs spill) */
+    float alpha[8];
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) qv[g][v] = _mm512_loadu_ps(q + g * D + v * 16);
+    if (j->bs % 16) {                                          /* scores, key by key */
+        for (int t = a; t < z; t++) {
+            if (pf) pull_share(pf, pf->part * (z - a) + (t - a));
+            const int64_t o = off + (int64_t)t * st;
+            __m512 kv[8];
+            for (int v = 0; v < NV; v++) kv[v] = load16(dt, kc, o + v * 16);
+            for (int g = 0; g < G; g++) {
+                __m512 sc = _mm512_mul_ps(qv[g][0], kv[0]);
+                for (int v = 1; v < NV; v++) sc = _mm512_fmadd_ps(qv[g][v], kv[v], sc);
+                s[g * MAX_BS + t] = capped(j, _mm512_reduce_add_ps(sc));
+            }
+        }
+    } else {                                                   /* scores, 16 keys a tile */
+        for (int c0 = (a / 16) * 16; c0 < z; c0 += 16) {
+            if (pf) pull_share(pf, pf->part * (j->bs / 16) + c0 / 16);
+            tile_scores(dt, kc, off + (int64_t)c0 * st, st, qv, s, c0, tile_mask(c0, a, z), G, NV);
+        }
+        if (j->softcap > 0.0f)
+            for (int g = 0; g < G; g++)
+                for (int t = a; t < z; t++) s[g * MAX_BS + t] = capped(j, s[g * MAX_BS + t]);
+    }
+    for (int g = 0; g < G; g++) alpha[g] = softmax_block16(s + g * MAX_BS, a, z, &mx[g], &den[g]);
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++)
+            av[g][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + v * 16), _mm512_set1_ps(alpha[g]));
+    for (int t = a; t < z; t++) {                              /* values */
+        const int64_t o = off + (int64_t)t * st;
+        __m512 vv[8];
+        for (int v = 0; v < NV; v++) vv[v] = load16(dt, vc, o + v * 16);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(s[g * MAX_BS + t]);
+            for (int v = 0; v < NV; v++) av[g][v] = _mm512_fmadd_ps(p, vv[v], av[g][v]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + g * D + v * 16, av[g][v]);
+}
+
+/* run_seg for head_dim = 16 * NV and G query heads per kv head: block after block, kv head after kv head,
+ * head_block straight on the cache (a lone row reads each key once: nothing to convert ahead), pulling the
+ * next block in a share per key or tile. */
 static inline __attribute__((always_inline)) void run_seg_avx512(const job_t *j, work_t *w,
                                                                  const item_t *it, int k0, int sl,
                                                                  const int G, const int NV) {
-    const int D = 16 * NV, bs = j->bs, hkv = j->hkv, hq = G * hkv, row = hkv * D;
+    const int D = 16 * NV, bs = j->bs, hkv = j->hkv, row = hkv * D;
     const int32_t *table = j->tables + (int64_t)it->b * j->bt_stride;
-    const int lo = seg_begin(j, w, it, k0, hq, D);            /* this segment's keys [lo, sl) */
+    const int lo = seg_begin(j, w, it, k0, G * hkv, D);       /* this segment's keys [lo, sl) */
+    const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
     for (int blk0 = (lo / bs) * bs; blk0 < sl; blk0 += bs) {
         int a, z;                                             /* keys [a, z) of this block */
         const int64_t base = block_span(j, it, blk0, lo, sl, &a, &z);
         const int64_t nbase = blk0 + bs < sl ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1;
-        const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
+        pull_t pf = {NULL, NULL, lines, 0, bs % 16 ? (z - a) * hkv : bs / 16 * hkv};
+        if (nbase >= 0) pf.k = (const char *)j->k + nbase * esz, pf.v = (const char *)j->v + nbase * esz;
         for (int hk = 0; hk < hkv; hk++) {
-            __m512 qv[8][8], av[8][8];           /* G x NV used; fixed sizes keep them in registers (VLAs spill) */
-            float alpha[8];
-            for (int g = 0; g < G; g++)
-                for (int v = 0; v < NV; v++) qv[g][v] = _mm512_loadu_ps(w->q + (hk * G + g) * D + v * 16);
-            if (bs % 16) {                                     /* scores, key by key */
-                for (int t = a; t < z; t++) {                      /* scores */
-                    const int64_t off = base + (int64_t)t * row + hk * D;
-                    if (nbase >= 0) {   /* blocks are scattered: pull the next one in, a few lines per key */
-                        const int per = (lines + (z - a) * hkv - 1) / ((z - a) * hkv);
-                        const int first = ((t - a) * hkv + hk) * per;
-                        for (int l = first; l < first + per && l < lines; l++) {
-                            _mm_prefetch((const char *)j->k + nbase * esz + l * 64, _MM_HINT_T0);
-                            _mm_prefetch((const char *)j->v + nbase * esz + l * 64, _MM_HINT_T0);
-                        }
-                    }
-                    __m512 kv[8];
-                    for (int v = 0; v < NV; v++) kv[v] = load16(j->dtype, j->k, off + v * 16);
-                    for (int g = 0; g < G; g++) {
-                        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-                        for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[g][v], kv[v], acc);
-                        w->s[(hk * G + g) * MAX_BS + t] = capped(j, _mm512_reduce_add_ps(acc));
-                    }
-                }
-            } else {                                           /* scores, 16 keys a tile */
-                for (int c0 = (a / 16) * 16; c0 < z; c0 += 16) {
-                    if (nbase >= 0) {   /* pull the next block in, a share of its lines per tile */
-                        const int parts = bs / 16 * hkv, per = (lines + parts - 1) / parts;
-                        const int first = ((c0 / 16) * hkv + hk) * per;
-                        for (int l = first; l < first + per && l < lines; l++) {
-                            _mm_prefetch((const char *)j->k + nbase * esz + l * 64, _MM_HINT_T0);
-                            _mm_prefetch((const char *)j->v + nbase * esz + l * 64, _MM_HINT_T0);
-                        }
-                    }
-                    tile_scores(j, w, base + (int64_t)c0 * row + hk * D, row, qv, hk, c0, tile_mask(c0, a, z), G, NV);
-                }
-                if (j->softcap > 0.0f)
-                    for (int g = 0; g < G; g++)
-                        for (int t = a; t < z; t++)
-                            w->s[(hk * G + g) * MAX_BS + t] = capped(j, w->s[(hk * G + g) * MAX_BS + t]);
-            }
-            for (int g = 0; g < G; g++) {                      /* online softmax */
-                const int h = hk * G + g;
-                alpha[g] = softmax_block16(w->s + h * MAX_BS, a, z, &w->mx[h], &w->den[h]);
-            }
-            for (int g = 0; g < G; g++)
-                for (int v = 0; v < NV; v++)
-                    av[g][v] = _mm512_mul_ps(_mm512_loadu_ps(w->acc + (hk * G + g) * D + v * 16),
-                                             _mm512_set1_ps(alpha[g]));
-            for (int t = a; t < z; t++) {                      /* values */
-                const int64_t off = base + (int64_t)t * row + hk * D;
-                __m512 vv[8];
-                for (int v = 0; v < NV; v++) vv[v] = load16(j->dtype, j->v, off + v * 16);
-                for (int g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(w->s[(hk * G + g) * MAX_BS + t]);
-                    for (int v = 0; v < NV; v++) av[g][v] = _mm512_fmadd_ps(p, vv[v], av[g][v]);
-                }
-            }
-            for (int g = 0; g < G; g++)
-                for (int v = 0; v < NV; v++) _mm512_storeu_ps(w->acc + (hk * G + g) * D + v * 16, av[g][v]);
+            pf.part = hk;
+            head_block(j, j->dtype, j->k, j->v, base + hk * D, row, w->q + hk * G * D, w->acc + hk * G * D,
+                       w->mx + hk * G, w->den + hk * G, w->s + hk * G * MAX_BS, a, z, nbase >= 0 ? &pf : NULL,
+                       G, NV);
         }
     }
 }
 
+/* Rows [t0, t1) of one kv head's head_dim = D values, rows `row` elements apart from bf16 src + off, as
+ * fp32 rows D apart in buf (exact: a bf16 is the top half of its fp32). */
+static inline void rows_to_f32(const uint16_t *src, int64_t off, int64_t row, int t0, int t1, int D, float *buf) {
+    for (int t = t0; t < t1; t++)
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(buf + t * D + d, load16(1, src, off + (int64_t)t * row + d));
+}
+
+/* Segment [k0, rs[r].k1) of n query rows of sequence b (a row group, see run_group), head_dim = 16 * NV and
+ * G query heads per kv head. Per block and kv head, the block's K and V are made fp32 once (bf16 caches
+ * converted into w->kb / w->vb; fp32 read in place) and stay in L1 while the n rows pass over them one
+ * after another, each through head_block exactly as alone (same tiles, same softmax steps, same P·V over
+ * its own keys [a, z) of the block; only where its keys' values are read from differs, and they are the
+ * same fp32 values). So a row's bits do not depend on n. Each row keeps its own G x NV accumulators in
+ * registers while it passes (one row at a time: at most 2 x 8 x 8 vectors, as alone), so the group size is
+ * not bounded by the 32 zmm registers but by L1: GROUP rows' q and acc of one kv head (16 x 2 x G x D
+ * floats) beside the block's K and V. */
+static inline __attribute__((always_inline)) void run_rows_avx512(const job_t *j, work_t *w, int b, int k0,
+                                                                  const rowseg_t *rs, int n, const int G,
+                                                                  const int NV) {
+    const int D = 16 * NV, bs = j->bs, hkv = j->hkv, row = hkv * D, tiles = bs % 16 == 0;
+    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
+    const int esz = j->dtype == 0 ? 4 : 2, lines = (bs * row * esz + 63) / 64;
+    int kmax = k0;
+    for (int r = 0; r < n; r++) kmax = rs[r].k1 > kmax ? rs[r].k1 : kmax;
+    for (int blk0 = (k0 / bs) * bs; blk0 < kmax; blk0 += bs) {
+        const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
+        const int a = k0 > blk0 ? k0 - blk0 : 0, zmax = kmax - blk0 < bs ? kmax - blk0 : bs;
+        const int64_t nbase = blk0 + bs < kmax ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1;
+        pull_t pf = {NULL, NULL, lines, 0, hkv};
+        if (nbase >= 0) pf.k = (const char *)j->k + nbase * esz, pf.v = (const char *)j->v + nbase * esz;
+        for (int hk = 0; hk < hkv; hk++) {
+            const void *kc = j->k, *vc = j->v;
+            int64_t off = base + hk * D, st = row;
+            if (j->dtype == 1) {                   /* the tiles' keys (whole tiles: lanes past z are masked) */
+                const int t0 = tiles ? (a / 16) * 16 : a, t1 = tiles ? (zmax + 15) / 16 * 16 : zmax;
+                rows_to_f32((const uint16_t *)j->k, off, row, t0, t1, D, w->kb);
+                rows_to_f32((const uint16_t *)j->v, off, row, a, zmax, D, w->vb);
+                kc = w->kb, vc = w->vb, off = 0, st = D;
+            }
+            if (nbase >= 0) pull_share(&pf, hk);
+            for (int r = 0; r < n; r++) {
+                if (rs[r].k1 <= blk0) continue;
+                const int z = rs[r].k1 - blk0 < bs ? rs[r].k1 - blk0 : bs;     /* this row's keys [a, z) */
+                head_block(j, 0, kc, vc, off, st, rs[r].q + hk * G * D, rs[r].acc + hk * G * D, rs[r].mx + hk * G,
+                           rs[r].den + hk * G, w->s, a, z, NULL, G, NV);
+            }
+        }
+    }
+}
+
+/* The (G, NV) shapes the AVX-512 body is compiled for; others run the generic body. */
+#define AVX512_SHAPES(X) X(1, 4) X(2, 4) X(3, 4) X(4, 4) X(5, 4) X(6, 4) X(8, 4) X(1, 8) X(2, 8) X(4, 8)
+
+static inline int avx512_shape(const job_t *j) {
+    const int G = j->hq / j->hkv, NV = j->D / 16;
+#define IS_SHAPE(g, nv) if (G == g && NV == nv) return 1;
+    if (j->D % 16 == 0) { AVX512_SHAPES(IS_SHAPE) }
+#undef IS_SHAPE
+    return 0;
+}
+
+/* n rows' segment through the AVX-512 body; 0 when it does not take these shapes */
+static int rows_body(const job_t *j, work_t *w, int b, int k0, const rowseg_t *rs, int n) {
+    const int G = j->hq / j->hkv, NV = j->D / 16;
+#define ROWS_SHAPE(g, nv) if (G == g && NV == nv) { run_rows_avx512(j, w, b, k0, rs, n, g, nv); return 1; }
+    if (j->D % 16 == 0) { AVX512_SHAPES(ROWS_SHAPE) }
+#undef ROWS_SHAPE
+    return 0;
+}
+
+/* Whether rows can be grouped: the AVX-512 body takes these shapes */
+static inline int groupable(const job_t *j) { return avx512_shape(j); }
+
+#define HAVE_ROW_GROUP 1
 #define SPECIAL(g, nv) if (G == g && NV == nv) { run_seg_avx512(j, w, it, k0, sl, g, nv); return; }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -472,14 +573,6 @@ static inline __attribute__((always_inline)) __m256 tile_dots8(const float *q, c
     return lane_sums8(acc);
 }
 
-/* One query row's state in a segment: its scaled query, its partial (acc [hq, D], mx, den [hq]) and the
- * segment's end k1 (rows of one group share the segment's start). */
-typedef struct {
-    const float *q;
-    float *acc, *mx, *den;
-    int k1;
-} rowseg_t;
-
 /* Segment [k0, rs[r].k1) of n query rows of sequence b, head_dim = 8 * NV (NV a compile-time constant after
  * inlining), block size a multiple of 8. Per block and kv head, the block's K and V rows stay in L1 while
  * the n rows pass over them (the rows of one prompt chunk read their keys once, not once each), and
@@ -544,6 +637,17 @@ static int rows_avx2(const job_t *j, work_t *w, int b, int k0, const rowseg_t *r
     else return 0;
     return 1;
 }
+
+static int rows_body(const job_t *j, work_t *w, int b, int k0, const rowseg_t *rs, int n) {
+    return rows_avx2(j, w, b, k0, rs, n);
+}
+
+/* Whether rows can be grouped: the AVX2 body takes these shapes */
+static inline int groupable(const job_t *j) {
+    return j->bs % 8 == 0 && (j->D == 64 || j->D == 128 || j->D == 32);
+}
+
+#define HAVE_ROW_GROUP 1
 #endif
 
 /* One segment [k0, sl) of a query row: the register-blocked AVX-512 body (or, on a CPU with AVX2 but
@@ -551,10 +655,7 @@ static int rows_avx2(const job_t *j, work_t *w, int b, int k0, const rowseg_t *r
 static void segment(const job_t *j, work_t *w, const item_t *it, int k0, int sl) {
 #if defined(__AVX512F__) && !defined(CHATSERVE_AVX2_ONLY)
     const int G = j->hq / j->hkv, NV = j->D / 16;
-    if (j->D % 16 == 0) {
-        SPECIAL(1, 4) SPECIAL(2, 4) SPECIAL(3, 4) SPECIAL(4, 4) SPECIAL(5, 4) SPECIAL(6, 4) SPECIAL(8, 4)
-        SPECIAL(1, 8) SPECIAL(2, 8) SPECIAL(4, 8)
-    }
+    if (j->D % 16 == 0) { AVX512_SHAPES(SPECIAL) }
 #elif defined(HAVE_AVX2_BODY)
     const rowseg_t one = {w->q, w->acc, w->mx, w->den, sl};
     if (j->bs % 8 == 0 && (j->D == 64 || j->D == 128 || j->D == 32)) {
@@ -622,16 +723,11 @@ static int own_slots(work_t *w, int n, int hq, int D) {
     return w->own_cap > 0;
 }
 
-#if defined(HAVE_AVX2_BODY)
+#if defined(HAVE_ROW_GROUP)
 #define GROUP 16                        /* most rows of one sequence that pass over its keys together */
 
-/* Whether rows can be grouped: the AVX2 body takes these shapes */
-static inline int groupable(const job_t *j) {
-    return j->bs % 8 == 0 && (j->D == 64 || j->D == 128 || j->D == 32);
-}
-
 /* n = it->n consecutive rows of sequence it->b (rows it->row.., positions it->p..) that see the same first
- * key: segment after segment, the rows that reach it pass over its blocks together (run_rows_avx2), each
+ * key: segment after segment, the rows that reach it pass over its blocks together (rows_body), each
  * into its own slots, from the same start state as seg_begin's; then each row is merged as run_item
  * merges a row alone. A row's arithmetic is the same in a group as alone. */
 static int run_group(const job_t *j, work_t *w, const item_t *it) {
@@ -665,7 +761,7 @@ static int run_group(const job_t *j, work_t *w, const item_t *it) {
             for (int h = 0; h < hq; h++) mx[h] = -1e30f, den[h] = 0.0f;
             rs[m++] = (rowseg_t){w->gq + (int64_t)r * hq * D, acc, mx, den, k1};
         }
-        rows_avx2(j, w, it->b, k0, rs, m);
+        rows_body(j, w, it->b, k0, rs, m);
     }
     for (int r = 0; r < n; r++) merge_row(j, &w->own, it->row + r, r * nsm, seg_count(lo, it->p + r + 1));
     return 1;
@@ -679,7 +775,7 @@ static inline int groupable(const job_t *j) { (void)j; return 0; }
  * row: its segments one after another into the thread's own slots, then merged into out. Returns 0
  * when memory ran out. */
 static int run_item(const job_t *j, work_t *w, const item_t *it, const parts_t *pt) {
-#if defined(HAVE_AVX2_BODY)
+#if defined(HAVE_ROW_GROUP)
     if (it->n > 1) return run_group(j, w, it);
 #endif
     if (it->k0 >= 0) {
@@ -699,8 +795,8 @@ static int run_item(const job_t *j, work_t *w, const item_t *it, const parts_t *
     return 1;
 }
 
-/* Work items for the R query rows: a whole row each (where the AVX2 body runs, up to GROUP consecutive
- * rows of a sequence with the same first key as one item, at most a thread's share), or, when rows are
+/* Work items for the R query rows: a whole row each (where the AVX-512 or AVX2 body runs, up to GROUP
+ * consecutive rows of a sequence with the same first key as one item, at most a thread's share), or, when rows are
  * fewer than two per thread (a few decodes), one segment each so a long context still keeps every
  * thread busy. Returns the item count (items of a row are consecutive); *nparts: shared partial slots
  * used. How rows are grouped never changes a row's arithmetic. */

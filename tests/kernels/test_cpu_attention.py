@@ -252,3 +252,55 @@ def test_avx2_body_matches_the_twin_and_is_batch_invariant(dt):
     assert torch.equal(mixed[1:], whole[-20:])
     assert_close(whole, paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)[:L],
                  dt, {F32: (2e-5, 2e-5), BF16: (3e-2, 3e-2)})
+
+
+# (q_heads, kv_heads, head_dim, block_size, window, softcap): the AVX-512 body's 16-key tiles (block 16/32/64)
+# and its key-by-key scores (block 8), GQA 3 and 2 with head_dim 64 and 128, a window rows share the first key
+# of (and one they do not: those rows are not grouped), a soft cap
+AVX512_GROUP_CASES = [
+    (9, 3, 64, 16, None, None),
+    (9, 3, 64, 8, None, None),
+    (8, 4, 128, 32, None, None),
+    (6, 2, 64, 64, None, 5.0),
+    (6, 2, 64, 16, 2000, None),
+    (6, 2, 64, 16, 300, None),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dt", [F32, BF16])
+@pytest.mark.parametrize("c", AVX512_GROUP_CASES, ids=[f"h{c[0]}/{c[1]}-d{c[2]}-bs{c[3]}-w{c[4]}-cap{c[5]}"
+                                                       for c in AVX512_GROUP_CASES])
+def test_avx512_row_group_equals_each_row_alone(dt, c):
+    """On an AVX-512 CPU the native build runs the AVX-512 body, which passes up to 16 prompt rows of one
+    sequence over each K/V block together (a row group, the block's K/V made fp32 once): every row of a
+    40-row chunk over a 530-token cached prefix (1 thread: groups of 16, 16, 8; 2 threads: 16, 4, 16, 4)
+    has the bits of that row attended alone (a 1-row call: the ungrouped body, in 256-key segments)."""
+    hq, hkv, d, bs, window, cap = c
+    fn = cpu_attention.c_paged_attention()
+    if "avx512f" not in cpu_build.cpu_flags():
+        assert fn.level() != 3
+        return
+    assert fn.level() == 3
+    P, n = 530, 40
+    case = make_case([n], [P + n], q_heads=hq, kv_heads=hkv, head_dim=d, block_size=bs, dtype=dt)
+    table = case.tables[0]
+    from chatserve_kernels import AttentionMetadata
+
+    def attend(ql, sl, rows, threads):
+        meta = AttentionMetadata.build([ql], [sl], [table], bs, "cpu")
+        out = torch.empty(rows.shape, dtype=rows.dtype)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert cpu_attention.run(fn, rows.contiguous(), case.k_cache, case.v_cache, meta, case.scale, out,
+                                     window, cap)
+        finally:
+            torch.set_num_threads(before)
+        return out
+    alone = torch.cat([attend(1, P + r + 1, case.q[r:r + 1], 1) for r in range(n)])
+    for threads in (1, 2):
+        assert torch.equal(attend(n, P + n, case.q, threads), alone), threads
+    twin = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale, sliding_window=window,
+                                 logit_softcap=cap)
+    assert_close(alone, twin, dt, {F32: (2e-5, 2e-5), BF16: (3e-2, 3e-2)})
