@@ -10,8 +10,10 @@
  * [lo, p] are cut into segments at absolute multiples of SEG keys; each segment is one online softmax
  * over its cache blocks, front to back, and the segments are merged in order (merge_rows). How rows
  * are spread over threads (a whole row per item, or one segment per item when there are few rows)
- * changes who computes a segment, never its arithmetic, so neither the batch, the chunking of a
- * prompt, a prefix hit nor the thread count changes a row's bits. The twin is the test oracle.
+ * changes who computes a segment, never its arithmetic, and neither does a row group (up to GROUP rows of
+ * one prompt chunk passing over each K/V block together, each doing what it does alone), so neither the
+ * batch, the chunking of a prompt, a prefix hit nor the thread count changes a row's bits. The twin is
+ * the test oracle.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -651,7 +653,8 @@ static inline int groupable(const job_t *j) {
 #endif
 
 /* One segment [k0, sl) of a query row: the register-blocked AVX-512 body (or, on a CPU with AVX2 but
- * no AVX-512, the AVX2 body) for the common head shapes, else the generic one. The body chosen depends on the model's shapes only, never on the batch. */
+ * no AVX-512, the AVX2 body) for the common head shapes, else the generic one. The body chosen depends
+ * on the model's shapes only, never on the batch. */
 static void segment(const job_t *j, work_t *w, const item_t *it, int k0, int sl) {
 #if defined(__AVX512F__) && !defined(CHATSERVE_AVX2_ONLY)
     const int G = j->hq / j->hkv, NV = j->D / 16;
