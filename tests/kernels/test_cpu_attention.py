@@ -138,7 +138,10 @@ def _rows(case, query_lens, seq_lens, tables, rows_q, threads=2, fn=None):
 @pytest.mark.parametrize("dt", [F32, BF16])
 def test_rows_are_batch_and_chunk_invariant(dt):
     """One sequence's 700 prompt rows and its decode row: the same bits attended as one chunk, as
-    chunks of 1/16/300 rows, beside other sequences of any length, at 1 and 2 threads."""
+    chunks of 1/16/300 rows, beside other sequences of any length, at 1 and 2 threads (the native build:
+    on an AVX-512 CPU the AVX-512 body, whose prompt rows pass over the keys in groups of up to 16, on an
+    AVX2 CPU the AVX2 body's groups; test_avx2_body_matches_the_twin_and_is_batch_invariant covers the
+    AVX2 body on AVX-512 CPUs too)."""
     L = 700
     case = make_case([L, 1, 1], [L, 1200, 33], q_heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dt)
     table, others = case.tables[0], case.tables[1:]
