@@ -640,6 +640,7 @@ static int rows_avx2(const job_t *j, work_t *w, int b, int k0, const rowseg_t *r
     return 1;
 }
 
+/* n rows' segment through this build's row body (run_group's entry point, as at AVX-512) */
 static int rows_body(const job_t *j, work_t *w, int b, int k0, const rowseg_t *rs, int n) {
     return rows_avx2(j, w, b, k0, rs, n);
 }
