@@ -202,7 +202,8 @@ CACHE_FORMAT = 1          # bump when quantize() or pack() would give other byte
 def pack_cached(w: torch.Tensor, bits: int) -> PackedWeight:
     """pack(*quantize(w, bits), bits), kept on disk under <cache root>/qmatmul by a hash of w's bytes, dtype, shape
     and bits: a later load of the same weights (a server restart) maps the packed copy instead of quantizing
-    again (a default-model server start 24-26 s -> 14-15 s on a loaded AVX2 box; the test suite runs with it off).
+    again (a default-model server start 24-26 s -> 14-15 s on a loaded AVX2 box; the test suite keeps its own
+    directory, CHATSERVE_WEIGHT_CACHE_DIR).
     A file is written under a temporary name and renamed, so concurrent loads are safe; an unreadable one is
     quantized again and replaced. CHATSERVE_WEIGHT_CACHE=0 turns it off."""
     if not env.weight_cache_enabled():
@@ -211,7 +212,7 @@ def pack_cached(w: torch.Tensor, bits: int) -> PackedWeight:
     raw = wc.view(torch.uint8).reshape(-1).numpy()
     digest = xxhash.xxh3_128_hexdigest(raw)  # type: ignore[arg-type]  # an ndarray is a buffer; its stubs say otherwise
     name = f"{digest}-{str(wc.dtype)[6:]}-{wc.shape[0]}x{wc.shape[1]}-{bits}b-v{CACHE_FORMAT}.pt"
-    path = env.cache_root() / "qmatmul" / name
+    path = env.weight_cache_dir() / name
     try:
         d = torch.load(path, mmap=True, weights_only=True)
         return PackedWeight(d["codes"], d["scale_lo"], bits, wc.shape[0], wc.shape[1])

@@ -15,7 +15,8 @@ FORCE_TRITON = "CHATSERVE_FORCE_TRITON"  # "1": Triton kernels on CPU tensors to
 CACHE_DIR = "CHATSERVE_CACHE_DIR"        # the per-user cache root (compiled kernels live in <root>/kernels)
 MOE_KERNEL = "CHATSERVE_MOE_KERNEL"      # "0": MoE decode rows through the expert loop, not cpu_moe's one call
 WEIGHT_CACHE = "CHATSERVE_WEIGHT_CACHE"  # "0": never read or write cpu_qmatmul's packed weights on disk
-NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, WEIGHT_CACHE)
+WEIGHT_CACHE_DIR = "CHATSERVE_WEIGHT_CACHE_DIR"   # where they live (default <cache root>/qmatmul)
+NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, WEIGHT_CACHE, WEIGHT_CACHE_DIR)
 # other programs' variables the kernels honour (config.FOREIGN_ENV declares them too)
 CC = "CC"                                # the C compiler for the CPU kernels
 TRITON_INTERPRET = "TRITON_INTERPRET"    # triton's own switch: "1" runs kernels in its CPU interpreter
@@ -35,6 +36,12 @@ def moe_kernel_enabled() -> bool:
 def weight_cache_enabled() -> bool:
     """cpu_qmatmul's packed weights kept on disk between processes (cpu_qmatmul.pack_cached)."""
     return os.environ.get(WEIGHT_CACHE, "1") != "0"
+
+
+def weight_cache_dir() -> Path:
+    """$CHATSERVE_WEIGHT_CACHE_DIR, else <cache root>/qmatmul (the test suite points it at a directory of its
+    own, removed when the run ends, so its random-weight models leave nothing in the user's cache)."""
+    return Path(os.environ.get(WEIGHT_CACHE_DIR) or cache_root() / "qmatmul")
 
 
 def force_triton() -> bool:

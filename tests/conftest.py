@@ -4,7 +4,9 @@ per session, and a spy on the rows each Linear call gets."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,10 +19,18 @@ from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # no
 from server_support import LIVE_SERVER_ARGS, real_model_available, start_fake_server, start_real_server  # noqa: E402
 from session_fakes import RedisServer, redis_binary  # noqa: E402
 
-# The suite's random-weight models would leave packed weights nobody loads again in the user's cache
-# (cpu_qmatmul.pack_cached, one file per matrix): off for every test and server it starts; the cache's own
-# test turns it on in a temporary cache root.
-os.environ.setdefault("CHATSERVE_WEIGHT_CACHE", "0")
+# cpu_qmatmul.pack_cached keeps packed decode weights on disk: in a directory of the run's own (made by the
+# first process, xdist's workers and every server they start inherit it), so the default model's many loads
+# on int4 boxes repack once, and the random-weight models leave nothing in the user's cache. The process
+# that made it removes it at the end.
+_OWN_WEIGHT_CACHE = "CHATSERVE_WEIGHT_CACHE_DIR" not in os.environ
+if _OWN_WEIGHT_CACHE:
+    os.environ["CHATSERVE_WEIGHT_CACHE_DIR"] = tempfile.mkdtemp(prefix="chatserve-suite-qmatmul-")
+
+
+def pytest_unconfigure(config):
+    if _OWN_WEIGHT_CACHE:
+        shutil.rmtree(os.environ["CHATSERVE_WEIGHT_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

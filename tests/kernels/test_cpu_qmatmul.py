@@ -125,7 +125,8 @@ def test_pack_cached_keeps_the_packed_weights_on_disk_and_gives_the_same_bytes(t
     """The first load quantizes and writes one file; the next maps it (no quantize call); a corrupt file is
     quantized again and replaced; CHATSERVE_WEIGHT_CACHE=0 writes nothing. Every time: pack(quantize(w))."""
     monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CHATSERVE_WEIGHT_CACHE", "1")          # tests/conftest.py turns it off for the suite
+    monkeypatch.setenv("CHATSERVE_WEIGHT_CACHE", "1")
+    monkeypatch.delenv("CHATSERVE_WEIGHT_CACHE_DIR")            # tests/conftest.py gives the suite its own
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 96, generator=g) * 0.05
     want = Q.pack(*Q.quantize(w, 4), 4)
