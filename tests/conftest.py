@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+# OpenMP threads that wait for work sleep instead of spinning, in this process and every server a test
+# starts (they inherit it; set before anything imports torch). The suite runs two xdist workers and their
+# servers on a 2-core box: a spinning waiter takes the core the thread with the work needs, and a model
+# test ran 2.3-4.8x slower (tests/runtime/test_backends.py's row-split cases at load 6-7: 31-65 s spinning,
+# 13.5 s sleeping). A server's own default (spin: the lowest step latency on a core of its own) is untouched.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 sys.path.insert(0, str(Path(__file__).parent / "sessions"))
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 sys.path.insert(0, str(Path(__file__).parent))

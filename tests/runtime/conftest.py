@@ -24,6 +24,15 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread_each_test(_one_torch_thread):
+    """And again before every test: a ModelRunner sets the process's threads to every core (LLM(...) in a
+    test does), which then stayed for the rest of the worker's tests (test_paged's steps 0.7 → 3.6-5.7 s
+    each after test_backends' loads, 25 s in a whole `make test`)."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def default_path() -> str:
     p = default_model_path()
