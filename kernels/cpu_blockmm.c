@@ -37,6 +37,9 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K 
        IQ4_XS = 23, BF16 = 30 };
 
 int chatserve_bmm_level(void) { return BMM_LEVEL; }
+#if !(BMM_LEVEL == 3 && defined(__AMX_TILE__) && defined(__AMX_BF16__))
+int chatserve_bmm_amx(int want) { return 0; }    /* no AMX-BF16 in this build: the dot-product path only */
+#endif
 
 #if BMM_LEVEL == 3
 typedef __m512 vf;
@@ -436,10 +439,9 @@ static void store_res(const float *res, int mr, int nr, void *y, int y_bf16, int
         }
 }
 
-/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32): y may be
- * a column slice of a wider output (fused q/k/v or gate/up kept as separate tensors). 0 on success. */
-int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
-                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
+/* the fp32 dot-product path: x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] */
+static int bmm_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
+                    int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
     const int64_t kp = (k + VW - 1) / VW * VW;
     int64_t mc = (512 << 10) / (4 * kp) / MR * MR;          /* rows whose fp32 copy fits in ~512 KiB */
     mc = mc < MR ? MR : mc > 64 ? 64 : mc;
@@ -481,6 +483,153 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     free(xb);
     free(wb);
     return bad ? 1 : 0;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* ---- AMX-BF16 (bf16 x, where the CPU has AMX and Linux grants the tile state) ----
+ * y[m, n] = Σ_k x[m][k]·W[n][k] with W rounded to bf16 (round to nearest even, as torch's .bfloat16()):
+ * TDPBF16PS adds each pair's exact products into one fp32 accumulator per output in increasing k, with every
+ * output's K order fixed (k = 0 … Kp − 1, Kp = K padded with zeros to 32), so its bits do not depend on M, on
+ * the rows beside it (tile rows past M are zeros) or on the threads (they split W's rows = output columns).
+ * W is the A operand (its rows need no transpose: 16 rows × 32 k per tile, dequantized and rounded once per
+ * call into a per-thread buffer), x the B operand in the pair-interleaved layout (built once per call); a C
+ * tile is 16 columns of y × 16 rows of x, stored once after the whole K and written to y transposed.
+ * Tiles: 0-3 C (2 W tiles × 2 x tiles), 4-5 W, 6-7 x. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define WT 32                 /* W rows per pair of A tiles */
+#ifndef GTMAX
+#define GTMAX 4               /* tile pairs per column group (the group's bf16 rows stay in L2) */
+#endif
+static int amx_perm = -1, amx_on = 0;
+
+/* want 1: run bf16 x through AMX where Linux grants the tile state (asked once per process: without it the
+ * first tile instruction is SIGILL); 0: the dot-product path only (A/B benchmarks, tests); -1: ask. Returns
+ * the state. */
+int chatserve_bmm_amx(int want) {
+    if (amx_perm < 0) amx_perm = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (want >= 0) amx_on = want && amx_perm;
+    return amx_on;
+}
+
+struct tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+/* 16 floats → 16 bf16, rounded to nearest even as f2bf */
+static inline __m256i f2bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+/* one C tile (16 W rows i × 16 x rows j, at c) → y[m0 + j][n0 + i] for the rows and columns that exist */
+static void store_tile(const float *c, void *y, int y_bf16, int64_t ldy, int64_t m0, int64_t mrows, int64_t n0,
+                       int64_t ncols) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16));
+    const __mmask16 mk = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
+    for (int64_t j = 0; j < mrows && j < 16; j++) {
+        const __m512 v = _mm512_i32gather_ps(idx, c + j, 4);
+        if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + j) * ldy + n0, mk, f2bf16x16(v));
+        else _mm512_mask_storeu_ps((float *)y + (m0 + j) * ldy + n0, mk, v);
+    }
+}
+
+static int bmm_amx(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const uint16_t *x, int64_t m,
+                   void *y, int64_t ldy, int y_bf16, int nt) {
+    const int64_t kp = (k + 31) / 32 * 32, kh = kp / 2, mb = (m + 15) / 16;
+    const int64_t npairs = (n + WT - 1) / WT;
+    int64_t ngroups = (npairs + GTMAX - 1) / GTMAX;         /* as many groups per thread, as in the AVX2 level */
+    ngroups = (ngroups + nt - 1) / nt * nt;
+    const int64_t gt = (npairs + ngroups - 1) / ngroups;
+    ngroups = (npairs + gt - 1) / gt;
+    /* x [mb][kh][16] pairs: block b, pair r, row j = x[16b + j][2r] | x[16b + j][2r + 1] << 16 */
+    uint32_t *xv = aligned_alloc(64, 4 * (size_t)(mb * kh * 16));
+    /* per thread: the group's W rows in bf16 [gt·WT][kp], one fp32 row, 4 C tiles */
+    const size_t per = (2 * (size_t)(gt * WT * kp) + 4 * (size_t)kp + 4 * 1024 + 63) / 64 * 64;
+    uint8_t *buf = aligned_alloc(64, per * (size_t)nt);
+    if (!xv || !buf) { free(xv); free(buf); return 2; }
+    struct tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    int bad = 0;
+    #pragma omp parallel num_threads(nt) reduction(|: bad)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < mb; b++)
+            for (int j = 0; j < 16; j++) {
+                uint32_t *o = xv + b * kh * 16 + j;
+                const int64_t row = 16 * b + j;
+                if (row >= m) { for (int64_t r = 0; r < kh; r++) o[16 * r] = 0; continue; }
+                const uint16_t *s = x + row * k;
+                int64_t r = 0;
+                for (; 2 * r + 1 < k; r++) o[16 * r] = (uint32_t)s[2 * r] | (uint32_t)s[2 * r + 1] << 16;
+                for (; r < kh; r++) o[16 * r] = 2 * r < k ? s[2 * r] : 0;
+            }
+#ifdef _OPENMP
+        uint8_t *tb = buf + per * (size_t)omp_get_thread_num();
+#else
+        uint8_t *tb = buf;
+#endif
+        uint16_t *wb = (uint16_t *)tb;
+        float *fb = (float *)(tb + 2 * (size_t)(gt * WT * kp)), *cb = fb + kp;
+        _tile_loadconfig(&cfg);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < ngroups; g++) {
+            const int64_t r0 = g * gt * WT, gtn = npairs - g * gt < gt ? npairs - g * gt : gt;
+            for (int64_t i = 0; i < gtn * WT; i++) {          /* the group's W rows → bf16, zero past k and n */
+                uint16_t *o = wb + i * kp;
+                if (r0 + i >= n) { memset(o, 0, 2 * (size_t)kp); continue; }
+                bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
+                for (int64_t c = k; c < kp; c++) fb[c] = 0.f;
+                for (int64_t c = 0; c < kp; c += 16) _mm256_storeu_si256((__m256i *)(o + c), f2bf16x16(_mm512_loadu_ps(fb + c)));
+            }
+            for (int64_t b = 0; b < mb; b += 2) {            /* 32 rows of x (one tile when 16 are left) ... */
+                const uint32_t *x0 = xv + b * kh * 16, *x1 = x0 + kh * 16;
+                for (int64_t t = 0; t < gtn; t++) {            /* ... against each pair of W tiles */
+                    const uint16_t *a0 = wb + t * WT * kp, *a1 = a0 + 16 * kp;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    if (b + 1 < mb)
+                        for (int64_t c = 0; c < kp; c += 32) {
+                            _tile_loadd(4, a0 + c, 2 * kp); _tile_loadd(5, a1 + c, 2 * kp);
+                            _tile_loadd(6, x0 + 8 * c, 64); _tile_loadd(7, x1 + 8 * c, 64);
+                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                        }
+                    else
+                        for (int64_t c = 0; c < kp; c += 32) {
+                            _tile_loadd(4, a0 + c, 2 * kp); _tile_loadd(5, a1 + c, 2 * kp);
+                            _tile_loadd(6, x0 + 8 * c, 64);
+                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+                        }
+                    _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
+                    _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64);
+                    for (int h = 0; h < 2; h++)
+                        for (int bb = 0; bb < 2 && b + bb < mb; bb++) {
+                            const int64_t n0 = r0 + t * WT + 16 * h, m0 = 16 * (b + bb);
+                            if (n0 < n) store_tile(cb + 256 * (2 * h + bb), y, y_bf16, ldy, m0, m - m0, n0, n - n0);
+                        }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xv);
+    free(buf);
+    return bad ? 1 : 0;
+}
+#endif
+
+/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32): y may be
+ * a column slice of a wider output (fused q/k/v or gate/up kept as separate tensors). 0 on success.
+ * bf16 x runs on AMX when chatserve_bmm_amx switched it on, fp32 x (and bf16 x elsewhere) on the dot products. */
+int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
+                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
+    if (nt < 1) nt = 1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (x_bf16 && amx_on) return bmm_amx(fmt, w, row_bytes, n, k, (const uint16_t *)x, m, y, ldy, y_bf16, nt);
+#endif
+    return bmm_dots(fmt, w, row_bytes, n, k, x, m, x_bf16, y, ldy, y_bf16, nt);
 }
 #endif
 #else

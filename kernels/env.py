@@ -15,7 +15,9 @@ FORCE_TRITON = "CHATSERVE_FORCE_TRITON"  # "1": Triton kernels on CPU tensors to
 CACHE_DIR = "CHATSERVE_CACHE_DIR"        # the per-user cache root (compiled kernels live in <root>/kernels)
 MOE_KERNEL = "CHATSERVE_MOE_KERNEL"      # "0": MoE decode rows through the expert loop, not cpu_moe's one call
 WEIGHT_CACHE = "CHATSERVE_WEIGHT_CACHE"  # "0": never read or write cpu_qmatmul's packed weights on disk
-NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, WEIGHT_CACHE)
+AMX = "CHATSERVE_AMX"                    # "0": cpu_blockmm's AVX-512 level never uses the AMX tiles (bf16 x too on
+                                         # its fp32 dot products; for A/B runs)
+NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, WEIGHT_CACHE, AMX)
 # other programs' variables the kernels honour (config.FOREIGN_ENV declares them too)
 CC = "CC"                                # the C compiler for the CPU kernels
 TRITON_INTERPRET = "TRITON_INTERPRET"    # triton's own switch: "1" runs kernels in its CPU interpreter
@@ -35,6 +37,11 @@ def moe_kernel_enabled() -> bool:
 def weight_cache_enabled() -> bool:
     """cpu_qmatmul's packed weights kept on disk between processes (cpu_qmatmul.pack_cached)."""
     return os.environ.get(WEIGHT_CACHE, "1") != "0"
+
+
+def cpu_amx_enabled() -> bool:
+    """cpu_blockmm's AMX-BF16 path for bf16 rows where the CPU has it (read when the kernel loads)."""
+    return os.environ.get(AMX, "1") != "0"
 
 
 def force_triton() -> bool:
