@@ -514,7 +514,11 @@ int chatserve_bmm_amx(int want) {
 
 struct tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
-/* 16 floats → 16 bf16, rounded to nearest even as f2bf */
+/* 16 floats → 16 bf16, rounded to nearest even (VCVTNEPS2BF16: subnormals flush to zero, as TDPBF16PS reads
+ * them anyway; a block format's dequantized values are never subnormal) */
+static inline __m256i w2bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* 16 floats → 16 bf16, rounded to nearest even exactly as f2bf (y) */
 static inline __m256i f2bf16x16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -534,6 +538,63 @@ static void store_tile(const float *c, void *y, int y_bf16, int64_t ldy, int64_t
     }
 }
 
+/* the calling thread's scratch of at least `bytes` (kept between calls and grown as needed: a fresh buffer
+ * every call costs page faults and cold stores that a 1-row call would spend longer on than on its tiles).
+ * Thread-local, so concurrent callers never share one; NULL when out of memory. */
+static __thread uint8_t *scratch_buf;
+static __thread size_t scratch_size;
+static uint8_t *scratch(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch_buf);
+        scratch_size = (bytes + 4095) / 4096 * 4096;
+        scratch_buf = aligned_alloc(64, scratch_size);
+        if (!scratch_buf) scratch_size = 0;
+    }
+    return scratch_buf;
+}
+
+/* W rows [r0, r0 + WT) → bf16 rows of kp at o (fb: one fp32 row of scratch), zeros past k and past n */
+static int w_pair(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int64_t kp, int64_t r0,
+                  uint16_t *o, float *fb) {
+    int bad = 0;
+    for (int64_t i = 0; i < WT; i++, o += kp) {
+        if (r0 + i >= n) { memset(o, 0, 2 * (size_t)kp); continue; }
+        bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
+        for (int64_t c = k; c < kp; c++) fb[c] = 0.f;
+        for (int64_t c = 0; c < kp; c += 16) _mm256_storeu_si256((__m256i *)(o + c), w2bf16x16(_mm512_loadu_ps(fb + c)));
+    }
+    return bad;
+}
+
+/* x tiles b and b + 1 (rows 16b … 16b + 31; one tile when b is the last) against the pair of W tiles a0 (W
+ * rows r0 …): C from zero over k = 0 … kp − 1, stored once, written to y (cb: 4 C tiles of scratch) */
+static void pair_tiles(const uint16_t *a0, int64_t kp, const uint32_t *xv, int64_t kh, int64_t mb, int64_t b,
+                       float *cb, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t r0) {
+    const uint16_t *a1 = a0 + 16 * kp;
+    const uint32_t *x0 = xv + b * kh * 16, *x1 = x0 + kh * 16;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    if (b + 1 < mb)
+        for (int64_t c = 0; c < kp; c += 32) {
+            _tile_loadd(4, a0 + c, 2 * kp); _tile_loadd(5, a1 + c, 2 * kp);
+            _tile_loadd(6, x0 + 8 * c, 64); _tile_loadd(7, x1 + 8 * c, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+    else
+        for (int64_t c = 0; c < kp; c += 32) {
+            _tile_loadd(4, a0 + c, 2 * kp); _tile_loadd(5, a1 + c, 2 * kp);
+            _tile_loadd(6, x0 + 8 * c, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+        }
+    _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
+    _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64);
+    for (int h = 0; h < 2; h++)
+        for (int bb = 0; bb < 2 && b + bb < mb; bb++) {
+            const int64_t n0 = r0 + 16 * h, m0 = 16 * (b + bb);
+            if (n0 < n) store_tile(cb + 256 * (2 * h + bb), y, y_bf16, ldy, m0, m - m0, n0, n - n0);
+        }
+}
+
 static int bmm_amx(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const uint16_t *x, int64_t m,
                    void *y, int64_t ldy, int y_bf16, int nt) {
     const int64_t kp = (k + 31) / 32 * 32, kh = kp / 2, mb = (m + 15) / 16;
@@ -543,11 +604,13 @@ static int bmm_amx(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int6
     const int64_t gt = (npairs + ngroups - 1) / ngroups;
     ngroups = (npairs + gt - 1) / gt;
     /* x [mb][kh][16] pairs: block b, pair r, row j = x[16b + j][2r] | x[16b + j][2r + 1] << 16 */
-    uint32_t *xv = aligned_alloc(64, 4 * (size_t)(mb * kh * 16));
+    const size_t xbytes = (4 * (size_t)(mb * kh * 16) + 63) / 64 * 64;
     /* per thread: the group's W rows in bf16 [gt·WT][kp], one fp32 row, 4 C tiles */
-    const size_t per = (2 * (size_t)(gt * WT * kp) + 4 * (size_t)kp + 4 * 1024 + 63) / 64 * 64;
-    uint8_t *buf = aligned_alloc(64, per * (size_t)nt);
-    if (!xv || !buf) { free(xv); free(buf); return 2; }
+    const size_t per = (4 * 1024 + 4 * (size_t)kp + 2048 + 2 * (size_t)(gt * WT * kp) + 63) / 64 * 64;
+    uint8_t *all = scratch(xbytes + per * (size_t)nt);
+    if (!all) return 2;
+    uint32_t *xv = (uint32_t *)all;
+    uint8_t *buf = all + xbytes;
     struct tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -571,51 +634,30 @@ static int bmm_amx(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int6
 #else
         uint8_t *tb = buf;
 #endif
-        uint16_t *wb = (uint16_t *)tb;
-        float *fb = (float *)(tb + 2 * (size_t)(gt * WT * kp)), *cb = fb + kp;
+        /* 4 C tiles, the fp32 row, then the bf16 rows 2 KiB further on than a multiple of 4 KiB would put
+         * them (a row's loads and its converted stores 4 KiB apart would alias in the store buffer) */
+        float *cb = (float *)tb, *fb = cb + 1024;
+        uint16_t *wb = (uint16_t *)(tb + (4 * 1024 + 4 * (size_t)kp + 2048 + 63) / 64 * 64);
         _tile_loadconfig(&cfg);
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < ngroups; g++) {
             const int64_t r0 = g * gt * WT, gtn = npairs - g * gt < gt ? npairs - g * gt : gt;
-            for (int64_t i = 0; i < gtn * WT; i++) {          /* the group's W rows → bf16, zero past k and n */
-                uint16_t *o = wb + i * kp;
-                if (r0 + i >= n) { memset(o, 0, 2 * (size_t)kp); continue; }
-                bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
-                for (int64_t c = k; c < kp; c++) fb[c] = 0.f;
-                for (int64_t c = 0; c < kp; c += 16) _mm256_storeu_si256((__m256i *)(o + c), f2bf16x16(_mm512_loadu_ps(fb + c)));
-            }
-            for (int64_t b = 0; b < mb; b += 2) {            /* 32 rows of x (one tile when 16 are left) ... */
-                const uint32_t *x0 = xv + b * kh * 16, *x1 = x0 + kh * 16;
-                for (int64_t t = 0; t < gtn; t++) {            /* ... against each pair of W tiles */
-                    const uint16_t *a0 = wb + t * WT * kp, *a1 = a0 + 16 * kp;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    if (b + 1 < mb)
-                        for (int64_t c = 0; c < kp; c += 32) {
-                            _tile_loadd(4, a0 + c, 2 * kp); _tile_loadd(5, a1 + c, 2 * kp);
-                            _tile_loadd(6, x0 + 8 * c, 64); _tile_loadd(7, x1 + 8 * c, 64);
-                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-                        }
-                    else
-                        for (int64_t c = 0; c < kp; c += 32) {
-                            _tile_loadd(4, a0 + c, 2 * kp); _tile_loadd(5, a1 + c, 2 * kp);
-                            _tile_loadd(6, x0 + 8 * c, 64);
-                            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
-                        }
-                    _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
-                    _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64);
-                    for (int h = 0; h < 2; h++)
-                        for (int bb = 0; bb < 2 && b + bb < mb; bb++) {
-                            const int64_t n0 = r0 + t * WT + 16 * h, m0 = 16 * (b + bb);
-                            if (n0 < n) store_tile(cb + 256 * (2 * h + bb), y, y_bf16, ldy, m0, m - m0, n0, n - n0);
-                        }
+            /* few rows (one or two x tiles): each pair of W tiles right after its dequantization, while it is
+             * in L1; more: the whole group first, then each 32 rows of x against every pair (x read once per
+             * group). The same tile operations per output either way. */
+            if (mb <= 2)
+                for (int64_t t = 0; t < gtn; t++) {
+                    bad |= w_pair(fmt, w, row_bytes, n, k, kp, r0 + t * WT, wb + t * WT * kp, fb);
+                    for (int64_t b = 0; b < mb; b += 2) pair_tiles(wb + t * WT * kp, kp, xv, kh, mb, b, cb, y, y_bf16, ldy, m, n, r0 + t * WT);
                 }
+            else {
+                for (int64_t t = 0; t < gtn; t++) bad |= w_pair(fmt, w, row_bytes, n, k, kp, r0 + t * WT, wb + t * WT * kp, fb);
+                for (int64_t b = 0; b < mb; b += 2)
+                    for (int64_t t = 0; t < gtn; t++) pair_tiles(wb + t * WT * kp, kp, xv, kh, mb, b, cb, y, y_bf16, ldy, m, n, r0 + t * WT);
             }
         }
         _tile_release();
     }
-    free(xv);
-    free(buf);
     return bad ? 1 : 0;
 }
 #endif
