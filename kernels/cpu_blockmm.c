@@ -55,11 +55,18 @@ static inline float hsum(vf v) {          /* fixed tree: 16 → 8 → 4 → 2 �
     b = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
+/* Where the AMX path dequantizes a row straight to bf16: emit16 then writes element o − emit_f of the row as
+ * bf16 at emit_h + (o − emit_f) instead of fp32 at o (the same fp32 value, rounded once; per calling thread) */
+static __thread uint16_t *emit_h;
+static __thread const float *emit_f;
 /* 16 int8 codes → 16 floats: q·d, q·d + m (kind 1) or q·d − m (kind 2), each rounded as numpy rounds */
 static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
     __m512 v = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
     if (kind == 1) v = _mm512_add_ps(v, _mm512_set1_ps(m));
     if (kind == 2) v = _mm512_sub_ps(v, _mm512_set1_ps(m));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (emit_h) { _mm256_storeu_si256((__m256i *)(emit_h + (o - emit_f)), (__m256i)_mm512_cvtneps_pbh(v)); return; }
+#endif
     _mm512_storeu_ps(o, v);
 }
 #elif BMM_LEVEL == 2
@@ -559,6 +566,12 @@ static int w_pair(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     int bad = 0;
     for (int64_t i = 0; i < WT; i++, o += kp) {
         if (r0 + i >= n) { memset(o, 0, 2 * (size_t)kp); continue; }
+        if (fmt != F32 && fmt != F16 && fmt != BF16) {  /* block formats (k == kp): emit16 writes bf16 to o */
+            emit_h = o; emit_f = fb;
+            bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
+            emit_h = NULL;
+            continue;
+        }
         bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
         for (int64_t c = k; c < kp; c++) fb[c] = 0.f;
         for (int64_t c = 0; c < kp; c += 16) _mm256_storeu_si256((__m256i *)(o + c), w2bf16x16(_mm512_loadu_ps(fb + c)));
