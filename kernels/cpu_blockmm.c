@@ -55,17 +55,14 @@ static inline float hsum(vf v) {          /* fixed tree: 16 → 8 → 4 → 2 �
     b = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
-/* Where the AMX path dequantizes a row straight to bf16: emit16 then writes element o − emit_f of the row as
- * bf16 at emit_h + (o − emit_f) instead of fp32 at o (the same fp32 value, rounded once; per calling thread) */
-static __thread uint16_t *emit_h;
-static __thread const float *emit_f;
-/* 16 int8 codes → 16 floats: q·d, q·d + m (kind 1) or q·d − m (kind 2), each rounded as numpy rounds */
-static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
+/* 16 int8 codes → 16 floats: q·d, q·d + m (kind 1) or q·d − m (kind 2), each rounded as numpy rounds; stored
+ * as fp32 at o, or where hb is given (the AMX path) rounded once more to bf16 at hb */
+static inline __attribute__((always_inline)) void emit16(float *o, uint16_t *hb, __m128i q, float d, float m, int kind) {
     __m512 v = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
     if (kind == 1) v = _mm512_add_ps(v, _mm512_set1_ps(m));
     if (kind == 2) v = _mm512_sub_ps(v, _mm512_set1_ps(m));
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (emit_h) { _mm256_storeu_si256((__m256i *)(emit_h + (o - emit_f)), (__m256i)_mm512_cvtneps_pbh(v)); return; }
+    if (hb) { _mm256_storeu_si256((__m256i *)hb, (__m256i)_mm512_cvtneps_pbh(v)); return; }
 #endif
     _mm512_storeu_ps(o, v);
 }
@@ -76,7 +73,8 @@ static inline void emit8(float *o, __m128i q, float d, float m, int kind) {
     if (kind == 2) v = _mm256_sub_ps(v, _mm256_set1_ps(m));
     _mm256_storeu_ps(o, v);
 }
-static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
+static inline void emit16(float *o, uint16_t *hb, __m128i q, float d, float m, int kind) {
+    (void)hb;           /* bf16 output is the AVX-512 level's (AMX path) */
     emit8(o, q, d, m, kind);
     emit8(o + 8, _mm_srli_si128(q, 8), d, m, kind);
 }
@@ -85,34 +83,35 @@ static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
 #if BMM_LEVEL
 /* h2f, ld16, lo4, hi4, bits16, bit_j, scale_min_k4: block_bytes.h, written before this source */
 
-/* ---- one block → fp32, per format (o: block_size floats) ---- */
-static void dq_q4_0(const uint8_t *b, float *o) {
+/* ---- one block → fp32, per format (o: block_size floats; or bf16 at hb where hb is given) ---- */
+#define AT(e) (hb ? (e) : NULL)       /* hb + offset, where there is an hb */
+static inline __attribute__((always_inline)) void dq_q4_0(const uint8_t *b, float *o, uint16_t *hb) {
     const float d = h2f(b);
     const __m128i q = ld16(b + 2), e = _mm_set1_epi8(8);
-    emit16(o, _mm_sub_epi8(lo4(q), e), d, 0.f, 0);
-    emit16(o + 16, _mm_sub_epi8(hi4(q), e), d, 0.f, 0);
+    emit16(o, hb, _mm_sub_epi8(lo4(q), e), d, 0.f, 0);
+    emit16(o + 16, AT(hb + 16), _mm_sub_epi8(hi4(q), e), d, 0.f, 0);
 }
-static void dq_q4_1(const uint8_t *b, float *o) {
+static inline __attribute__((always_inline)) void dq_q4_1(const uint8_t *b, float *o, uint16_t *hb) {
     const float d = h2f(b), m = h2f(b + 2);
     const __m128i q = ld16(b + 4);
-    emit16(o, lo4(q), d, m, 1);
-    emit16(o + 16, hi4(q), d, m, 1);
+    emit16(o, hb, lo4(q), d, m, 1);
+    emit16(o + 16, AT(hb + 16), hi4(q), d, m, 1);
 }
-static void dq_q5(const uint8_t *b, float *o, int with_min) {
+static inline __attribute__((always_inline)) void dq_q5(const uint8_t *b, float *o, uint16_t *hb, int with_min) {
     const float d = h2f(b), m = with_min ? h2f(b + 2) : 0.f;
     const uint8_t *p = b + (with_min ? 4 : 2);
     uint32_t qh; memcpy(&qh, p, 4);
     const __m128i q = ld16(p + 4), e = _mm_set1_epi8(with_min ? 0 : 16);
-    emit16(o, _mm_sub_epi8(_mm_or_si128(lo4(q), bits16(qh & 0xFFFF, 0x10)), e), d, m, with_min);
-    emit16(o + 16, _mm_sub_epi8(_mm_or_si128(hi4(q), bits16(qh >> 16, 0x10)), e), d, m, with_min);
+    emit16(o, hb, _mm_sub_epi8(_mm_or_si128(lo4(q), bits16(qh & 0xFFFF, 0x10)), e), d, m, with_min);
+    emit16(o + 16, AT(hb + 16), _mm_sub_epi8(_mm_or_si128(hi4(q), bits16(qh >> 16, 0x10)), e), d, m, with_min);
 }
-static void dq_q8_0(const uint8_t *b, float *o) {
+static inline __attribute__((always_inline)) void dq_q8_0(const uint8_t *b, float *o, uint16_t *hb) {
     const float d = h2f(b);
-    emit16(o, ld16(b + 2), d, 0.f, 0);
-    emit16(o + 16, ld16(b + 18), d, 0.f, 0);
+    emit16(o, hb, ld16(b + 2), d, 0.f, 0);
+    emit16(o + 16, AT(hb + 16), ld16(b + 18), d, 0.f, 0);
 }
 /* Q4_K/Q5_K: 6-bit scale and min of sub-block j from the 12 scale bytes */
-static void dq_qk(const uint8_t *b, float *o, int five) {
+static inline __attribute__((always_inline)) void dq_qk(const uint8_t *b, float *o, uint16_t *hb, int five) {
     const float d = h2f(b), dmin = h2f(b + 2);
     const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
     for (int j = 0; j < 8; j++) {
@@ -123,11 +122,11 @@ static void dq_qk(const uint8_t *b, float *o, int five) {
             __m128i q = ld16(qs + 32 * (j / 2) + 16 * h);
             q = (j & 1) ? hi4(q) : lo4(q);
             if (five) q = _mm_or_si128(q, bit_j(ld16(qh + 16 * h), j));
-            emit16(o + 32 * j + 16 * h, q, ds, dm, 2);
+            emit16(o + 32 * j + 16 * h, AT(hb + 32 * j + 16 * h), q, ds, dm, 2);
         }
     }
 }
-static void dq_q6_k(const uint8_t *b, float *o) {
+static inline __attribute__((always_inline)) void dq_q6_k(const uint8_t *b, float *o, uint16_t *hb) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = h2f(b + 208);
@@ -139,10 +138,10 @@ static void dq_q6_k(const uint8_t *b, float *o) {
             __m128i u = _mm_srli_epi16(ld16(qh + 32 * h + e % 32), 2 * (e / 32));
             u = _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi8(3)), 4);
             const __m128i q = _mm_sub_epi8(_mm_or_si128(l, u), _mm_set1_epi8(32));
-            emit16(o + 128 * h + e, q, d * (float)sc[8 * h + c], 0.f, 0);
+            emit16(o + 128 * h + e, AT(hb + 128 * h + e), q, d * (float)sc[8 * h + c], 0.f, 0);
         }
 }
-static void dq_iq4_xs(const uint8_t *b, float *o) {
+static inline __attribute__((always_inline)) void dq_iq4_xs(const uint8_t *b, float *o, uint16_t *hb) {
     const __m128i kv = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
     const float d = h2f(b);
     uint16_t sh; memcpy(&sh, b + 2, 2);
@@ -150,8 +149,8 @@ static void dq_iq4_xs(const uint8_t *b, float *o) {
         const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
         const float dl = d * (float)(ls - 32);
         const __m128i q = ld16(b + 8 + 16 * j);
-        emit16(o + 32 * j, _mm_shuffle_epi8(kv, lo4(q)), dl, 0.f, 0);
-        emit16(o + 32 * j + 16, _mm_shuffle_epi8(kv, hi4(q)), dl, 0.f, 0);
+        emit16(o + 32 * j, AT(hb + 32 * j), _mm_shuffle_epi8(kv, lo4(q)), dl, 0.f, 0);
+        emit16(o + 32 * j + 16, AT(hb + 32 * j + 16), _mm_shuffle_epi8(kv, hi4(q)), dl, 0.f, 0);
     }
 }
 
@@ -159,7 +158,8 @@ static void dq_iq4_xs(const uint8_t *b, float *o) {
  * row's end (a whole number of blocks either way: the row length is one). Prefetch: a line 1 KiB ahead of
  * each block, or with next_span every line of the block as far ahead as the span is long (where a
  * span-by-span caller reads this row next; the rows interleave, so no hardware stream covers them) */
-static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, float *out, int next_span) {
+static inline __attribute__((always_inline)) int dequant_span_to(int fmt, const uint8_t *row, int64_t k0, int64_t k1,
+                                                                  float *out, uint16_t *hb, int next_span) {
 #define BLOCKS(bs, bytes, call) { \
     const int64_t ahead = next_span ? (k1 - k0) / (bs) * (bytes) : 1024; \
     for (int64_t i = k0 / (bs); i < k1 / (bs); i++) { \
@@ -176,19 +176,31 @@ static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, flo
             memcpy(out + (i - k0), &u, 4);
         }
         return 0;
-    case Q4_0: BLOCKS(32, 18, dq_q4_0(b, out + (32 * i - k0)))
-    case Q4_1: BLOCKS(32, 20, dq_q4_1(b, out + (32 * i - k0)))
-    case Q5_0: BLOCKS(32, 22, dq_q5(b, out + (32 * i - k0), 0))
-    case Q5_1: BLOCKS(32, 24, dq_q5(b, out + (32 * i - k0), 1))
-    case Q8_0: BLOCKS(32, 34, dq_q8_0(b, out + (32 * i - k0)))
-    case Q4_K: BLOCKS(256, 144, dq_qk(b, out + (256 * i - k0), 0))
-    case Q5_K: BLOCKS(256, 176, dq_qk(b, out + (256 * i - k0), 1))
-    case Q6_K: BLOCKS(256, 210, dq_q6_k(b, out + (256 * i - k0)))
-    case IQ4_XS: BLOCKS(256, 136, dq_iq4_xs(b, out + (256 * i - k0)))
+    case Q4_0: BLOCKS(32, 18, dq_q4_0(b, out + (32 * i - k0), AT(hb + (32 * i - k0))))
+    case Q4_1: BLOCKS(32, 20, dq_q4_1(b, out + (32 * i - k0), AT(hb + (32 * i - k0))))
+    case Q5_0: BLOCKS(32, 22, dq_q5(b, out + (32 * i - k0), AT(hb + (32 * i - k0)), 0))
+    case Q5_1: BLOCKS(32, 24, dq_q5(b, out + (32 * i - k0), AT(hb + (32 * i - k0)), 1))
+    case Q8_0: BLOCKS(32, 34, dq_q8_0(b, out + (32 * i - k0), AT(hb + (32 * i - k0))))
+    case Q4_K: BLOCKS(256, 144, dq_qk(b, out + (256 * i - k0), AT(hb + (256 * i - k0)), 0))
+    case Q5_K: BLOCKS(256, 176, dq_qk(b, out + (256 * i - k0), AT(hb + (256 * i - k0)), 1))
+    case Q6_K: BLOCKS(256, 210, dq_q6_k(b, out + (256 * i - k0), AT(hb + (256 * i - k0))))
+    case IQ4_XS: BLOCKS(256, 136, dq_iq4_xs(b, out + (256 * i - k0), AT(hb + (256 * i - k0))))
     default: return 1;
     }
 #undef BLOCKS
 }
+
+static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, float *out, int next_span) {
+    return dequant_span_to(fmt, row, k0, k1, out, NULL, next_span);
+}
+
+#if BMM_LEVEL == 3
+/* a block format's row → bf16 at hb (the fp32 value rounded to nearest even; k a whole number of blocks);
+ * fb: scratch the F32/F16/BF16 cases would write, unused here */
+static int dequant_row_bf16(int fmt, const uint8_t *row, int64_t k, float *fb, uint16_t *hb) {
+    return dequant_span_to(fmt, row, 0, k, fb, hb, 0);
+}
+#endif
 
 /* one row of W (k elements) → fp32 out[k] */
 static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) { return dequant_span(fmt, row, 0, k, out, 0); }
@@ -567,9 +579,7 @@ static int w_pair(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     for (int64_t i = 0; i < WT; i++, o += kp) {
         if (r0 + i >= n) { memset(o, 0, 2 * (size_t)kp); continue; }
         if (fmt != F32 && fmt != F16 && fmt != BF16) {  /* block formats (k == kp): emit16 writes bf16 to o */
-            emit_h = o; emit_f = fb;
-            bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
-            emit_h = NULL;
+            bad |= dequant_row_bf16(fmt, w + (r0 + i) * row_bytes, k, fb, o);
             continue;
         }
         bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
