@@ -558,8 +558,10 @@ static void store_tile(const float *c, void *y, int y_bf16, int64_t ldy, int64_t
 }
 
 /* the calling thread's scratch of at least `bytes` (kept between calls and grown as needed: a fresh buffer
- * every call costs page faults and cold stores that a 1-row call would spend longer on than on its tiles).
+ * every call costs page faults and cold stores that a 1-row call would spend longer on than on its tiles;
+ * scratch_trim gives back one over SCRATCH_KEEP after the call, so a long prompt's x copy is not kept).
  * Thread-local, so concurrent callers never share one; NULL when out of memory. */
+#define SCRATCH_KEEP (8u << 20)
 static __thread uint8_t *scratch_buf;
 static __thread size_t scratch_size;
 static uint8_t *scratch(size_t bytes) {
@@ -570,6 +572,10 @@ static uint8_t *scratch(size_t bytes) {
         if (!scratch_buf) scratch_size = 0;
     }
     return scratch_buf;
+}
+
+static void scratch_trim(void) {
+    if (scratch_size > SCRATCH_KEEP) { free(scratch_buf); scratch_buf = NULL; scratch_size = 0; }
 }
 
 /* W rows [r0, r0 + WT) → bf16 rows of kp at o (fb: one fp32 row of scratch), zeros past k and past n */
@@ -681,6 +687,7 @@ static int bmm_amx(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int6
         }
         _tile_release();
     }
+    scratch_trim();
     return bad ? 1 : 0;
 }
 #endif
