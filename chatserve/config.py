@@ -40,6 +40,8 @@ PROCESS_ENV = {
     "CHATSERVE_WEIGHT_CACHE": "0: quantize a model's decode weights at every load instead of mapping the packed "
                               "copy an earlier load left in <cache root>/qmatmul",
     "CHATSERVE_WEIGHT_CACHE_DIR": "the directory of those packed copies (default <cache root>/qmatmul)",
+    "CHATSERVE_AMX": "0: GGUF blocks in place never run prompt rows on AMX tiles (bf16 rows take the AVX-512 fp32 "
+                     "dot products; for before/after benchmarks)",
     "CHATSERVE_FORCE_TRITON": "1: the Triton kernels on CPU tensors too, through TRITON_INTERPRET=1 (tests)",
     "CHATSERVE_CACHE_DIR": "the per-user disk cache root (converted tokenizers, compiled kernels, packed "
                            "decode weights); "

@@ -193,7 +193,11 @@ def random_weight(name: str, n: int, k: int, seed: int = 0, scale: float = 0.02)
     return BlockWeight(raw.reshape(n, -1), fmt, n, k)
 
 
-def matmul_torch(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] → x · Wᵀ [M, N] in float32 on the dequantized W, cast to out_dtype (default x's)."""
-    y = x.float() @ dequantize(w).t()
+def matmul_torch(x: torch.Tensor, w: BlockWeight, out_dtype: torch.dtype | None = None,
+                 w_bf16: bool = False) -> torch.Tensor:
+    """x [M, K] → x · Wᵀ [M, N] in float32 on the dequantized W, cast to out_dtype (default x's). w_bf16: W
+    rounded to bf16 first (cpu_blockmm's AMX arithmetic for bf16 x; its sums differ from this float32
+    matmul's only in order, a few ulps of Σ|x||w|)."""
+    d = dequantize(w)
+    y = x.float() @ (d.bfloat16().float() if w_bf16 else d).t()
     return y.to(out_dtype or x.dtype)

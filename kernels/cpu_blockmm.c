@@ -37,6 +37,9 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K 
        IQ4_XS = 23, BF16 = 30 };
 
 int chatserve_bmm_level(void) { return BMM_LEVEL; }
+#if !(BMM_LEVEL == 3 && defined(__AMX_TILE__) && defined(__AMX_BF16__))
+int chatserve_bmm_amx(int want) { return 0; }    /* no AMX-BF16 in this build: the dot-product path only */
+#endif
 
 #if BMM_LEVEL == 3
 typedef __m512 vf;
@@ -52,11 +55,15 @@ static inline float hsum(vf v) {          /* fixed tree: 16 → 8 → 4 → 2 �
     b = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
-/* 16 int8 codes → 16 floats: q·d, q·d + m (kind 1) or q·d − m (kind 2), each rounded as numpy rounds */
-static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
+/* 16 int8 codes → 16 floats: q·d, q·d + m (kind 1) or q·d − m (kind 2), each rounded as numpy rounds; stored
+ * as fp32 at o, or where hb is given (the AMX path) rounded once more to bf16 at hb */
+static inline __attribute__((always_inline)) void emit16(float *o, uint16_t *hb, __m128i q, float d, float m, int kind) {
     __m512 v = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
     if (kind == 1) v = _mm512_add_ps(v, _mm512_set1_ps(m));
     if (kind == 2) v = _mm512_sub_ps(v, _mm512_set1_ps(m));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (hb) { _mm256_storeu_si256((__m256i *)hb, (__m256i)_mm512_cvtneps_pbh(v)); return; }
+#endif
     _mm512_storeu_ps(o, v);
 }
 #elif BMM_LEVEL == 2
@@ -66,7 +73,8 @@ static inline void emit8(float *o, __m128i q, float d, float m, int kind) {
     if (kind == 2) v = _mm256_sub_ps(v, _mm256_set1_ps(m));
     _mm256_storeu_ps(o, v);
 }
-static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
+static inline void emit16(float *o, uint16_t *hb, __m128i q, float d, float m, int kind) {
+    (void)hb;           /* bf16 output is the AVX-512 level's (AMX path) */
     emit8(o, q, d, m, kind);
     emit8(o + 8, _mm_srli_si128(q, 8), d, m, kind);
 }
@@ -75,34 +83,35 @@ static inline void emit16(float *o, __m128i q, float d, float m, int kind) {
 #if BMM_LEVEL
 /* h2f, ld16, lo4, hi4, bits16, bit_j, scale_min_k4: block_bytes.h, written before this source */
 
-/* ---- one block → fp32, per format (o: block_size floats) ---- */
-static void dq_q4_0(const uint8_t *b, float *o) {
+/* ---- one block → fp32, per format (o: block_size floats; or bf16 at hb where hb is given) ---- */
+#define AT(e) (hb ? (e) : NULL)       /* hb + offset, where there is an hb */
+static inline __attribute__((always_inline)) void dq_q4_0(const uint8_t *b, float *o, uint16_t *hb) {
     const float d = h2f(b);
     const __m128i q = ld16(b + 2), e = _mm_set1_epi8(8);
-    emit16(o, _mm_sub_epi8(lo4(q), e), d, 0.f, 0);
-    emit16(o + 16, _mm_sub_epi8(hi4(q), e), d, 0.f, 0);
+    emit16(o, hb, _mm_sub_epi8(lo4(q), e), d, 0.f, 0);
+    emit16(o + 16, AT(hb + 16), _mm_sub_epi8(hi4(q), e), d, 0.f, 0);
 }
-static void dq_q4_1(const uint8_t *b, float *o) {
+static inline __attribute__((always_inline)) void dq_q4_1(const uint8_t *b, float *o, uint16_t *hb) {
     const float d = h2f(b), m = h2f(b + 2);
     const __m128i q = ld16(b + 4);
-    emit16(o, lo4(q), d, m, 1);
-    emit16(o + 16, hi4(q), d, m, 1);
+    emit16(o, hb, lo4(q), d, m, 1);
+    emit16(o + 16, AT(hb + 16), hi4(q), d, m, 1);
 }
-static void dq_q5(const uint8_t *b, float *o, int with_min) {
+static inline __attribute__((always_inline)) void dq_q5(const uint8_t *b, float *o, uint16_t *hb, int with_min) {
     const float d = h2f(b), m = with_min ? h2f(b + 2) : 0.f;
     const uint8_t *p = b + (with_min ? 4 : 2);
     uint32_t qh; memcpy(&qh, p, 4);
     const __m128i q = ld16(p + 4), e = _mm_set1_epi8(with_min ? 0 : 16);
-    emit16(o, _mm_sub_epi8(_mm_or_si128(lo4(q), bits16(qh & 0xFFFF, 0x10)), e), d, m, with_min);
-    emit16(o + 16, _mm_sub_epi8(_mm_or_si128(hi4(q), bits16(qh >> 16, 0x10)), e), d, m, with_min);
+    emit16(o, hb, _mm_sub_epi8(_mm_or_si128(lo4(q), bits16(qh & 0xFFFF, 0x10)), e), d, m, with_min);
+    emit16(o + 16, AT(hb + 16), _mm_sub_epi8(_mm_or_si128(hi4(q), bits16(qh >> 16, 0x10)), e), d, m, with_min);
 }
-static void dq_q8_0(const uint8_t *b, float *o) {
+static inline __attribute__((always_inline)) void dq_q8_0(const uint8_t *b, float *o, uint16_t *hb) {
     const float d = h2f(b);
-    emit16(o, ld16(b + 2), d, 0.f, 0);
-    emit16(o + 16, ld16(b + 18), d, 0.f, 0);
+    emit16(o, hb, ld16(b + 2), d, 0.f, 0);
+    emit16(o + 16, AT(hb + 16), ld16(b + 18), d, 0.f, 0);
 }
 /* Q4_K/Q5_K: 6-bit scale and min of sub-block j from the 12 scale bytes */
-static void dq_qk(const uint8_t *b, float *o, int five) {
+static inline __attribute__((always_inline)) void dq_qk(const uint8_t *b, float *o, uint16_t *hb, int five) {
     const float d = h2f(b), dmin = h2f(b + 2);
     const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
     for (int j = 0; j < 8; j++) {
@@ -113,11 +122,11 @@ static void dq_qk(const uint8_t *b, float *o, int five) {
             __m128i q = ld16(qs + 32 * (j / 2) + 16 * h);
             q = (j & 1) ? hi4(q) : lo4(q);
             if (five) q = _mm_or_si128(q, bit_j(ld16(qh + 16 * h), j));
-            emit16(o + 32 * j + 16 * h, q, ds, dm, 2);
+            emit16(o + 32 * j + 16 * h, AT(hb + 32 * j + 16 * h), q, ds, dm, 2);
         }
     }
 }
-static void dq_q6_k(const uint8_t *b, float *o) {
+static inline __attribute__((always_inline)) void dq_q6_k(const uint8_t *b, float *o, uint16_t *hb) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = h2f(b + 208);
@@ -129,10 +138,10 @@ static void dq_q6_k(const uint8_t *b, float *o) {
             __m128i u = _mm_srli_epi16(ld16(qh + 32 * h + e % 32), 2 * (e / 32));
             u = _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi8(3)), 4);
             const __m128i q = _mm_sub_epi8(_mm_or_si128(l, u), _mm_set1_epi8(32));
-            emit16(o + 128 * h + e, q, d * (float)sc[8 * h + c], 0.f, 0);
+            emit16(o + 128 * h + e, AT(hb + 128 * h + e), q, d * (float)sc[8 * h + c], 0.f, 0);
         }
 }
-static void dq_iq4_xs(const uint8_t *b, float *o) {
+static inline __attribute__((always_inline)) void dq_iq4_xs(const uint8_t *b, float *o, uint16_t *hb) {
     const __m128i kv = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
     const float d = h2f(b);
     uint16_t sh; memcpy(&sh, b + 2, 2);
@@ -140,8 +149,8 @@ static void dq_iq4_xs(const uint8_t *b, float *o) {
         const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
         const float dl = d * (float)(ls - 32);
         const __m128i q = ld16(b + 8 + 16 * j);
-        emit16(o + 32 * j, _mm_shuffle_epi8(kv, lo4(q)), dl, 0.f, 0);
-        emit16(o + 32 * j + 16, _mm_shuffle_epi8(kv, hi4(q)), dl, 0.f, 0);
+        emit16(o + 32 * j, AT(hb + 32 * j), _mm_shuffle_epi8(kv, lo4(q)), dl, 0.f, 0);
+        emit16(o + 32 * j + 16, AT(hb + 32 * j + 16), _mm_shuffle_epi8(kv, hi4(q)), dl, 0.f, 0);
     }
 }
 
@@ -149,7 +158,8 @@ static void dq_iq4_xs(const uint8_t *b, float *o) {
  * row's end (a whole number of blocks either way: the row length is one). Prefetch: a line 1 KiB ahead of
  * each block, or with next_span every line of the block as far ahead as the span is long (where a
  * span-by-span caller reads this row next; the rows interleave, so no hardware stream covers them) */
-static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, float *out, int next_span) {
+static inline __attribute__((always_inline)) int dequant_span_to(int fmt, const uint8_t *row, int64_t k0, int64_t k1,
+                                                                  float *out, uint16_t *hb, int next_span) {
 #define BLOCKS(bs, bytes, call) { \
     const int64_t ahead = next_span ? (k1 - k0) / (bs) * (bytes) : 1024; \
     for (int64_t i = k0 / (bs); i < k1 / (bs); i++) { \
@@ -166,19 +176,31 @@ static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, flo
             memcpy(out + (i - k0), &u, 4);
         }
         return 0;
-    case Q4_0: BLOCKS(32, 18, dq_q4_0(b, out + (32 * i - k0)))
-    case Q4_1: BLOCKS(32, 20, dq_q4_1(b, out + (32 * i - k0)))
-    case Q5_0: BLOCKS(32, 22, dq_q5(b, out + (32 * i - k0), 0))
-    case Q5_1: BLOCKS(32, 24, dq_q5(b, out + (32 * i - k0), 1))
-    case Q8_0: BLOCKS(32, 34, dq_q8_0(b, out + (32 * i - k0)))
-    case Q4_K: BLOCKS(256, 144, dq_qk(b, out + (256 * i - k0), 0))
-    case Q5_K: BLOCKS(256, 176, dq_qk(b, out + (256 * i - k0), 1))
-    case Q6_K: BLOCKS(256, 210, dq_q6_k(b, out + (256 * i - k0)))
-    case IQ4_XS: BLOCKS(256, 136, dq_iq4_xs(b, out + (256 * i - k0)))
+    case Q4_0: BLOCKS(32, 18, dq_q4_0(b, out + (32 * i - k0), AT(hb + (32 * i - k0))))
+    case Q4_1: BLOCKS(32, 20, dq_q4_1(b, out + (32 * i - k0), AT(hb + (32 * i - k0))))
+    case Q5_0: BLOCKS(32, 22, dq_q5(b, out + (32 * i - k0), AT(hb + (32 * i - k0)), 0))
+    case Q5_1: BLOCKS(32, 24, dq_q5(b, out + (32 * i - k0), AT(hb + (32 * i - k0)), 1))
+    case Q8_0: BLOCKS(32, 34, dq_q8_0(b, out + (32 * i - k0), AT(hb + (32 * i - k0))))
+    case Q4_K: BLOCKS(256, 144, dq_qk(b, out + (256 * i - k0), AT(hb + (256 * i - k0)), 0))
+    case Q5_K: BLOCKS(256, 176, dq_qk(b, out + (256 * i - k0), AT(hb + (256 * i - k0)), 1))
+    case Q6_K: BLOCKS(256, 210, dq_q6_k(b, out + (256 * i - k0), AT(hb + (256 * i - k0))))
+    case IQ4_XS: BLOCKS(256, 136, dq_iq4_xs(b, out + (256 * i - k0), AT(hb + (256 * i - k0))))
     default: return 1;
     }
 #undef BLOCKS
 }
+
+static int dequant_span(int fmt, const uint8_t *row, int64_t k0, int64_t k1, float *out, int next_span) {
+    return dequant_span_to(fmt, row, k0, k1, out, NULL, next_span);
+}
+
+#if BMM_LEVEL == 3
+/* a block format's row → bf16 at hb (the fp32 value rounded to nearest even; k a whole number of blocks);
+ * fb: scratch the F32/F16/BF16 cases would write, unused here */
+static int dequant_row_bf16(int fmt, const uint8_t *row, int64_t k, float *fb, uint16_t *hb) {
+    return dequant_span_to(fmt, row, 0, k, fb, hb, 0);
+}
+#endif
 
 /* one row of W (k elements) → fp32 out[k] */
 static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) { return dequant_span(fmt, row, 0, k, out, 0); }
@@ -436,10 +458,9 @@ static void store_res(const float *res, int mr, int nr, void *y, int y_bf16, int
         }
 }
 
-/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32): y may be
- * a column slice of a wider output (fused q/k/v or gate/up kept as separate tensors). 0 on success. */
-int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
-                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
+/* the fp32 dot-product path: x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] */
+static int bmm_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
+                    int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
     const int64_t kp = (k + VW - 1) / VW * VW;
     int64_t mc = (512 << 10) / (4 * kp) / MR * MR;          /* rows whose fp32 copy fits in ~512 KiB */
     mc = mc < MR ? MR : mc > 64 ? 64 : mc;
@@ -481,6 +502,206 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     free(xb);
     free(wb);
     return bad ? 1 : 0;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* ---- AMX-BF16 (bf16 x, where the CPU has AMX and Linux grants the tile state) ----
+ * y[m, n] = Σ_k x[m][k]·W[n][k] with W rounded to bf16 (round to nearest even, as torch's .bfloat16()):
+ * TDPBF16PS adds each pair's exact products into one fp32 accumulator per output in increasing k, with every
+ * output's K order fixed (k = 0 … Kp − 1, Kp = K padded with zeros to 32), so its bits do not depend on M, on
+ * the rows beside it (tile rows past M are zeros) or on the threads (they split W's rows = output columns).
+ * W is the A operand (its rows need no transpose: 16 rows × 32 k per tile, dequantized and rounded once per
+ * call into a per-thread buffer), x the B operand in the pair-interleaved layout (built once per call); a C
+ * tile is 16 columns of y × 16 rows of x, stored once after the whole K and written to y transposed.
+ * Tiles: 0-3 C (2 W tiles × 2 x tiles), 4-5 W, 6-7 x. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define WT 32                 /* W rows per pair of A tiles */
+#ifndef GTMAX
+#define GTMAX 4               /* tile pairs per column group (the group's bf16 rows stay in L2) */
+#endif
+static int amx_perm = -1, amx_on = 0;
+
+/* want 1: run bf16 x through AMX where Linux grants the tile state (asked once per process: without it the
+ * first tile instruction is SIGILL); 0: the dot-product path only (A/B benchmarks, tests); -1: ask. Returns
+ * the state. */
+int chatserve_bmm_amx(int want) {
+    if (amx_perm < 0) amx_perm = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (want >= 0) amx_on = want && amx_perm;
+    return amx_on;
+}
+
+struct tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+/* 16 floats → 16 bf16, rounded to nearest even (VCVTNEPS2BF16: subnormals flush to zero, as TDPBF16PS reads
+ * them anyway; a block format's dequantized values are never subnormal) */
+static inline __m256i w2bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* 16 floats → 16 bf16, rounded to nearest even exactly as f2bf (y) */
+static inline __m256i f2bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+/* one C tile (16 W rows i × 16 x rows j, at c) → y[m0 + j][n0 + i] for the rows and columns that exist */
+static void store_tile(const float *c, void *y, int y_bf16, int64_t ldy, int64_t m0, int64_t mrows, int64_t n0,
+                       int64_t ncols) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16));
+    const __mmask16 mk = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);
+    for (int64_t j = 0; j < mrows && j < 16; j++) {
+        const __m512 v = _mm512_i32gather_ps(idx, c + j, 4);
+        if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + j) * ldy + n0, mk, f2bf16x16(v));
+        else _mm512_mask_storeu_ps((float *)y + (m0 + j) * ldy + n0, mk, v);
+    }
+}
+
+/* the calling thread's scratch of at least `bytes` (kept between calls and grown as needed: a fresh buffer
+ * every call costs page faults and cold stores that a 1-row call would spend longer on than on its tiles;
+ * scratch_trim gives back one over SCRATCH_KEEP after the call, so a long prompt's x copy is not kept).
+ * Thread-local, so concurrent callers never share one; NULL when out of memory. */
+#define SCRATCH_KEEP (8u << 20)
+static __thread uint8_t *scratch_buf;
+static __thread size_t scratch_size;
+static uint8_t *scratch(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch_buf);
+        scratch_size = (bytes + 4095) / 4096 * 4096;
+        scratch_buf = aligned_alloc(64, scratch_size);
+        if (!scratch_buf) scratch_size = 0;
+    }
+    return scratch_buf;
+}
+
+static void scratch_trim(void) {
+    if (scratch_size > SCRATCH_KEEP) { free(scratch_buf); scratch_buf = NULL; scratch_size = 0; }
+}
+
+/* W rows [r0, r0 + WT) → bf16 rows of kp at o (fb: one fp32 row of scratch), zeros past k and past n */
+static int w_pair(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int64_t kp, int64_t r0,
+                  uint16_t *o, float *fb) {
+    int bad = 0;
+    for (int64_t i = 0; i < WT; i++, o += kp) {
+        if (r0 + i >= n) { memset(o, 0, 2 * (size_t)kp); continue; }
+        if (fmt != F32 && fmt != F16 && fmt != BF16) {  /* block formats (k == kp): emit16 writes bf16 to o */
+            bad |= dequant_row_bf16(fmt, w + (r0 + i) * row_bytes, k, fb, o);
+            continue;
+        }
+        bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
+        for (int64_t c = k; c < kp; c++) fb[c] = 0.f;
+        for (int64_t c = 0; c < kp; c += 16) _mm256_storeu_si256((__m256i *)(o + c), w2bf16x16(_mm512_loadu_ps(fb + c)));
+    }
+    return bad;
+}
+
+/* x tiles b and b + 1 (rows 16b … 16b + 31; one tile when b is the last) against the pair of W tiles a0 (W
+ * rows r0 …): C from zero over k = 0 … kp − 1, stored once, written to y (cb: 4 C tiles of scratch) */
+static void pair_tiles(const uint16_t *a0, int64_t kp, const uint32_t *xv, int64_t kh, int64_t mb, int64_t b,
+                       float *cb, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t r0) {
+    const uint16_t *a1 = a0 + 16 * kp;
+    const uint32_t *x0 = xv + b * kh * 16, *x1 = x0 + kh * 16;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    if (b + 1 < mb)
+        for (int64_t c = 0; c < kp; c += 32) {
+            _tile_loadd(4, a0 + c, 2 * kp); _tile_loadd(5, a1 + c, 2 * kp);
+            _tile_loadd(6, x0 + 8 * c, 64); _tile_loadd(7, x1 + 8 * c, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+    else
+        for (int64_t c = 0; c < kp; c += 32) {
+            _tile_loadd(4, a0 + c, 2 * kp); _tile_loadd(5, a1 + c, 2 * kp);
+            _tile_loadd(6, x0 + 8 * c, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+        }
+    _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
+    _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64);
+    for (int h = 0; h < 2; h++)
+        for (int bb = 0; bb < 2 && b + bb < mb; bb++) {
+            const int64_t n0 = r0 + 16 * h, m0 = 16 * (b + bb);
+            if (n0 < n) store_tile(cb + 256 * (2 * h + bb), y, y_bf16, ldy, m0, m - m0, n0, n - n0);
+        }
+}
+
+static int bmm_amx(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const uint16_t *x, int64_t m,
+                   void *y, int64_t ldy, int y_bf16, int nt) {
+    const int64_t kp = (k + 31) / 32 * 32, kh = kp / 2, mb = (m + 15) / 16;
+    const int64_t npairs = (n + WT - 1) / WT;
+    int64_t ngroups = (npairs + GTMAX - 1) / GTMAX;         /* as many groups per thread, as in the AVX2 level */
+    ngroups = (ngroups + nt - 1) / nt * nt;
+    const int64_t gt = (npairs + ngroups - 1) / ngroups;
+    ngroups = (npairs + gt - 1) / gt;
+    /* x [mb][kh][16] pairs: block b, pair r, row j = x[16b + j][2r] | x[16b + j][2r + 1] << 16 */
+    const size_t xbytes = (4 * (size_t)(mb * kh * 16) + 63) / 64 * 64;
+    /* per thread: the group's W rows in bf16 [gt·WT][kp], one fp32 row, 4 C tiles */
+    const size_t per = (4 * 1024 + 4 * (size_t)kp + 2048 + 2 * (size_t)(gt * WT * kp) + 63) / 64 * 64;
+    uint8_t *all = scratch(xbytes + per * (size_t)nt);
+    if (!all) return 2;
+    uint32_t *xv = (uint32_t *)all;
+    uint8_t *buf = all + xbytes;
+    struct tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    int bad = 0;
+    #pragma omp parallel num_threads(nt) reduction(|: bad)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < mb; b++)
+            for (int j = 0; j < 16; j++) {
+                uint32_t *o = xv + b * kh * 16 + j;
+                const int64_t row = 16 * b + j;
+                if (row >= m) { for (int64_t r = 0; r < kh; r++) o[16 * r] = 0; continue; }
+                const uint16_t *s = x + row * k;
+                int64_t r = 0;
+                for (; 2 * r + 1 < k; r++) o[16 * r] = (uint32_t)s[2 * r] | (uint32_t)s[2 * r + 1] << 16;
+                for (; r < kh; r++) o[16 * r] = 2 * r < k ? s[2 * r] : 0;
+            }
+#ifdef _OPENMP
+        uint8_t *tb = buf + per * (size_t)omp_get_thread_num();
+#else
+        uint8_t *tb = buf;
+#endif
+        /* 4 C tiles, the fp32 row, then the bf16 rows 2 KiB further on than a multiple of 4 KiB would put
+         * them (a row's loads and its converted stores 4 KiB apart would alias in the store buffer) */
+        float *cb = (float *)tb, *fb = cb + 1024;
+        uint16_t *wb = (uint16_t *)(tb + (4 * 1024 + 4 * (size_t)kp + 2048 + 63) / 64 * 64);
+        _tile_loadconfig(&cfg);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < ngroups; g++) {
+            const int64_t r0 = g * gt * WT, gtn = npairs - g * gt < gt ? npairs - g * gt : gt;
+            /* few rows (one or two x tiles): each pair of W tiles right after its dequantization, while it is
+             * in L1; more: the whole group first, then each 32 rows of x against every pair (x read once per
+             * group). The same tile operations per output either way. */
+            if (mb <= 2)
+                for (int64_t t = 0; t < gtn; t++) {
+                    bad |= w_pair(fmt, w, row_bytes, n, k, kp, r0 + t * WT, wb + t * WT * kp, fb);
+                    for (int64_t b = 0; b < mb; b += 2) pair_tiles(wb + t * WT * kp, kp, xv, kh, mb, b, cb, y, y_bf16, ldy, m, n, r0 + t * WT);
+                }
+            else {
+                for (int64_t t = 0; t < gtn; t++) bad |= w_pair(fmt, w, row_bytes, n, k, kp, r0 + t * WT, wb + t * WT * kp, fb);
+                for (int64_t b = 0; b < mb; b += 2)
+                    for (int64_t t = 0; t < gtn; t++) pair_tiles(wb + t * WT * kp, kp, xv, kh, mb, b, cb, y, y_bf16, ldy, m, n, r0 + t * WT);
+            }
+        }
+        _tile_release();
+    }
+    scratch_trim();
+    return bad ? 1 : 0;
+}
+#endif
+
+/* x [m, k] (fp32, or bf16 when x_bf16) → y [m, n] at row stride ldy (bf16 when y_bf16, else fp32): y may be
+ * a column slice of a wider output (fused q/k/v or gate/up kept as separate tensors). 0 on success.
+ * bf16 x runs on AMX when chatserve_bmm_amx switched it on, fp32 x (and bf16 x elsewhere) on the dot products. */
+int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
+                  int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
+    if (nt < 1) nt = 1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (x_bf16 && amx_on) return bmm_amx(fmt, w, row_bytes, n, k, (const uint16_t *)x, m, y, ldy, y_bf16, nt);
+#endif
+    return bmm_dots(fmt, w, row_bytes, n, k, x, m, x_bf16, y, ldy, y_bf16, nt);
 }
 #endif
 #else

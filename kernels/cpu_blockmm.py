@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 
-from chatserve_kernels import cpu_build
+from chatserve_kernels import cpu_build, env
 from chatserve_kernels.block_formats import BlockWeight
 
 SOURCE = Path(__file__).with_name("cpu_blockmm.c")
 HELPERS = Path(__file__).with_name("block_bytes.h")    # written before each block kernel's source
 LEVELS = {"avx2": 2, "avx512": 3}
-_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")}
+_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
+          "amx": ("amx_tile", "amx_bf16")}
 # prepended to the shared source per level; the AVX2 build switches AVX-512 off even under -march=native
 _PRELUDE = {"avx2": '#pragma GCC target("no-avx512f")\n#define BMM_LEVEL 2\n', "avx512": "#define BMM_LEVEL 3\n"}
 _i64, _i32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -60,6 +61,9 @@ def library(isa: str):
     lib.chatserve_bmm.restype = _i32
     lib.chatserve_bmm_dequant.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp]
     lib.chatserve_bmm_dequant.restype = _i32
+    lib.chatserve_bmm_amx.argtypes = [_i32]
+    lib.chatserve_bmm_amx.restype = _i32
+    lib.chatserve_bmm_amx(int(isa == "avx512" and supported("amx") and env.cpu_amx_enabled()))
     return lib
 
 
@@ -76,6 +80,25 @@ def level_source(source: Path, tag: str, prelude: str) -> Path:
 
 def available(isa: str) -> bool:
     return library(isa) is not None
+
+
+def amx(isa: str) -> bool:
+    """Level `isa` runs bf16 x on AMX-BF16 tiles (the CPU has amx_tile + amx_bf16, the build has them and
+    Linux granted the tile state): W is then rounded to bf16 for those calls (`rounds_w(isa, dtype)`)."""
+    lib = library(isa)
+    return lib is not None and bool(lib.chatserve_bmm_amx(-1))
+
+
+def use_amx(isa: str, on: bool) -> bool:
+    """Switch level `isa`'s AMX path on (where it can run) or off (the fp32 dot products for bf16 x too: tests,
+    A/B benchmarks); returns whether it is on. Results of one setting never depend on M or threads."""
+    lib = library(isa)
+    return lib is not None and bool(lib.chatserve_bmm_amx(int(on)))
+
+
+def rounds_w(isa: str, x_dtype: torch.dtype) -> bool:
+    """Whether a matmul of `x_dtype` rows at level `isa` runs on W rounded to bf16 (the AMX path)."""
+    return x_dtype == torch.bfloat16 and amx(isa)
 
 
 def dequantize(w: BlockWeight, isa: str) -> torch.Tensor:

@@ -16,7 +16,9 @@ CACHE_DIR = "CHATSERVE_CACHE_DIR"        # the per-user cache root (compiled ker
 MOE_KERNEL = "CHATSERVE_MOE_KERNEL"      # "0": MoE decode rows through the expert loop, not cpu_moe's one call
 WEIGHT_CACHE = "CHATSERVE_WEIGHT_CACHE"  # "0": never read or write cpu_qmatmul's packed weights on disk
 WEIGHT_CACHE_DIR = "CHATSERVE_WEIGHT_CACHE_DIR"   # where they live (default <cache root>/qmatmul)
-NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, WEIGHT_CACHE, WEIGHT_CACHE_DIR)
+AMX = "CHATSERVE_AMX"                    # "0": cpu_blockmm's AVX-512 level never uses the AMX tiles (bf16 x too on
+                                         # its fp32 dot products; for A/B runs)
+NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, WEIGHT_CACHE, WEIGHT_CACHE_DIR, AMX)
 # other programs' variables the kernels honour (config.FOREIGN_ENV declares them too)
 CC = "CC"                                # the C compiler for the CPU kernels
 TRITON_INTERPRET = "TRITON_INTERPRET"    # triton's own switch: "1" runs kernels in its CPU interpreter
@@ -42,6 +44,9 @@ def weight_cache_dir() -> Path:
     """$CHATSERVE_WEIGHT_CACHE_DIR, else <cache root>/qmatmul (the test suite points it at a directory of its
     own, removed when the run ends, so its random-weight models leave nothing in the user's cache)."""
     return Path(os.environ.get(WEIGHT_CACHE_DIR) or cache_root() / "qmatmul")
+def cpu_amx_enabled() -> bool:
+    """cpu_blockmm's AMX-BF16 path for bf16 rows where the CPU has it (read when the kernel loads)."""
+    return os.environ.get(AMX, "1") != "0"
 
 
 def force_triton() -> bool:

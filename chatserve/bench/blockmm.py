@@ -68,6 +68,9 @@ def _before_library(source: Path, isa: str):
     lib.chatserve_bmm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                   ctypes.c_int, ctypes.c_int]
+    if hasattr(lib, "chatserve_bmm_amx"):      # a source with the AMX path: as this tree's is set (CHATSERVE_AMX)
+        lib.chatserve_bmm_amx.argtypes = [ctypes.c_int]
+        lib.chatserve_bmm_amx(int(cpu_blockmm.amx(isa)))
     return lib
 
 
@@ -100,7 +103,8 @@ def _baselines(wb, x, m: int, repeats: int) -> dict[str, float]:
     except RuntimeError:        # oneDNN packs bf16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT: no such row
         packed = None
     if packed is not None:
-        out["onednn-bf16"] = _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        xb = x.bfloat16()       # what a bf16 model's prompt rows pass (oneDNN's bf16 weights refuse fp32 x)
+        out["onednn-bf16"] = _best_ms(lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""),
                                       repeats)
     if m <= 16 and cpu_qmatmul.available():
         for bits in (4, 8):

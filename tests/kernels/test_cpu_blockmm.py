@@ -18,6 +18,9 @@ from chatserve_kernels import cpu_blockmm
 
 # the levels this CPU runs (an AVX-512 CPU runs both): not a skip, a parametrization over what exists
 LEVELS = [isa for isa in cpu_blockmm.LEVELS if cpu_blockmm.supported(isa)]
+# and the paths: the AVX-512 level with its AMX-BF16 tiles on (bf16 x; where the CPU has them) and off
+PATHS = [(isa, False) for isa in LEVELS] + [("avx512", True)] * ("avx512" in LEVELS and cpu_blockmm.supported("amx"))
+PATH_IDS = [f"{isa}{'-amx' if on else ''}" for isa, on in PATHS]
 FORMATS = list(bf.FORMATS)
 QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")   # gguf-py quantizes these
 BATCH_MS = (1, 2, 3, 5, 6, 7, 8, 15, 16, 17, 31, 64, 67, 100, 121, 257, 300)
@@ -26,6 +29,26 @@ BATCH_MS = (1, 2, 3, 5, 6, 7, 8, 15, 16, 17, 31, 64, 67, 100, 121, 257, 300)
 def test_this_cpu_has_a_level():
     assert LEVELS, "cpu_blockmm needs AVX2+FMA+F16C; the serving path falls back to the torch twin"
     assert all(cpu_blockmm.available(isa) for isa in LEVELS)
+    # the AMX path is on by default where the CPU has the tiles (a build or arch_prctl failure would be a bug)
+    assert cpu_blockmm.amx("avx512") == ("avx512" in LEVELS and cpu_blockmm.supported("amx"))
+    assert not cpu_blockmm.amx("avx2")
+
+
+@pytest.fixture
+def path(request):
+    """(isa, amx) of PATHS with the AVX-512 level's AMX switch set for the test and put back after it."""
+    isa, on = request.param
+    was = cpu_blockmm.amx("avx512") if "avx512" in LEVELS else False
+    if isa == "avx512":
+        assert cpu_blockmm.use_amx(isa, on) == on
+    yield isa, on
+    if "avx512" in LEVELS:
+        cpu_blockmm.use_amx("avx512", was)
+
+
+def oracle_w(dense: torch.Tensor, isa: str, x_dtype: torch.dtype) -> torch.Tensor:
+    """The dense W a path multiplies: rounded to bf16 on the AMX path (bf16 x), else as dequantized."""
+    return dense.bfloat16().float() if cpu_blockmm.rounds_w(isa, x_dtype) else dense
 
 
 def make_weight(name: str, n: int, k: int, seed: int = 0, random_bytes: bool = False) -> bf.BlockWeight:
@@ -68,18 +91,19 @@ def test_kernel_dequantizes_bit_equal_to_the_twin(isa, name):
         assert torch.equal(cpu_blockmm.dequantize(w, isa), bf.dequantize(w)), (name, n, k)
 
 
-@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS, indirect=True)
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_matches_the_twin_and_the_dense_matmul(isa, name, dtype):
+def test_matmul_matches_the_twin_and_the_dense_matmul(path, name, dtype):
+    isa, _ = path
     g = torch.Generator().manual_seed(7)
     for n, k in shapes(name):
         w = make_weight(name, n, k, seed=n * k)
-        dense = gguf_reference(w)
+        dense = oracle_w(gguf_reference(w), isa, dtype)
         for m in (1, 4, 6):
             x = torch.randn(m, k, generator=g).to(dtype)
             y = cpu_blockmm.matmul(x, w, isa, out_dtype=torch.float32)
-            twin = bf.matmul_torch(x, w, torch.float32)
+            twin = bf.matmul_torch(x, w, torch.float32, w_bf16=cpu_blockmm.rounds_w(isa, dtype))
             assert y.shape == (m, n) and y.abs().sum() > 0
             # the twin: float32 dots in another order; the bound is a few ulps of Σ|x||w|
             scale = x.float().abs() @ dense.abs().t()
@@ -100,30 +124,37 @@ def long_shapes(name: str) -> list[tuple[int, int]]:
     return [(37, 9 * b), (130, 17 * b)] if b > 1 else [(37, 300), (19, 517)]
 
 
-@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS, indirect=True)
 @pytest.mark.parametrize("name", FORMATS)
-def test_matmul_over_long_k_and_ragged_tiles_matches_the_twin(isa, name):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_over_long_k_and_ragged_tiles_matches_the_twin(path, name, dtype):
+    """M = 1, 5, 16, 64, 300 (and off the tiles: 7, 13, 67) against the twin, per format and path."""
+    isa, _ = path
     g = torch.Generator().manual_seed(13)
     for n, k in long_shapes(name):
         w = make_weight(name, n, k, seed=n + k)
-        dense = gguf_reference(w)
-        for m in (1, 7, 13, 67):
-            x = torch.randn(m, k, generator=g)
-            y = cpu_blockmm.matmul(x, w, isa)
-            twin = bf.matmul_torch(x, w, torch.float32)
+        dense = oracle_w(gguf_reference(w), isa, dtype)
+        for m in (1, 5, 7, 13, 16, 64, 67, 300):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            y = cpu_blockmm.matmul(x, w, isa, out_dtype=torch.float32)
+            twin = bf.matmul_torch(x, w, torch.float32, w_bf16=cpu_blockmm.rounds_w(isa, dtype))
             assert y.shape == (m, n) and y.abs().sum() > 0
-            scale = x.abs() @ dense.abs().t()
+            scale = x.float().abs() @ dense.abs().t()
             assert bool(((y - twin).abs() <= scale * 1e-5 + 1e-30).all()), (name, n, k, m)
 
 
-@pytest.mark.parametrize("isa", LEVELS)
-@pytest.mark.parametrize("name", ["F16", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS, indirect=True)
+@pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-def test_rows_are_batch_invariant(isa, name, x_dtype, monkeypatch):
+def test_rows_are_batch_invariant(path, name, x_dtype, monkeypatch):
     """Row i's bits do not depend on M, on the rows beside it, or on 1 or 2 threads (K over two spans, N
-    over several panels and, with 2 threads, several column groups)."""
+    over several panels and, with 2 threads, several column groups; on the AMX path over several tile
+    pairs, with x tiles of 1-16 rows and odd counts of them)."""
+    isa, _ = path
     monkeypatch.setattr(cpu_blockmm, "ONE_THREAD_MACS", 0)     # small calls too take the threads asked for
     n, k = 53, 2 * bf.FORMATS[name].block if bf.FORMATS[name].block == 256 else 320
+    if bf.FORMATS[name].block == 1:
+        n, k = 75, 333                  # K off the tile's 32 pairs and the AVX2 transpose's 8
     w = make_weight(name, n, k, seed=11)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(max(BATCH_MS), k, generator=g).to(x_dtype)
