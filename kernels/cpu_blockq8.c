@@ -319,6 +319,53 @@ static inline __attribute__((always_inline)) pair64 pair(const int fmt, const ui
         o.mn = _mm512_setzero_ps();
         return o;
     }
+    if (two && !(j & 1) && fmt == Q4_K) {   /* blocks jj, jj + 1 of a super-block: the low, high nibbles of 32 qs */
+        const int jj = (int)(j & 7);
+        const uint8_t *sb = row + (j >> 3) * 144;
+        const __m256i t = _mm256_loadu_si256((const __m256i *)(sb + 16 + 16 * jj));
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+        o.u = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+        int sa, ma, sbb, mb;
+        scale_min_k4(sb + 4, jj, &sa, &ma);
+        scale_min_k4(sb + 4, jj + 1, &sbb, &mb);
+        /* d·sc and −(dmin·mn) of both blocks in one multiply: unpack()'s float products, so the same bits */
+        int32_t dm; memcpy(&dm, sb, 4);                                           /* fp16 d, dmin */
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+        const __m128 f = _mm_mul_ps(_mm_shuffle_ps(dd, dd, _MM_SHUFFLE(1, 1, 0, 0)),
+                                    _mm_cvtepi32_ps(_mm_setr_epi32(sa, sbb, ma, mb)));   /* ws a, b; mn a, b */
+        const __m512 fz = _mm512_castps128_ps512(f);
+        o.ws = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), fz);
+        o.mn = _mm512_xor_ps(_mm512_permutexvar_ps(_mm512_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3),
+                                                   fz), _mm512_set1_ps(-0.f));
+        return o;
+    }
+    if (two && !(j & 1) && fmt == Q6_K) {
+        /* blocks jj, jj + 1 (jj even) of a half h2: a = elements 32·q .. 32·q + 31 of the half, b = the next 32
+         * (q = jj % 4 ∈ {0, 2}); low 4 bits from ql[0:32] (a) and ql[32:64] (b), low or high nibbles as q is
+         * 0 or 2; high 2 bits from qh[0:32], bits 2q (a) and 2q + 2 (b). Lanes: a 0-15, b 0-15, a 16-31, b 16-31 */
+        const int jj = (int)(j & 7), h2 = jj / 4, q = jj % 4;
+        const uint8_t *sb = row + (j >> 3) * 210, *ql = sb + 64 * h2, *qh = sb + 128 + 32 * h2;
+        const __m512i l = _mm512_loadu_si512(ql);                                   /* [a0, a1, b0, b1] */
+        __m512i lo = _mm512_shuffle_i64x2(l, l, _MM_SHUFFLE(3, 1, 2, 0));          /* [a0, b0, a1, b1] */
+        if (q) lo = _mm512_srli_epi16(lo, 4);
+        lo = _mm512_and_si512(lo, _mm512_set1_epi8(0x0F));
+        const __m256i hy = _mm256_loadu_si256((const __m256i *)qh);
+        const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(hy), hy, 1);   /* [h0, h1, h0, h1] */
+        const __m512i hh = _mm512_shuffle_i64x2(hz, hz, _MM_SHUFFLE(3, 1, 2, 0));  /* [h0, h0, h1, h1] */
+        const short sa = (short)(2 * q), sbs = (short)(2 * q + 2);
+        const __m512i cnt = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(sbs),
+                                                                                    _mm_set1_epi16(sa))),
+                                               _mm256_set_m128i(_mm_set1_epi16(sbs), _mm_set1_epi16(sa)), 1);
+        const __m512i top = _mm512_and_si512(_mm512_srlv_epi16(hh, cnt), _mm512_set1_epi8(3));
+        o.u = _mm512_or_si512(lo, _mm512_slli_epi16(top, 4));
+        const int8_t *sc = (const int8_t *)(sb + 192) + 8 * h2 + 2 * q;         /* a: sc[0], sc[1]; b: sc[2], sc[3] */
+        const __m128 s4 = _mm_cvtepi32_ps(_mm_setr_epi32(sc[0], sc[2], sc[1], sc[3]));
+        const __m128 w4 = _mm_mul_ps(_mm_set1_ps(h2f(sb + 208)), s4);              /* a.ws0, b.ws0, a.ws1, b.ws1 */
+        const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        o.ws = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(w4));
+        o.mn = _mm512_setzero_ps();
+        return o;
+    }
     const blk32 a = unpack(fmt, row, j);
     blk32 b;
     if (two) b = unpack(fmt, row, j + 1);
