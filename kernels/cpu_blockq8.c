@@ -298,7 +298,27 @@ static inline __m512 two_fp16(const uint8_t *pa, const uint8_t *pb) {   /* two f
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
 }
 
-static inline __attribute__((always_inline)) pair64 pair(const int fmt, const uint8_t *row, int64_t j, int two) {
+/* A Q4_K super-block's 8 weight scales d·sc (lanes 0-7) and mins −(dmin·mn) (lanes 8-15): unpack()'s float
+ * products (the same bits), once per super-block instead of once per block; the 6-bit fields by the byte-wise
+ * word arithmetic of scale_min_k4 (sc 0-3 = s[0-3] & 63, mn 0-3 = s[4-7] & 63, sc 4-7 = s[8-11] & 15 |
+ * (s[0-3] >> 6) << 4, mn 4-7 = s[8-11] >> 4 | (s[4-7] >> 6) << 4) */
+static inline __attribute__((always_inline)) __m512 k4_scales(const uint8_t *sb) {
+    uint32_t u[3]; memcpy(u, sb + 4, 12);
+    const uint32_t sc_lo = u[0] & 0x3F3F3F3Fu, mn_lo = u[1] & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    const uint32_t mn_hi = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo,
+                                                                            (int)mn_hi)));
+    int32_t dm; memcpy(&dm, sb, 4);                                                  /* fp16 d, dmin */
+    const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                            _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(dm))));
+    const __m512 p = _mm512_mul_ps(dd, f);
+    return _mm512_mask_xor_ps(p, (__mmask16)0xFF00, p, _mm512_set1_ps(-0.f));
+}
+
+/* k4: k4_scales() of row's super-block j / 8 (Q4_K; unused otherwise) */
+static inline __attribute__((always_inline)) pair64 pair(const int fmt, const uint8_t *row, int64_t j, int two,
+                                                         __m512 k4) {
     pair64 o;
     if (two && (fmt == Q4_0 || fmt == Q4_1)) {             /* [qa, qb, qa >> 4, qb >> 4] & 0x0F */
         const int64_t bb = fmt == Q4_0 ? 18 : 20, at = fmt == Q4_0 ? 2 : 4;
@@ -316,6 +336,45 @@ static inline __attribute__((always_inline)) pair64 pair(const int fmt, const ui
                                              _mm256_loadu_si256((const __m256i *)(b + 2)), 1);
         o.u = _mm512_xor_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8((char)0x80));
         o.ws = two_fp16(a, b);
+        o.mn = _mm512_setzero_ps();
+        return o;
+    }
+    if (two && !(j & 1) && fmt == Q4_K) {   /* blocks jj, jj + 1 of a super-block: the low, high nibbles of 32 qs */
+        const int jj = (int)(j & 7);
+        const uint8_t *sb = row + (j >> 3) * 144;
+        const __m256i t = _mm256_loadu_si256((const __m256i *)(sb + 16 + 16 * jj));
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+        o.u = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+        const __m512i at = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1),
+                                            _mm512_set1_epi32(jj));     /* lanes a ×4, b ×4, a ×4, b ×4 */
+        o.ws = _mm512_permutexvar_ps(at, k4);
+        o.mn = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(8)), k4);
+        return o;
+    }
+    if (two && !(j & 1) && fmt == Q6_K) {
+        /* blocks jj, jj + 1 (jj even) of a half h2: a = elements 32·q .. 32·q + 31 of the half, b = the next 32
+         * (q = jj % 4 ∈ {0, 2}); low 4 bits from ql[0:32] (a) and ql[32:64] (b), low or high nibbles as q is
+         * 0 or 2; high 2 bits from qh[0:32], bits 2q (a) and 2q + 2 (b). Lanes: a 0-15, b 0-15, a 16-31, b 16-31 */
+        const int jj = (int)(j & 7), h2 = jj / 4, q = jj % 4;
+        const uint8_t *sb = row + (j >> 3) * 210, *ql = sb + 64 * h2, *qh = sb + 128 + 32 * h2;
+        const __m512i l = _mm512_loadu_si512(ql);                                   /* [a0, a1, b0, b1] */
+        __m512i lo = _mm512_shuffle_i64x2(l, l, _MM_SHUFFLE(3, 1, 2, 0));          /* [a0, b0, a1, b1] */
+        if (q) lo = _mm512_srli_epi16(lo, 4);
+        lo = _mm512_and_si512(lo, _mm512_set1_epi8(0x0F));
+        const __m256i hy = _mm256_loadu_si256((const __m256i *)qh);
+        const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(hy), hy, 1);   /* [h0, h1, h0, h1] */
+        const __m512i hh = _mm512_shuffle_i64x2(hz, hz, _MM_SHUFFLE(3, 1, 2, 0));  /* [h0, h0, h1, h1] */
+        const short sa = (short)(2 * q), sbs = (short)(2 * q + 2);
+        const __m512i cnt = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(sbs),
+                                                                                    _mm_set1_epi16(sa))),
+                                               _mm256_set_m128i(_mm_set1_epi16(sbs), _mm_set1_epi16(sa)), 1);
+        const __m512i top = _mm512_and_si512(_mm512_srlv_epi16(hh, cnt), _mm512_set1_epi8(3));
+        o.u = _mm512_or_si512(lo, _mm512_slli_epi16(top, 4));
+        const int8_t *sc = (const int8_t *)(sb + 192) + 8 * h2 + 2 * q;         /* a: sc[0], sc[1]; b: sc[2], sc[3] */
+        const __m128 s4 = _mm_cvtepi32_ps(_mm_setr_epi32(sc[0], sc[2], sc[1], sc[3]));
+        const __m128 w4 = _mm_mul_ps(_mm_set1_ps(h2f(sb + 208)), s4);              /* a.ws0, b.ws0, a.ws1, b.ws1 */
+        const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        o.ws = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(w4));
         o.mn = _mm512_setzero_ps();
         return o;
     }
@@ -338,10 +397,12 @@ static inline __attribute__((always_inline)) void rows_dot(const int fmt, const 
     const int64_t nb = X->nb, kp = X->kp, kl = X->kp / 4;
     const int z = zero_of(fmt), mins = has_min(fmt);
     vf acc[MR];
+    __m512 k4 = _mm512_setzero_ps();                /* Q4_K: the current super-block's k4_scales() */
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j += 2) {
         __builtin_prefetch(wrow + (j / (block_elems(fmt) / 32)) * block_bytes(fmt) + 1024);
-        const pair64 p = pair(fmt, wrow, j, j + 1 < nb);
+        if (fmt == Q4_K && !(j & 7)) k4 = k4_scales(wrow + (j >> 3) * 144);
+        const pair64 p = pair(fmt, wrow, j, j + 1 < nb, k4);
         for (int i = 0; i < mr; i++) {
             const int64_t r = m0 + i;
             const int8_t *xq = X->q + r * P * kp + 32 * j;
@@ -365,7 +426,7 @@ static inline __attribute__((always_inline)) void rows_dot(const int fmt, const 
 /* one step's exact lane dots, for the tests: lanes [16] of x row (stepped layout) against W blocks j, j + 1 */
 static void step_lanes(int fmt, const uint8_t *wrow, int64_t j, int two, int P, const int8_t *xq, int64_t kp,
                        const int32_t *nz, int32_t *lanes) {
-    const pair64 p = pair(fmt, wrow, j, two);
+    const pair64 p = pair(fmt, wrow, j, two, fmt == Q4_K ? k4_scales(wrow + (j >> 3) * 144) : _mm512_setzero_ps());
     const int z = zero_of(fmt);
     __m512i s = dot(_mm512_loadu_si512(nz), p.u, _mm512_loadu_si512(xq + (P == 2 ? kp : 0)), z);
     if (P == 2) {
