@@ -105,7 +105,8 @@ def chatserve_child(a: dict) -> dict:
     t0 = time.perf_counter()
     runner = ModelRunner.from_config(offline_config(
         a["path"], dtype=a["dtype"], num_threads=a["threads"], weight_quant=None if in_place else "auto",
-        gguf_in_place=in_place, block_size=16, num_blocks=per_seq * max(a["batches"])), progress=False)
+        gguf_in_place=in_place, cpu_isa=a.get("cpu_isa", "auto"), block_size=16,
+        num_blocks=per_seq * max(a["batches"])), progress=False)
     load_s = time.perf_counter() - t0
     rss_load = peak_rss_mib()
     results = []
@@ -119,7 +120,7 @@ def chatserve_child(a: dict) -> dict:
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
     """Run one variant in a fresh process; its JSON result with the load average before and after."""
-    a = {"variant": variant, "path": str(Path(args.model).resolve()), "dtype": args.dtype,
+    a = {"variant": variant, "path": str(Path(args.model).resolve()), "dtype": args.dtype, "cpu_isa": args.cpu_isa,
          "threads": args.threads, "batches": args.batches, "context": args.context, "steps": args.steps,
          "warmup": args.warmup, "extra_bufts": args.llama_cpp_extra_bufts}
     load_before = os.getloadavg()[0]
@@ -177,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let llama.cpp use its extra buffer types (AMX, repacked weights); off: llama.cpp "
                         "0.3.36's AMX matmul segfaults on the Sapphire Rapids VM this was written on")
     p.add_argument("--dtype", default="bfloat16", help="chatserve's activation dtype")
+    p.add_argument("--cpu-isa", default="auto",
+                   help="chatserve's block-kernel level (avx2 on an AVX-512 CPU: what an AVX2-only box runs)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1", help="decode batch sizes (streams), comma-separated")
     p.add_argument("--context", type=int, default=32, help="prompt tokens before the timed decode steps")
