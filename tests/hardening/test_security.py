@@ -189,7 +189,7 @@ def test_no_timing_advantage_across_owners_on_the_default_model(live_server):
         # A's cold request shares only the chat template's default system block with earlier requests
         assert c1 <= 32 and cb == 0 and c2 > 500
         assert b1 > 3 * a2, "another owner's request was as fast as a cache hit"
-        assert b1 > a1 / 3, "another owner's request was much faster than the first owner's cold one"
+        assert b1 > 0.5 * a1, "another owner's request was much faster than the first owner's cold one"
     finally:
         for c in clients.values():
             c.close()
