@@ -44,6 +44,8 @@ def weight_cache_dir() -> Path:
     """$CHATSERVE_WEIGHT_CACHE_DIR, else <cache root>/qmatmul (the test suite points it at a directory of its
     own, removed when the run ends, so its random-weight models leave nothing in the user's cache)."""
     return Path(os.environ.get(WEIGHT_CACHE_DIR) or cache_root() / "qmatmul")
+
+
 def cpu_amx_enabled() -> bool:
     """cpu_blockmm's AMX-BF16 path for bf16 rows where the CPU has it (read when the kernel loads)."""
     return os.environ.get(AMX, "1") != "0"

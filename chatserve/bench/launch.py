@@ -105,7 +105,7 @@ def chatserve_child(a: dict) -> dict:
     t0 = time.perf_counter()
     runner = ModelRunner.from_config(offline_config(
         a["path"], dtype=a["dtype"], num_threads=a["threads"], weight_quant=None if in_place else "auto",
-        gguf_in_place=in_place, cpu_isa=a.get("cpu_isa", "auto"), block_size=16,
+        gguf_in_place=in_place, cpu_isa=a["cpu_isa"], block_size=16,
         num_blocks=per_seq * max(a["batches"])), progress=False)
     load_s = time.perf_counter() - t0
     rss_load = peak_rss_mib()

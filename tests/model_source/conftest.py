@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from chatserve_kernels import env as kernel_env
+from chatserve_kernels import cpu_build
 from hub_server import Hub
 
 
@@ -26,9 +26,9 @@ def cli_env(tmp_path: Path, hub: Hub) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "OLLAMA_"))}
     env.pop("TRANSFORMERS_OFFLINE", None)
     cache = tmp_path / "chatserve-cache"
-    (kernel_env.cache_root() / "kernels").mkdir(parents=True, exist_ok=True)
+    cpu_build.cache_dir().mkdir(parents=True, exist_ok=True)
     cache.mkdir()
-    (cache / "kernels").symlink_to(kernel_env.cache_root() / "kernels", target_is_directory=True)
+    (cache / "kernels").symlink_to(cpu_build.cache_dir(), target_is_directory=True)
     env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=hub.url, OLLAMA_MODELS=str(tmp_path / "ollama"),
                CHATSERVE_CACHE_DIR=str(cache), HF_HUB_DISABLE_TELEMETRY="1",
                PYTHONUNBUFFERED="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")

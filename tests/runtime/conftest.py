@@ -15,20 +15,19 @@ from chatserve_kernels import AttentionMetadata
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _one_torch_thread():
-    """One intra-op thread: the test box's 2 cores are shared with other suites, and spinning
-    OpenMP workers on an oversubscribed box run ~10x slower than one thread."""
+def _torch_threads_restored():
+    """The process's intra-op thread count as it was, once the runtime tests are done."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread_each_test(_one_torch_thread):
-    """And again before every test: a ModelRunner sets the process's threads to every core (LLM(...) in a
-    test does), which then stayed for the rest of the worker's tests (test_paged's steps 0.7 → 3.6-5.7 s
-    each after test_backends' loads, 25 s in a whole `make test`)."""
+def _one_torch_thread(_torch_threads_restored):
+    """One intra-op thread, set before every test: the test box's 2 cores are shared with other suites, and
+    spinning OpenMP workers on an oversubscribed box run ~10x slower than one thread. Per test, because a
+    ModelRunner sets the process's threads to every core (LLM(...) in a test does), which then stayed for the
+    rest of the worker's tests (test_paged's steps 0.7 → 3.6-5.7 s each after test_backends' loads)."""
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
 
