@@ -562,12 +562,22 @@ function renderThinkingToggle() {
 }
 async function toggleThinking() {
   if (!state.current) { newChat.thinking = !newChat.thinking; renderThinkingToggle(); return; }
-  const params = withThinking(state.current.params, !thinkingOn(state.current.params));
+  // The switch flips at once (the click is the user's answer); a refused save puts it back.
+  const chat = state.current;
+  const before = chat.params;
+  chat.params = withThinking(before, !thinkingOn(before));
+  renderThinkingToggle();
+  let saved = before;
   try {
-    const s = await api.patch(state.current.id, { params });
-    state.current.params = s.params;
+    saved = (await api.patch(chat.id, { params: chat.params })).params;
+  } catch (e) {
+    if (!noteFailure(e)) showError(`Could not switch thinking: ${e.message}`);
+  }
+  chat.params = saved;
+  if (state.current && state.current.id === chat.id) {
+    state.current.params = saved;
     renderThinkingToggle();
-  } catch (e) { if (!noteFailure(e)) showError(`Could not switch thinking: ${e.message}`); }
+  }
 }
 
 // ── the store notice ────────────────────────────────────────────────────────────────────────

@@ -91,8 +91,9 @@ def test_the_thinking_switch_is_per_chat_and_sends_reasoning_effort(thinking_liv
     sid = page.evaluate("location.hash.slice(1)")
     assert page.request.get(f"{srv.url}/v1/sessions/{sid}").json()["params"]["reasoning_effort"] == "none"
     btn.click()                                                   # on again for this chat
+    assert btn.get_attribute("aria-pressed") == "true"            # at once, before the save returns
     wait_until(lambda: "reasoning_effort" not in page.request.get(f"{srv.url}/v1/sessions/{sid}").json()["params"])
-    assert btn.get_attribute("aria-pressed") == "true"
+    assert btn.get_attribute("aria-pressed") == "true"            # and still after it
     send(page, "now think")
     wait_js(page, "document.querySelectorAll('.msg.assistant:not(.streaming) .stat-ttft').length == 2", 20_000)
     assert "reasoning_effort" not in chat.requests[-1]["req"]
