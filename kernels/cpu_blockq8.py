@@ -160,7 +160,7 @@ def tiles(isa: str, w: BlockWeight) -> bool:
 _HUGE = 2 << 20
 
 
-def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] in anonymous memory aligned to 2 MiB and advised for transparent huge pages (where the
     kernel has them): a decode step streams every tiled weight once, and 4 KiB pages would stop the hardware
     prefetcher at each page boundary and cost a TLB miss per page. Small buffers: torch's allocator."""
@@ -176,12 +176,24 @@ def _huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[skip:skip + nbytes]
 
 
-def tile(w: BlockWeight, isa: str = "avx512") -> TiledWeight:
-    """W's blocks → the tiled layout (a copy of W's bytes in another order; reads every block once)."""
+def tiled_nbytes(w: BlockWeight) -> int:
+    """Bytes of W's tiled copy: ceil(n / 16) tiles of k / 32 blocks of TILED_BYTES."""
+    return (w.n + 15) // 16 * (w.k // 32) * TILED_BYTES[w.fmt.name]
+
+
+def tile_into(w: BlockWeight, out: torch.Tensor, isa: str = "avx512") -> None:
+    """W's blocks → the tiled layout in out (uint8 [tiled_nbytes(w)], e.g. a slice of a run's buffer or of a
+    cache file's map; reads every block once)."""
+    assert out.dtype == torch.uint8 and out.numel() == tiled_nbytes(w) and out.is_contiguous()
     data = w.data.contiguous()
-    out = _huge_page_buffer((w.n + 15) // 16 * (w.k // 32) * TILED_BYTES[w.fmt.name])
     if library(isa).chatserve_bq8_tile(w.fmt.type_id, data.data_ptr(), w.row_bytes, w.n, w.k, out.data_ptr()):
         raise ValueError(f"cpu_blockq8: format {w.fmt.name} has no tiled layout")
+
+
+def tile(w: BlockWeight, isa: str = "avx512") -> TiledWeight:
+    """W's blocks → the tiled layout (a copy of W's bytes in another order, in anonymous memory)."""
+    out = huge_page_buffer(tiled_nbytes(w))
+    tile_into(w, out, isa)
     return TiledWeight(out, w.fmt, w.n, w.k)
 
 

@@ -92,6 +92,8 @@ class ModelRunner:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
                                  weight_quant=weight_quant, block_backend=self.block_backend)
+        if weights.tiled_store is not None:       # every tiled run is in: publish the cache file
+            weights.tiled_store.finish()
         self.block_formats = sorted({f for t in weights.tensors.values() if isinstance(t, BlockMatrix)
                                      for f in t.formats()})
         if self.block_formats and progress:

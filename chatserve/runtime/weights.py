@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from chatserve.runtime.models.linear_backends import BlockMatrix
 from chatserve_kernels.block_formats import FORMATS, BlockWeight
+from chatserve_kernels.tiled_store import TiledStore
 
 # ArchConfig and UnsupportedModelError are also imported from here (models/, model_runner.py)
 from chatserve.runtime.arch_config import (GGUF_ARCHS, ArchConfig, UnsupportedModelError, config_from_hf,
@@ -55,6 +56,7 @@ class LoadedWeights:
     source: str                        # "gguf" | "safetensors"
     four_bit: bool = False             # GGUF whose matrices are mostly 4-bit (Q4_0/Q4_1/Q4_K): int4
                                        # weight-only decode reproduces them at no added error
+    tiled_store: TiledStore | None = None  # in place: the file's tiled copies on disk (finish() once built)
 
 
 def load_weights(path: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
@@ -183,6 +185,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
+    store = TiledStore.for_file(path) if in_place else None
     # numpy shapes (row-major, i.e. GGUF ne reversed) after dequantization
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
     cfg = gguf_config(reader, shapes)
@@ -199,12 +202,13 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         hf = gguf_to_hf_name(t.name, cfg.arch)
         if in_place and hf and len(t.shape) == 3 and cfg.arch in _PER_EXPERT_ARCHS \
                 and t.tensor_type.name in FORMATS and ".experts." in hf:
-            tensors.update(expert_block_matrices(t, hf))
+            tensors.update(expert_block_matrices(t, hf))       # experts are never tiled: no store
             continue
         if in_place and hf and len(t.shape) == 2 and t.tensor_type.name in FORMATS:
             qk = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
-            tensors[hf] = block_matrix(t, (cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
-                                       if qk else None)
+            bm = block_matrix(t, (cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads) if qk else None)
+            bm.store = store
+            tensors[hf] = bm
             continue
         arr = dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape(shapes[t.name])
@@ -231,7 +235,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
             raise UnsupportedModelError("GGUF LongRoPE needs rope_factors_long and rope_factors_short")
         cfg = replace(cfg, rope_scaling={**cfg.rope_scaling, "long_factor": long_short["long"],
                                          "short_factor": long_short["short"]})
-    return LoadedWeights(cfg, tensors, "gguf", four_bit=n4 * 2 > n_matrices)
+    return LoadedWeights(cfg, tensors, "gguf", four_bit=n4 * 2 > n_matrices, tiled_store=store)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 
 from chatserve_kernels import block_formats, block_q8, cpu_blockmm, cpu_blockq8
 from chatserve_kernels.block_formats import BlockWeight
+from chatserve_kernels.tiled_store import TiledStore
 
 
 class RowKinds(Protocol):
@@ -66,8 +67,10 @@ TILED_DECODE = True
 @dataclass
 class BlockMatrix:
     """W [n, k] as row bands of GGUF blocks (q, k and v stay three tensors of the file; fused, they are
-    three bands), each band in its own format."""
+    three bands), each band in its own format. store: where a backend keeps the tiled copies of these bands
+    (the model file's TiledStore: a cache file mapped from disk), None: in anonymous memory."""
     parts: list[BlockWeight]
+    store: TiledStore | None = None
 
     @property
     def n(self) -> int:
@@ -98,7 +101,7 @@ class BlockMatrix:
 def cat_rows(mats: list[Any]) -> torch.Tensor | BlockMatrix:
     """Stack matrices by rows: torch.cat for tensors, a band list (no copy) for BlockMatrix."""
     if all(isinstance(m, BlockMatrix) for m in mats):
-        return BlockMatrix([p for m in mats for p in m.parts])
+        return BlockMatrix([p for m in mats for p in m.parts], mats[0].store)
     if any(isinstance(m, BlockMatrix) for m in mats):
         raise ValueError("cannot fuse a block-format matrix with a dense one")
     return torch.cat(mats)
@@ -188,21 +191,36 @@ class CpuBlockLinear(BlockLinear):
         # read only by prompt rows). The decode rows' calls: runs of adjacent bands of one tiled
         # format (each but the last a whole number of 16-row tiles, so their tiled copies end to end are the
         # tiled copy of the stacked rows: q, k and v in one call, gate and up in one) as (first column, the
-        # run's tiled weight), other bands one by one
-        self.decode_calls: list[tuple[int, cpu_blockq8.TiledWeight | BlockWeight]] = []
+        # run's tiled weight), other bands one by one. A run is tiled once into one buffer: a region of the
+        # model file's tiled cache (w.store; mapped as it is on a later load) or anonymous memory
+        runs: list[tuple[int, list[BlockWeight], bool]] = []       # (first column, bands, tiled)
         col = 0
         for p in w.parts:
-            t = cpu_blockq8.tile(p, self.isa) if tile and self.q8 and TILED_DECODE and cpu_blockq8.tiles(self.isa, p) \
-                else None
-            last = self.decode_calls[-1][1] if self.decode_calls else None
-            if (t is not None and isinstance(last, cpu_blockq8.TiledWeight) and last.fmt == t.fmt
-                    and last.n % 16 == 0):
-                self.decode_calls[-1] = (self.decode_calls[-1][0], cpu_blockq8.TiledWeight(
-                    torch.cat([last.data, t.data]), t.fmt, last.n + t.n, t.k))
+            t = tile and self.q8 and TILED_DECODE and cpu_blockq8.tiles(self.isa, p)
+            last = runs[-1] if runs else None
+            if (t and last is not None and last[2] and last[1][-1].fmt == p.fmt
+                    and sum(b.n for b in last[1]) % 16 == 0):
+                last[1].append(p)
             else:
-                self.decode_calls.append((col, t if t is not None else p))
+                runs.append((col, [p], t))
             col += p.n
-        self.tiled = any(isinstance(w, cpu_blockq8.TiledWeight) for _, w in self.decode_calls)
+        self.decode_calls: list[tuple[int, cpu_blockq8.TiledWeight | BlockWeight]] = [
+            (c, self._tiled_run(bands, w.store) if t else bands[0]) for c, bands, t in runs]
+        self.tiled = any(t for _, _, t in runs)
+
+    def _tiled_run(self, bands: list[BlockWeight], store: TiledStore | None) -> cpu_blockq8.TiledWeight:
+        """Adjacent bands of one format → their tiled copy end to end, in one buffer."""
+        sizes = [cpu_blockq8.tiled_nbytes(p) for p in bands]
+        if store is not None:
+            buf, filled = store.run(bands, sum(sizes))
+        else:
+            buf, filled = cpu_blockq8.huge_page_buffer(sum(sizes)), False
+        if not filled:
+            at = 0
+            for p, size in zip(bands, sizes):
+                cpu_blockq8.tile_into(p, buf[at:at + size], self.isa)
+                at += size
+        return cpu_blockq8.TiledWeight(buf, bands[0].fmt, sum(p.n for p in bands), bands[0].k)
 
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
         cpu_blockmm.matmul(x, part, self.isa, out=out)

@@ -1,0 +1,95 @@
+"""The tiled copies of a GGUF kept on disk (kernels/tiled_store.py, issue 30): the first in-place load writes one
+cache file per model file, a second load maps it instead of tiling, a corrupt file is built again, and the
+logits are the same bits cached or not."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gguf_in_place import Q4_K_M, TILED_ISAS, _logits, _runner, mapped
+from test_weights import GGUF_CFG, write_tiny_gguf
+
+from chatserve.runtime.tiny import random_weights, tiny_config
+from chatserve_kernels import cpu_blockq8, env, tiled_store
+
+pytestmark = pytest.mark.skipif(not TILED_ISAS, reason="no tiled kernel level on this CPU")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(env.WEIGHT_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv(env.WEIGHT_CACHE, "1")
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def gguf(tmp_path) -> str:
+    cfg = tiny_config("llama", **{**GGUF_CFG, "num_hidden_layers": 2})
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_tiny_gguf(path, cfg, random_weights(cfg, seed=7), Q4_K_M)
+    return str(path)
+
+
+def _tiled(runner) -> list[cpu_blockq8.TiledWeight]:
+    lins = [runner.model.lm_head] + [m for ly in runner.model.layers
+                                     for m in (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)]
+    return [w for m in lins for _, w in m.decode_calls if isinstance(w, cpu_blockq8.TiledWeight)]
+
+
+def _in(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    return any(lo <= t.data_ptr() and t.data_ptr() + t.numel() <= hi for lo, hi in ranges)
+
+
+def test_a_second_load_maps_the_cache_file_and_gives_the_same_bits(cache, gguf, monkeypatch):
+    isa = TILED_ISAS[-1]
+    monkeypatch.setenv(env.WEIGHT_CACHE, "0")
+    plain = _runner(gguf, in_place=True, isa=isa)
+    assert not cache.exists() and all(not _in(w.data, mapped(str(cache))) for w in _tiled(plain))
+    want = _logits(plain)
+    monkeypatch.setenv(env.WEIGHT_CACHE, "1")
+    first = _runner(gguf, in_place=True, isa=isa)
+    files = list(cache.glob("tiled-*.bin"))
+    assert len(files) == 1 and not list(cache.glob("*.tmp"))           # one file per model file, published
+    runs = _tiled(first)
+    assert all(_in(w.data, mapped(str(files[0]))) for w in runs)      # tiled straight into the file's pages
+    first_logits = _logits(first)
+    second = _runner(gguf, in_place=True, isa=isa)
+    store = second.model.lm_head.w.store
+    assert store is not None and store.mapped and store.built == 0     # nothing tiled: the file is mapped
+    again = _tiled(second)
+    assert all(_in(w.data, mapped(str(files[0]))) for w in again)
+    assert [torch.equal(a.data, b.data) for a, b in zip(runs, again)] == [True] * len(runs)
+    for got in (first_logits, _logits(second)):
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "footer", "index"])
+def test_a_corrupt_cache_file_is_built_again(cache, gguf, damage):
+    isa = TILED_ISAS[-1]
+    want = _logits(_runner(gguf, in_place=True, isa=isa))
+    (path,) = cache.glob("tiled-*.bin")
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[:len(raw) // 2]
+    elif damage == "footer":
+        raw[-20:] = bytes(20)
+    else:                                   # the index points past the data
+        at = int.from_bytes(raw[-16:-8], "little")
+        raw[at:at + 1] = b"?"
+    path.write_bytes(bytes(raw))
+    runner = _runner(gguf, in_place=True, isa=isa)
+    store = runner.model.lm_head.w.store
+    assert store is not None and not store.mapped and store.built > 0   # tiled again into a new file
+    assert len(path.read_bytes()) > len(raw) // 2 and tiled_store.TiledStore(path, store.source).mapped
+    got = _logits(runner)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_changed_model_file_gets_a_new_cache_file_and_the_old_one_goes(cache, gguf):
+    isa = TILED_ISAS[-1]
+    _runner(gguf, in_place=True, isa=isa)
+    (old,) = cache.glob("tiled-*.bin")
+    cfg = tiny_config("llama", **{**GGUF_CFG, "num_hidden_layers": 2})
+    write_tiny_gguf(gguf, cfg, random_weights(cfg, seed=8), Q4_K_M)      # rewritten in place: new mtime
+    runner = _runner(gguf, in_place=True, isa=isa)
+    (new,) = cache.glob("tiled-*.bin")
+    assert new != old and runner.model.lm_head.w.store is not None and not runner.model.lm_head.w.store.mapped
