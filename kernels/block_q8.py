@@ -175,6 +175,53 @@ def tile(w: BlockWeight) -> torch.Tensor:
     return torch.cat(parts, -1).contiguous()
 
 
+def unpack_tiled(data: torch.Tensor, name: str, n: int, k: int) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """unpack() read from a tiled copy (data: uint8 of tile(w)'s bytes, any shape) instead of the file: the same u,
+    z, ws and mn for W's n rows (the padding rows of the last tile dropped): what prompt rows dequantize from
+    when they read the decode rows' copy (cpu_blockmm's tiled source)."""
+    assert name in TILED_FORMATS
+    t, nb = (n + 15) // 16, k // BLOCK
+    b = data.reshape(t, nb, -1)
+
+    def rows(x: torch.Tensor) -> torch.Tensor:       # [t, nb, 16, ...] → [n, nb, ...]
+        x = x.transpose(1, 2)
+        return x.reshape(t * 16, nb, *x.shape[3:])[:n]
+
+    chunks = 8 if name == "Q8_0" else 4
+    codes = rows(b[..., :64 * chunks].reshape(t, nb, chunks, 16, 4).transpose(2, 3)).reshape(n, nb, 4 * chunks)
+    mn = torch.zeros(n, nb)
+    if name == "Q8_0":
+        u = codes ^ 0x80
+    else:
+        u = torch.cat([codes & 15, codes >> 4], -1)                                   # [n, nb, 32]
+        if name == "Q6_K":
+            hb = rows(b[..., 256:384].reshape(t, nb, 2, 16, 4).transpose(2, 3))        # [n, nb, half, 4]
+            sh = (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 1, 4, 1)
+            u = u | ((((hb.unsqueeze(3) >> sh) & 3).reshape(n, nb, 32)) << 4)
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        at = 64 * chunks
+        ws = _f16(rows(b[..., at:at + 32].reshape(t, nb, 16, 2))).expand(n, nb, 2)
+        if name == "Q4_1":
+            mn = _f16(rows(b[..., at + 32:at + 64].reshape(t, nb, 16, 2))).reshape(n, nb)
+    elif name == "Q4_K":
+        f = b[..., 256:384].contiguous().view(torch.float32).reshape(t, nb, 2, 16).permute(0, 1, 3, 2)
+        ws, mn = rows(f[..., :1]).expand(n, nb, 2), rows(f[..., 1])
+    else:
+        d = _f16(rows(b[..., 384:416].reshape(t, nb, 16, 2)))                          # [n, nb, 1]
+        sc = rows(b[..., 416:448].reshape(t, nb, 2, 16).transpose(2, 3)).contiguous().view(torch.int8)
+        ws = d * sc.float()                                                             # [n, nb, 2]
+    return (u.reshape(n, k).contiguous(), ZERO[name], ws.reshape(n, k // 16).contiguous(),
+            mn.reshape(n, nb).contiguous())
+
+
+def dequantize_tiled(data: torch.Tensor, name: str, n: int, k: int) -> torch.Tensor:
+    """A tiled copy → W [n, k] float32, bit-equal to dequantize() of the file's blocks (the twin of cpu_blockmm's
+    tiled source)."""
+    u, z, ws, mn = unpack_tiled(data, name, n, k)
+    y = ws.repeat_interleave(16, 1) * (u.to(torch.int16) - z).float()
+    return y + mn.repeat_interleave(BLOCK, 1) if name in WITH_MIN else y
+
+
 def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """float32 a · b + c rounded once, as one FMA instruction (the float32 product is exact in float64)."""
     return (a.double() * b.double() + c.double()).float()

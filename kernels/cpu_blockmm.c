@@ -154,6 +154,79 @@ static inline __attribute__((always_inline)) void dq_iq4_xs(const uint8_t *b, fl
     }
 }
 
+/* ---- a tiled source (cpu_blockq8's row-interleaved layout, chatserve_bq8_tile): prompt rows read the decode
+ * rows' copy instead of the file. fmt | TILED; row_bytes is one tile's bytes (k / 32 blocks of tiled_bytes), and
+ * a row's address is its tile's + its lane (row_at: tile bases are 16-byte aligned, chatserve_bmm checks). Each
+ * block of 32 gathers the row's codes (4 bytes from each 64-byte chunk) and scales and emits them as the file's
+ * dq_* do, same operations in the same order, so a tiled source gives the file's values bit for bit:
+ * Q4_K ws = d·sc and mn = −dmin·min were rounded at tiling exactly as dq_qk rounds them; Q6_K keeps d and sc. ---- */
+#define TILED 0x100
+static inline int64_t tiled_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 288; case Q4_1: return 320; case Q8_0: return 544; case Q4_K: return 384; case Q6_K: return 448;
+    default: return 0;
+    }
+}
+static inline const uint8_t *row_at(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r) {
+    return fmt & TILED ? w + (r >> 4) * row_bytes + (r & 15) : w + r * row_bytes;
+}
+/* a tiled source's tile bases must be 16-byte aligned (row_at keeps the lane in the low bits) */
+static inline int bad_source(int fmt, const uint8_t *w, int64_t row_bytes) {
+    return (fmt & TILED) && (((uintptr_t)w & 15) || (row_bytes & 15));
+}
+/* 16 bytes from chunks c0 … c0 + 3 of a (tile, block): byte 4c + i = chunk c0 + c's byte 4·lane + i */
+static inline __m128i gather4(const uint8_t *o, int lane, int c0) {
+    int32_t v[4];
+    for (int c = 0; c < 4; c++) memcpy(v + c, o + 64 * (c0 + c) + 4 * lane, 4);
+    return _mm_loadu_si128((const __m128i *)v);
+}
+/* block j (32 elements) of lane `lane` of a tile at t → o (fp32, or bf16 at hb) */
+static inline __attribute__((always_inline)) void dq_tiled(int fmt, const uint8_t *t, int lane, int64_t j, float *o,
+                                                           uint16_t *hb) {
+    const uint8_t *b = t + j * tiled_bytes(fmt);
+    switch (fmt) {
+    case Q4_0: case Q4_1: {
+        const __m128i q = gather4(b, lane, 0);
+        const float d = h2f(b + 256 + 2 * lane), m = fmt == Q4_1 ? h2f(b + 288 + 2 * lane) : 0.f;
+        const __m128i e = _mm_set1_epi8(fmt == Q4_0 ? 8 : 0);
+        emit16(o, hb, _mm_sub_epi8(lo4(q), e), d, m, fmt == Q4_1);
+        emit16(o + 16, AT(hb + 16), _mm_sub_epi8(hi4(q), e), d, m, fmt == Q4_1);
+        break;
+    }
+    case Q8_0: {
+        const float d = h2f(b + 512 + 2 * lane);
+        emit16(o, hb, gather4(b, lane, 0), d, 0.f, 0);
+        emit16(o + 16, AT(hb + 16), gather4(b, lane, 4), d, 0.f, 0);
+        break;
+    }
+    case Q4_K: {
+        const __m128i q = gather4(b, lane, 0);
+        float ws, mn;
+        memcpy(&ws, b + 256 + 4 * lane, 4);
+        memcpy(&mn, b + 320 + 4 * lane, 4);
+        emit16(o, hb, lo4(q), ws, -mn, 2);
+        emit16(o + 16, AT(hb + 16), hi4(q), ws, -mn, 2);
+        break;
+    }
+    case Q6_K: {
+        const __m128i q = gather4(b, lane, 0), three = _mm_set1_epi8(3), z = _mm_set1_epi8(32);
+        const __m128i shift = _mm_setr_epi32(0, 2, 4, 6);
+        int32_t h0, h1;
+        memcpy(&h0, b + 256 + 4 * lane, 4);
+        memcpy(&h1, b + 320 + 4 * lane, 4);
+        /* element 4c + i's 2 high bits: bits 2c, 2c + 1 of byte i (dword lane c shifted by 2c, bytes masked) */
+        const __m128i u0 = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h0), shift), three);
+        const __m128i u1 = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h1), shift), three);
+        const float d = h2f(b + 384 + 2 * lane);
+        const int8_t *sc = (const int8_t *)(b + 416);
+        emit16(o, hb, _mm_sub_epi8(_mm_or_si128(lo4(q), _mm_slli_epi16(u0, 4)), z), d * (float)sc[lane], 0.f, 0);
+        emit16(o + 16, AT(hb + 16), _mm_sub_epi8(_mm_or_si128(hi4(q), _mm_slli_epi16(u1, 4)), z),
+               d * (float)sc[16 + lane], 0.f, 0);
+        break;
+    }
+    }
+}
+
 /* elements [k0, k1) of one row of W → fp32 out[k1 - k0]; k0 on a block boundary, k1 too unless it is the
  * row's end (a whole number of blocks either way: the row length is one). Prefetch: a line 1 KiB ahead of
  * each block, or with next_span every line of the block as far ahead as the span is long (where a
@@ -167,6 +240,17 @@ static inline __attribute__((always_inline)) int dequant_span_to(int fmt, const 
         __builtin_prefetch(b + ahead); \
         if (next_span) for (int o = 64; o < (bytes) + 63; o += 64) __builtin_prefetch(b + ahead + o); \
         call; } return 0; }
+    if (fmt & TILED) {
+        const int lane = (int)((uintptr_t)row & 15);
+        const uint8_t *t = row - lane;
+        switch (fmt & ~TILED) {
+        case Q4_0: case Q4_1: case Q8_0: case Q4_K: case Q6_K: break;
+        default: return 1;
+        }
+        for (int64_t i = k0 / 32; i < k1 / 32; i++) dq_tiled(fmt & ~TILED, t, lane, i, out + (32 * i - k0),
+                                                             AT(hb + (32 * i - k0)));
+        return 0;
+    }
     switch (fmt) {
     case F32: memcpy(out, row + 4 * k0, 4 * (size_t)(k1 - k0)); return 0;
     case F16: for (int64_t i = k0; i < k1; i++) out[i - k0] = h2f(row + 2 * i); return 0;
@@ -207,8 +291,9 @@ static int dequant_row(int fmt, const uint8_t *row, int64_t k, float *out) { ret
 
 /* W [n, k] (rows of row_bytes) → out [n, k] fp32: the kernel's dequantization, for the bit-exact tests */
 int chatserve_bmm_dequant(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, float *out) {
+    if (bad_source(fmt, w, row_bytes)) return 1;
     for (int64_t r = 0; r < n; r++)
-        if (dequant_row(fmt, w + r * row_bytes, k, out + r * k)) return 1;
+        if (dequant_row(fmt, row_at(fmt, w, row_bytes, r), k, out + r * k)) return 1;
     return 0;
 }
 
@@ -341,6 +426,7 @@ static void store_rows(const float *c, int64_t ldc, int mr, int64_t nr, void *y,
  * a column slice of a wider output (fused q/k/v or gate/up kept as separate tensors). 0 on success. */
 int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
                   int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
+    if (bad_source(fmt, w, row_bytes)) return 1;
     if (nt < 1) nt = 1;
     const int64_t npanels = (n + NP - 1) / NP;
     /* groups of at most GPMAX panels, as many per thread (36 panels on 2 threads: 6 groups of 6, not 8,8,8,8,4) */
@@ -375,9 +461,9 @@ int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
                 const int64_t n0 = (p0 + q) * NP;
                 if (first)      /* the next panel's rows start cold: fetch their first span (kc / k of a row) */
                     for (int64_t j = n0 + NP; j < n0 + 2 * NP && j < (p0 + gpn) * NP && j < n; j++)
-                        for (int64_t o = 0; o < row_bytes * kc / k; o += 64) __builtin_prefetch(w + j * row_bytes + o);
+                        for (int64_t o = 0; o < row_bytes * kc / k; o += 64) __builtin_prefetch(row_at(fmt, w, row_bytes, j) + o);
                 for (int j = 0; j < NP; j++) {
-                    if (n0 + j < n) bad |= dequant_span(fmt, w + (n0 + j) * row_bytes, k0, k0 + kc, rows + j * kc, 1);
+                    if (n0 + j < n) bad |= dequant_span(fmt, row_at(fmt, w, row_bytes, n0 + j), k0, k0 + kc, rows + j * kc, 1);
                     else memset(rows + j * kc, 0, sizeof(float) * (size_t)kc);
                 }
                 transpose16(rows, kc, panels + q * NP * kc);
@@ -490,7 +576,7 @@ static int bmm_dots(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int
 #endif
             const int64_t n0 = nb * NR;
             const int nr = n - n0 < NR ? (int)(n - n0) : NR;
-            for (int j = 0; j < nr; j++) bad |= dequant_row(fmt, w + (n0 + j) * row_bytes, k, wt + j * kp);
+            for (int j = 0; j < nr; j++) bad |= dequant_row(fmt, row_at(fmt, w, row_bytes, n0 + j), k, wt + j * kp);
             float res[MR * NR];
             for (int64_t i = 0; i < rows; i += MR) {
                 const int mr = rows - i < MR ? (int)(rows - i) : MR;
@@ -585,10 +671,10 @@ static int w_pair(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     for (int64_t i = 0; i < WT; i++, o += kp) {
         if (r0 + i >= n) { memset(o, 0, 2 * (size_t)kp); continue; }
         if (fmt != F32 && fmt != F16 && fmt != BF16) {  /* block formats (k == kp): emit16 writes bf16 to o */
-            bad |= dequant_row_bf16(fmt, w + (r0 + i) * row_bytes, k, fb, o);
+            bad |= dequant_row_bf16(fmt, row_at(fmt, w, row_bytes, r0 + i), k, fb, o);
             continue;
         }
-        bad |= dequant_span(fmt, w + (r0 + i) * row_bytes, 0, k, fb, 0);
+        bad |= dequant_span(fmt, row_at(fmt, w, row_bytes, r0 + i), 0, k, fb, 0);
         for (int64_t c = k; c < kp; c++) fb[c] = 0.f;
         for (int64_t c = 0; c < kp; c += 16) _mm256_storeu_si256((__m256i *)(o + c), w2bf16x16(_mm512_loadu_ps(fb + c)));
     }
@@ -697,6 +783,7 @@ static int bmm_amx(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int6
  * bf16 x runs on AMX when chatserve_bmm_amx switched it on, fp32 x (and bf16 x elsewhere) on the dot products. */
 int chatserve_bmm(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int64_t m,
                   int x_bf16, void *y, int64_t ldy, int y_bf16, int nt) {
+    if (bad_source(fmt, w, row_bytes)) return 1;
     if (nt < 1) nt = 1;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (x_bf16 && amx_on) return bmm_amx(fmt, w, row_bytes, n, k, (const uint16_t *)x, m, y, ldy, y_bf16, nt);

@@ -8,11 +8,12 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from chatserve_kernels import cpu_build, env
-from chatserve_kernels.block_formats import BlockWeight
+from chatserve_kernels.block_formats import BlockFormat, BlockWeight
 
 SOURCE = Path(__file__).with_name("cpu_blockmm.c")
 HELPERS = Path(__file__).with_name("block_bytes.h")    # written before each block kernel's source
@@ -134,4 +135,50 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
                                     threads_for(threads, x.shape[0] * w.n * w.k))
     if rc:
         raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockmm failed ({rc}) on {w.fmt.name}")
+    return y
+
+
+# ---- a tiled source: W as cpu_blockq8's row-interleaved copy (the decode rows' layout), read by prompt rows so that
+# the mapped file's pages of tiled bands are never touched after load; same values, same results bit for bit ----
+TILED = 0x100                                      # cpu_blockmm.c's flag on the format id
+TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+
+
+class Tiled(Protocol):
+    """What these calls read of cpu_blockq8.TiledWeight (that module imports this one)."""
+    data: torch.Tensor
+    fmt: BlockFormat
+    n: int
+    k: int
+
+
+def _tile_bytes(w: Tiled) -> int:
+    """Bytes of one tile of 16 rows (the kernel's row stride for a tiled source)."""
+    assert w.fmt.name in TILED_FORMATS and w.data.is_contiguous() and w.data.data_ptr() % 16 == 0
+    return w.data.numel() // ((w.n + 15) // 16)
+
+
+def dequantize_tiled(w: Tiled, isa: str) -> torch.Tensor:
+    """The kernel's dequantization of a tiled W → [n, k] float32 (equal to dequantize() of the file's blocks)."""
+    out = torch.empty(w.n, w.k, dtype=torch.float32)
+    if library(isa).chatserve_bmm_dequant(w.fmt.type_id | TILED, w.data.data_ptr(), _tile_bytes(w), w.n, w.k,
+                                          out.data_ptr()):
+        raise ValueError(f"cpu_blockmm: tiled {w.fmt.name} not supported")
+    return out
+
+
+def matmul_tiled(x: torch.Tensor, w: Tiled, isa: str, out_dtype: torch.dtype | None = None,
+                 threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """As matmul, W read from its tiled copy: the same bits as matmul on the file's blocks."""
+    # x: [M, K] → y: [M, N]
+    assert x.dim() == 2 and x.shape[1] == w.k and x.dtype in (torch.float32, torch.bfloat16)
+    x = x.contiguous()
+    y = out if out is not None else torch.empty(x.shape[0], w.n, dtype=out_dtype or x.dtype)
+    assert y.shape == (x.shape[0], w.n) and y.dtype in (torch.float32, torch.bfloat16) and y.stride(1) == 1
+    rc = library(isa).chatserve_bmm(w.fmt.type_id | TILED, w.data.data_ptr(), _tile_bytes(w), w.n, w.k,
+                                    x.data_ptr(), x.shape[0], int(x.dtype == torch.bfloat16),
+                                    y.data_ptr(), y.stride(0), int(y.dtype == torch.bfloat16),
+                                    threads_for(threads, x.shape[0] * w.n * w.k))
+    if rc:
+        raise (MemoryError if rc == 2 else ValueError)(f"cpu_blockmm failed ({rc}) on tiled {w.fmt.name}")
     return y

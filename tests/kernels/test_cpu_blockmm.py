@@ -192,3 +192,44 @@ def test_bench_blockmm_times_a_before_source_beside_torch_fp32():
     for r in rows:
         want = {"torch-fp32"} | {f"Q4_1/{isa}{tag}" for isa in LEVELS for tag in ("", "-before")}
         assert want <= set(r["ms"]) and all(v > 0 for v in r["ms"].values())
+
+
+# ---- a tiled source: prompt rows read cpu_blockq8's row-interleaved copy (the decode rows') instead of the file ----
+TILED = list(cpu_blockmm.TILED_FORMATS)
+
+
+@pytest.mark.parametrize("name", TILED)
+def test_a_tiled_copy_dequantizes_to_the_files_values(name):
+    """The twin (block_q8.dequantize_tiled) and every level's kernel read a tiled copy back to the file's
+    values bit for bit, the padding rows of the last tile dropped."""
+    from chatserve_kernels import block_q8, cpu_blockq8
+    for n, k in [(1, 256), (16, 256), (37, 512), (50, 1280)]:
+        w = make_weight(name, n, k, seed=n + k, random_bytes=True)
+        ref = gguf_reference(w)
+        t = torch.from_numpy(block_q8.tile(w).numpy().reshape(-1))
+        tw = cpu_blockq8.TiledWeight(t, w.fmt, n, k)
+        assert torch.equal(block_q8.dequantize_tiled(t, name, n, k), ref)
+        for isa in LEVELS:
+            assert torch.equal(cpu_blockmm.dequantize_tiled(tw, isa), ref), (name, isa, n, k)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS, indirect=True)
+@pytest.mark.parametrize("name", TILED)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_prompt_rows_on_a_tiled_copy_equal_the_files_bit_for_bit(path, name, x_dtype):
+    """matmul_tiled on the tiled copy gives matmul on the file's blocks exactly, at every M (each level and
+    path: AVX2, AVX-512, AMX), in float32 and bfloat16 out; a misaligned copy is refused."""
+    from chatserve_kernels import cpu_blockq8
+    isa, _ = path
+    g = torch.Generator().manual_seed(11)
+    for n, k in [(37, 512), (130, 1280)]:
+        w = make_weight(name, n, k, seed=n * k, random_bytes=True)
+        tw = cpu_blockq8.tile(w, "avx2")
+        for m in (1, 5, 6, 17, 130):
+            x = torch.randn(m, k, generator=g).to(x_dtype)
+            for out_dtype in (torch.float32, torch.bfloat16):
+                want = cpu_blockmm.matmul(x, w, isa, out_dtype=out_dtype)
+                assert torch.equal(cpu_blockmm.matmul_tiled(x, tw, isa, out_dtype=out_dtype), want), (n, k, m)
+    odd = cpu_blockq8.TiledWeight(torch.empty(tw.data.numel() + 8, dtype=torch.uint8)[8:], tw.fmt, tw.n, tw.k)
+    with pytest.raises(AssertionError):
+        cpu_blockmm.matmul_tiled(x, odd, isa)

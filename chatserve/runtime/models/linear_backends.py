@@ -229,15 +229,22 @@ class CpuBlockLinear(BlockLinear):
         return sum(w.nbytes() for _, w in self.decode_calls if isinstance(w, cpu_blockq8.TiledWeight))
 
     def _run(self, x: torch.Tensor, out_dtype: torch.dtype, decode: bool) -> torch.Tensor:
-        if not decode or not self.tiled:        # no tiled band: the file's order, band by band
+        if not self.tiled:                      # no tiled band: the file's order, band by band
             return super()._run(x, out_dtype, decode)
-        # x: [T, K] → [T, N]: the decode calls (runs of tiled bands, other bands as BlockLinear._run takes them)
+        # x: [T, K] → [T, N]: the decode calls (runs of tiled bands, other bands as BlockLinear._run takes them);
+        # prompt rows read the tiled runs too (cpu_blockmm's tiled source: the file's values, the same bits), so
+        # the file's pages of tiled bands are never touched after load
         xa = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         y = torch.empty(x.shape[0], self.n, dtype=out_dtype if out_dtype == torch.bfloat16 else torch.float32)
         for col, w in self.decode_calls:
             out = y[:, col:col + w.n]
             if isinstance(w, cpu_blockq8.TiledWeight):
-                cpu_blockq8.matmul_tiled(xa, w, self.isa, out=out, x_bits=DECODE_X_BITS)
+                if decode:
+                    cpu_blockq8.matmul_tiled(xa, w, self.isa, out=out, x_bits=DECODE_X_BITS)
+                else:
+                    cpu_blockmm.matmul_tiled(xa, w, self.isa, out=out)
+            elif not decode:
+                self.band(xa, w, out)
             elif w.fmt.name in cpu_blockq8.FORMATS:
                 self.band_q8(xa, w, out)
             else:
