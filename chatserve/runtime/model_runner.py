@@ -94,6 +94,7 @@ class ModelRunner:
                                  weight_quant=weight_quant, block_backend=self.block_backend)
         if weights.tiled_store is not None:       # every tiled run is in: publish the cache file
             weights.tiled_store.finish()
+        weights.release_pages()                   # in place: the GGUF pages read while loading leave the RSS
         self.block_formats = sorted({f for t in weights.tensors.values() if isinstance(t, BlockMatrix)
                                      for f in t.formats()})
         if self.block_formats and progress:

@@ -7,6 +7,7 @@ parsing (arch_config.py, whose ArchConfig and UnsupportedModelError are re-expor
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 import warnings
@@ -57,6 +58,15 @@ class LoadedWeights:
     four_bit: bool = False             # GGUF whose matrices are mostly 4-bit (Q4_0/Q4_1/Q4_K): int4
                                        # weight-only decode reproduces them at no added error
     tiled_store: TiledStore | None = None  # in place: the file's tiled copies on disk (finish() once built)
+    mapped_file: mmap.mmap | None = None   # in place: the GGUF's map, whose pages release_pages() drops
+
+    def release_pages(self) -> None:
+        """Once the model is built (its tiled copies made or mapped): drop this process's resident pages of the
+        GGUF's map (madvise MADV_DONTNEED on a read-only file map: the page cache keeps them, RSS stops
+        counting them). What is still read through the map (embedding rows, bands not tiled) faults back in
+        from the page cache; the tiled bands' pages, read by neither kind of row any more, stay out."""
+        if self.mapped_file is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapped_file.madvise(mmap.MADV_DONTNEED)
 
 
 def load_weights(path: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
@@ -164,6 +174,14 @@ def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> BlockMatrix:
     return BlockMatrix([BlockWeight(data, FORMATS[fmt], n, k)])
 
 
+def _file_map(data: np.ndarray) -> mmap.mmap | None:
+    """The mmap under a reader's array (an ndarray view of a np.memmap), or None."""
+    a: Any = data
+    while a is not None and not isinstance(getattr(a, "_mmap", None), mmap.mmap):
+        a = getattr(a, "base", None)
+    return None if a is None else a._mmap
+
+
 # MoE families whose experts models/moe.read_experts also reads one tensor each (p.experts.{e}.…): a stacked
 # GGUF expert tensor kept in place is handed to them as per-expert views
 _PER_EXPERT_ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "mixtral")
@@ -235,7 +253,8 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
             raise UnsupportedModelError("GGUF LongRoPE needs rope_factors_long and rope_factors_short")
         cfg = replace(cfg, rope_scaling={**cfg.rope_scaling, "long_factor": long_short["long"],
                                          "short_factor": long_short["short"]})
-    return LoadedWeights(cfg, tensors, "gguf", four_bit=n4 * 2 > n_matrices, tiled_store=store)
+    return LoadedWeights(cfg, tensors, "gguf", four_bit=n4 * 2 > n_matrices, tiled_store=store,
+                         mapped_file=_file_map(reader.data) if in_place else None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,3 +93,47 @@ def test_a_changed_model_file_gets_a_new_cache_file_and_the_old_one_goes(cache, 
     runner = _runner(gguf, in_place=True, isa=isa)
     (new,) = cache.glob("tiled-*.bin")
     assert new != old and runner.model.lm_head.w.store is not None and not runner.model.lm_head.w.store.mapped
+
+
+def _prefill_hidden(runner) -> torch.Tensor:
+    """The hidden rows a 2-sequence prefill hands to the LM head (the logits' input: the head's own arithmetic
+    is the decode rows', whichever layout it reads)."""
+    seen: list[torch.Tensor] = []
+    fn = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: seen.append(h.clone()) or fn(h)
+    try:
+        _logits(runner)
+    finally:
+        runner.model.compute_logits = fn
+    return seen[0]
+
+
+@pytest.mark.parametrize("isa", TILED_ISAS)
+def test_prompt_rows_read_the_tiled_copy_with_the_files_bits_and_leave_its_pages_alone(cache, gguf, isa,
+                                                                                       monkeypatch):
+    """Prompt rows on the tiled runs (cpu_blockmm's tiled source) give the hidden rows of prompt rows on the
+    file's bands bit for bit; after load the GGUF's map keeps few resident pages (released; the tiled bands'
+    are not read again by a prefill and decode steps)."""
+    from chatserve.runtime.models import linear_backends as lb
+    tiled = _runner(gguf, in_place=True, isa=isa)
+    h = _prefill_hidden(tiled)
+    lins = [tiled.model.lm_head] + [m for ly in tiled.model.layers for m in (ly.qkv, ly.o, ly.mlp.gate_up, ly.mlp.down)]
+    banded = sum(p.nbytes() for m in lins for p in m.w.parts)
+    assert 0 < banded and _map_rss(gguf) < banded // 4
+    monkeypatch.setattr(lb, "TILED_DECODE", False)
+    plain = _runner(gguf, in_place=True, isa=isa)
+    assert not plain.model.layers[0].qkv.tiled and tiled.model.layers[0].qkv.tiled
+    assert torch.equal(h, _prefill_hidden(plain))
+
+
+def _map_rss(path: str) -> int:
+    """Resident bytes of this process's maps of `path` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                rss += int(head[1]) * 1024
+    return rss
