@@ -102,19 +102,19 @@ def chatserve_child(a: dict) -> dict:
 
     in_place = a["variant"] == "in-place"
     per_seq = -(-(a["context"] + a["steps"] + a["warmup"] + 2) // 16)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     runner = ModelRunner.from_config(offline_config(
         a["path"], dtype=a["dtype"], num_threads=a["threads"], weight_quant=None if in_place else "auto",
         gguf_in_place=in_place, cpu_isa=a["cpu_isa"], block_size=16,
         num_blocks=per_seq * max(a["batches"])), progress=False)
-    load_s = time.perf_counter() - t0
+    load_s, load_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     rss_load = peak_rss_mib()
     results = []
     for b in a["batches"]:
         d = _decode(runner, b, a["context"], a["steps"], warmup=a["warmup"])
         d["weight_bytes_per_step"] = runner.model.decode_weight_bytes(b)
         results.append(d)
-    return {"variant": a["variant"], "load_s": load_s, "peak_rss_mib_load": rss_load,
+    return {"variant": a["variant"], "load_s": load_s, "load_cpu_s": load_cpu_s, "peak_rss_mib_load": rss_load,
             "peak_rss_mib": peak_rss_mib(), "decode": results, "backends": runner.model.describe_backends()}
 
 
