@@ -1,6 +1,7 @@
 """The on-disk store of one GGUF file's tiled copies (cpu_blockq8's row-interleaved layout, issue 30): one cache
-file per model file, every tiled run end to end, memory-mapped. The first load tiles each run straight into the
-store's new file (no anonymous copy); a later load maps the finished file and reads nothing of the GGUF's pages.
+file per model file, every tiled run end to end, memory-mapped. The first load tiles each run in memory, writes it
+to the store's new file and maps it back (the anonymous copy freed); a later load maps the finished file whole and
+reads nothing of the GGUF's tiled bands.
 Not the tiling itself (cpu_blockq8.tile_into) and not cpu_qmatmul's packed weights (cpu_qmatmul.pack_cached).
 
 Keys read no weight pages in bulk: the file is named by the GGUF's path and (st_dev, st_ino, size, mtime_ns) and
@@ -8,7 +9,7 @@ the layout version; inside it a run is found by its place in the load order, its
 of three rows of each band (first, middle, last: a few pages). The layout is the same at every tiled ISA level
 (chatserve_bq8_tile: one copy serves AVX2 and AVX-512), so the level is not part of the key.
 
-File: the runs at 4 KiB-aligned offsets, then a JSON index, then a footer (MAGIC, index offset, index length).
+File: the runs at 2 MiB-aligned offsets (holes between), then a JSON index, then a footer (MAGIC, index offset, index length).
 Written under a temporary name and renamed in finish(); an unreadable file is built again; a run the index lacks
 (another configuration) is tiled in memory and the file removed at finish(), so the next load rebuilds it.
 CHATSERVE_WEIGHT_CACHE=0 turns it off (for_file returns None); the directory is env.weight_cache_dir().
@@ -22,18 +23,32 @@ import os
 import struct
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import xxhash
 
 from chatserve_kernels import env
 from chatserve_kernels.block_formats import BlockWeight
+from chatserve_kernels.cpu_blockq8 import huge_page_buffer
 
 log = logging.getLogger(__name__)
 LAYOUT_VERSION = 1          # bump when chatserve_bq8_tile would lay out other bytes for the same blocks
 MAGIC = b"CSTILED1"
 _FOOTER = struct.Struct("<8sQQ")
-_ALIGN = mmap.ALLOCATIONGRANULARITY   # 4 KiB: each run's map (first load) starts on a page
+# each run starts 2 MiB into the file: the page cache holds its pages as large folios (written with pwrite, or read
+# ahead) and a map at a 2 MiB-aligned address, advised MADV_HUGEPAGE, maps them as huge pages (ext4, Linux 6.1x:
+# smaps FilePmdMapped), as fast to stream as the anonymous huge pages the copy lived in (docs/benchmarks.md)
+_ALIGN = 2 << 20
+_WRITE = 64 << 20          # bytes per pwrite
+
+
+def _advise_huge(m: mmap.mmap) -> None:
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
 
 
 def _view(m: mmap.mmap, offset: int, nbytes: int) -> torch.Tensor:
@@ -76,8 +91,8 @@ class TiledStore:
         st = os.stat(real)
         source = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
         ident = xxhash.xxh3_64_hexdigest(json.dumps([source, LAYOUT_VERSION]).encode())
-        return cls(env.weight_cache_dir() / f"tiled-{xxhash.xxh3_64_hexdigest(real.encode())}-{ident}-v{LAYOUT_VERSION}.bin",
-                   source)
+        where = xxhash.xxh3_64_hexdigest(real.encode())
+        return cls(env.weight_cache_dir() / f"tiled-{where}-{ident}-v{LAYOUT_VERSION}.bin", source)
 
     @property
     def mapped(self) -> bool:
@@ -103,6 +118,7 @@ class TiledStore:
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             log.warning("tiled cache %s unreadable (%s): tiling again", self.path.name, e)
             return
+        _advise_huge(m)
         self._map, self.index = m, index
 
     def _key(self, parts: list[BlockWeight]) -> str:
@@ -112,36 +128,41 @@ class TiledStore:
             h.update(_band_sample(p))
         return f"{self.seq}:{h.hexdigest()}"
 
-    def run(self, parts: list[BlockWeight], nbytes: int) -> tuple[torch.Tensor, bool]:
-        """The buffer of the next run (bands `parts`, tiled size nbytes) → (uint8 [nbytes], filled): filled, a
-        view of the finished file; else a region the caller tiles into (the new file's, or anonymous memory
-        where the file cannot grow or the mapped file lacks this run)."""
+    def run(self, parts: list[BlockWeight], nbytes: int, fill: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """The tiled copy of the next run (bands `parts`, tiled size nbytes) → uint8 [nbytes]: a view of the
+        finished file; else `fill` tiles it into anonymous huge-page memory, which is written to the new file and
+        mapped back from it (the anonymous copy then freed), or kept where the file cannot be written or the
+        mapped file lacks this run."""
         key = self._key(parts)
         self.seq += 1
         if self._map is not None:
             hit = self.index.get(key)
             if hit is not None and hit[1] == nbytes:
-                return _view(self._map, hit[0], nbytes), True
+                return _view(self._map, hit[0], nbytes)
             self.stale = True
-            return torch.empty(nbytes, dtype=torch.uint8), False
-        if self._off:
-            return torch.empty(nbytes, dtype=torch.uint8), False
+        buf = huge_page_buffer(nbytes)
+        fill(buf)
+        if self._map is not None or self._off:
+            return buf
         try:
             if self._fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
                 self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             offset = -self._size % _ALIGN + self._size
-            os.posix_fallocate(self._fd, offset, nbytes)      # blocks reserved: a full disk fails here, not
-            m = mmap.mmap(self._fd, nbytes, offset=offset)     # as SIGBUS at a page of the map
+            view = memoryview(buf.numpy())
+            for at in range(0, nbytes, _WRITE):                # buffered writes: the page cache keeps large folios
+                os.pwrite(self._fd, view[at:at + _WRITE], offset + at)
+            m = mmap.mmap(self._fd, nbytes, offset=offset, access=mmap.ACCESS_READ)
         except OSError as e:
             log.warning("tiled cache %s: cannot write (%s): tiling in memory", self.path.name, e)
             self._abandon()
-            return torch.empty(nbytes, dtype=torch.uint8), False
+            return buf
+        _advise_huge(m)
         self.index[key] = [offset, nbytes]
         self._size = offset + nbytes
         self.built += nbytes
-        return _view(m, 0, nbytes), False
+        return _view(m, 0, nbytes)
 
     def finish(self) -> None:
         """The model is built: publish the new file (index + footer, renamed into place) and drop older files of

@@ -211,15 +211,17 @@ class CpuBlockLinear(BlockLinear):
     def _tiled_run(self, bands: list[BlockWeight], store: TiledStore | None) -> cpu_blockq8.TiledWeight:
         """Adjacent bands of one format → their tiled copy end to end, in one buffer."""
         sizes = [cpu_blockq8.tiled_nbytes(p) for p in bands]
-        if store is not None:
-            buf, filled = store.run(bands, sum(sizes))
-        else:
-            buf, filled = cpu_blockq8.huge_page_buffer(sum(sizes)), False
-        if not filled:
+
+        def fill(buf: torch.Tensor) -> None:
             at = 0
             for p, size in zip(bands, sizes):
                 cpu_blockq8.tile_into(p, buf[at:at + size], self.isa)
                 at += size
+        if store is not None:
+            buf = store.run(bands, sum(sizes), fill)
+        else:
+            buf = cpu_blockq8.huge_page_buffer(sum(sizes))
+            fill(buf)
         return cpu_blockq8.TiledWeight(buf, bands[0].fmt, sum(p.n for p in bands), bands[0].k)
 
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:
