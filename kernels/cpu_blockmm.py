@@ -146,10 +146,14 @@ TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 class Tiled(Protocol):
     """What these calls read of cpu_blockq8.TiledWeight (that module imports this one)."""
-    data: torch.Tensor
-    fmt: BlockFormat
-    n: int
-    k: int
+    @property
+    def data(self) -> torch.Tensor: ...
+    @property
+    def fmt(self) -> BlockFormat: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def k(self) -> int: ...
 
 
 def _tile_bytes(w: Tiled) -> int:

@@ -9,9 +9,10 @@ the layout version; inside it a run is found by its place in the load order, its
 of three rows of each band (first, middle, last: a few pages). The layout is the same at every tiled ISA level
 (chatserve_bq8_tile: one copy serves AVX2 and AVX-512), so the level is not part of the key.
 
-File: the runs at 2 MiB-aligned offsets (holes between), then a JSON index, then a footer (MAGIC, index offset, index length).
-Written under a temporary name and renamed in finish(); an unreadable file is built again; a run the index lacks
-(another configuration) is tiled in memory and the file removed at finish(), so the next load rebuilds it.
+File: the runs at 2 MiB-aligned offsets (holes between), then a JSON index, then a footer (MAGIC, index offset,
+index length). Written under a temporary name and renamed in finish(); an unreadable file is built again; a run
+the index lacks (another configuration) is tiled in memory and the file removed at finish(), so the next load
+rebuilds it. No eviction: a file stays until its GGUF changes (then the next load replaces it) or is removed.
 CHATSERVE_WEIGHT_CACHE=0 turns it off (for_file returns None); the directory is env.weight_cache_dir().
 """
 from __future__ import annotations
@@ -150,7 +151,7 @@ class TiledStore:
                 self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
                 self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             offset = -self._size % _ALIGN + self._size
-            view = memoryview(buf.numpy())
+            view = memoryview(buf.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; its stubs say otherwise
             for at in range(0, nbytes, _WRITE):                # buffered writes: the page cache keeps large folios
                 os.pwrite(self._fd, view[at:at + _WRITE], offset + at)
             m = mmap.mmap(self._fd, nbytes, offset=offset, access=mmap.ACCESS_READ)
