@@ -148,7 +148,8 @@ class TiledStore:
         try:
             if self._fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+                self._drop_orphans()
+                self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{id(self):x}.tmp")
                 self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             offset = -self._size % _ALIGN + self._size
             view = memoryview(buf.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; its stubs say otherwise
@@ -190,6 +191,18 @@ class TiledStore:
         for old in self.path.parent.glob(f"tiled-{prefix}-*.bin"):
             if old != self.path:
                 old.unlink(missing_ok=True)
+
+    def _drop_orphans(self) -> None:
+        """Remove temporary files of this GGUF left by processes that died while building (a file the size of the
+        copy each); a live process's are left alone."""
+        for tmp in self.path.parent.glob(f"{self.path.name}.*.tmp"):
+            try:
+                pid = int(tmp.name[len(self.path.name) + 1:].split(".")[0])
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                tmp.unlink(missing_ok=True)
+            except (ValueError, PermissionError, OSError):
+                pass
 
     def _abandon(self) -> None:
         """Stop writing the new file (its maps stay valid while their tensors live; the name goes)."""

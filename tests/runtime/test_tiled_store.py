@@ -3,6 +3,8 @@ cache file per model file, a second load maps it instead of tiling, a corrupt fi
 logits are the same bits cached or not."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_gguf_in_place import Q4_K_M, TILED_ISAS, _logits, _runner, mapped
@@ -137,3 +139,14 @@ def _map_rss(path: str) -> int:
             elif inside and line.startswith("Rss:"):
                 rss += int(head[1]) * 1024
     return rss
+
+
+def test_a_dead_builders_temporary_file_is_removed_and_a_live_ones_kept(cache, gguf):
+    cache.mkdir(parents=True)
+    store = tiled_store.TiledStore.for_file(gguf)
+    assert store is not None
+    dead, live = (cache / f"{store.path.name}.{pid}.1.tmp" for pid in (2 ** 22 + 1, os.getpid()))
+    for f in (dead, live):
+        f.write_bytes(b"partial")
+    _runner(gguf, in_place=True, isa=TILED_ISAS[-1])
+    assert not dead.exists() and live.exists() and store.path.exists()
