@@ -168,7 +168,9 @@ class TiledStore:
 
     def finish(self) -> None:
         """The model is built: publish the new file (index + footer, renamed into place) and drop older files of
-        the same GGUF path; or remove a mapped file that lacked a run."""
+        the same GGUF path, then map it (another model built from the same loaded weights finds every run); or
+        remove a mapped file that lacked a run."""
+        self.seq = 0
         if self._map is not None:
             if self.stale:
                 log.warning("tiled cache %s lacks runs of this load: removed, the next load rebuilds it",
@@ -183,6 +185,7 @@ class TiledStore:
             os.close(self._fd)
             self._fd = None
             os.replace(self._tmp, self.path)
+            self._tmp = None
         except OSError as e:
             log.warning("tiled cache %s: cannot publish (%s)", self.path.name, e)
             self._abandon()
@@ -191,6 +194,7 @@ class TiledStore:
         for old in self.path.parent.glob(f"tiled-{prefix}-*.bin"):
             if old != self.path:
                 old.unlink(missing_ok=True)
+        self._open()
 
     def _drop_orphans(self) -> None:
         """Remove temporary files of this GGUF left by processes that died while building (a file the size of the

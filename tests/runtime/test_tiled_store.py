@@ -80,7 +80,7 @@ def test_a_corrupt_cache_file_is_built_again(cache, gguf, damage):
     path.write_bytes(bytes(raw))
     runner = _runner(gguf, in_place=True, isa=isa)
     store = runner.model.lm_head.w.store
-    assert store is not None and not store.mapped and store.built > 0   # tiled again into a new file
+    assert store is not None and store.built > 0            # tiled again into a new file (then mapped)
     assert len(path.read_bytes()) > len(raw) // 2 and tiled_store.TiledStore(path, store.source).mapped
     got = _logits(runner)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -94,7 +94,8 @@ def test_a_changed_model_file_gets_a_new_cache_file_and_the_old_one_goes(cache, 
     write_tiny_gguf(gguf, cfg, random_weights(cfg, seed=8), Q4_K_M)      # rewritten in place: new mtime
     runner = _runner(gguf, in_place=True, isa=isa)
     (new,) = cache.glob("tiled-*.bin")
-    assert new != old and runner.model.lm_head.w.store is not None and not runner.model.lm_head.w.store.mapped
+    store = runner.model.lm_head.w.store
+    assert new != old and store is not None and store.built > 0
 
 
 def _prefill_hidden(runner) -> torch.Tensor:
@@ -150,3 +151,18 @@ def test_a_dead_builders_temporary_file_is_removed_and_a_live_ones_kept(cache, g
         f.write_bytes(b"partial")
     _runner(gguf, in_place=True, isa=TILED_ISAS[-1])
     assert not dead.exists() and live.exists() and store.path.exists()
+
+
+def test_a_second_model_from_the_same_loaded_weights_maps_the_published_file(cache, gguf):
+    from chatserve.config import CacheConfig, ModelConfig
+    from chatserve.runtime.model_runner import ModelRunner
+    from chatserve.runtime.weights import load_weights
+    isa = TILED_ISAS[-1]
+    weights = load_weights(gguf, "float32", progress=False, in_place=True)
+    model = ModelConfig(model=gguf, dtype="float32", device="cpu", weight_quant=None, num_threads=1,
+                        gguf_in_place=True, cpu_isa=isa)
+    runners = [ModelRunner(model, CacheConfig(num_blocks=64, block_size=16), progress=False, weights=weights)
+               for _ in range(2)]
+    store = weights.tiled_store
+    assert store is not None and store.mapped and not store.stale and len(list(cache.glob("tiled-*.bin"))) == 1
+    assert all(torch.equal(a, b) for a, b in zip(*(_logits(r) for r in runners)))
