@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def available(isa: str) -> bool:
 Band = BlockWeight | cpu_blockq8.TiledWeight
 
 
-def _table(bands: list[list[Band]]) -> torch.Tensor:
+def _table(bands: Sequence[Sequence[Band]]) -> torch.Tensor:
     """[E, B, 4] int64: (GGUF type id, data pointer, row bytes, rows) per expert and band; row bytes 0 for a
     band in the tiled layout (cpu_moe_block.c runs it through chatserve_bq8_tiled)."""
     return torch.tensor([[[b.fmt.type_id, b.data.data_ptr(),
