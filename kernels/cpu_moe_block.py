@@ -1,6 +1,7 @@
 """A MoE layer's routed experts for decode rows in one C call on experts kept in their GGUF block format in
 place (cpu_moe_block.c, issue 32): every selected expert's gate_up, SiLU·up and down through cpu_blockq8's
-per-lane kernel over the expert's views of the mapped file, and the rank-order combine, with the expert ids
+per-lane kernel over the expert's views of the mapped file (or its tiled kernel over the experts' tiled decode
+copies, where the model made them), and the rank-order combine, with the expert ids
 and routing weights as arguments. `reference` is the plain-torch twin (block_q8's matmul, torch's SiLU·up and
 combine); the model's layer loop (models/moe.py over linear_backends.CpuBlockLinear) gives the same bits as
 the C call. Not the router (models/moe.py routes), not the shared expert (the model adds it), and not the
