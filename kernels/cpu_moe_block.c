@@ -21,7 +21,10 @@
  * here the threads take whole (expert, band) calls instead; bigger calls split their columns as the loop's.
  *
  * Bands: int64 [E, B, 4] tables of (GGUF type id, data pointer, row bytes, rows) per expert and band, gate_up's
- * B1 bands covering 2I rows of H, down's B2 bands H rows of I.
+ * B1 bands covering 2I rows of H, down's B2 bands H rows of I. Row bytes 0: the band is in cpu_blockq8's
+ * row-interleaved ("tiled") layout (chatserve_bq8_tile's copy, data pointer to it) and runs chatserve_bq8_tiled,
+ * as the loop's CpuBlockLinear runs a tiled band (one float epilogue per block for 16 W rows: the per-row cost
+ * stays low at 1-16 rows an expert, where the per-lane kernel is bound by its per-lane float work).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -70,8 +73,12 @@ static int mb_stage(const mb_job *jobs, int64_t n, const int64_t *bands, int64_t
         const mb_job *o = jobs + j;
         const int64_t *d = bands + (o->e * B + o->b) * 4, nr = d[3];
         const int t = spread || o->M * nr * K < min_macs ? 1 : nt;
-        rc |= chatserve_bq8((int)d[0], (const uint8_t *)d[1], d[2], nr, K, x + (size_t)(o->r0 * K) * ab, o->M,
-                            bf16, x_bits, y + (size_t)(o->r0 * ldy + o->col) * ab, ldy, bf16, t);
+        const char *xr = x + (size_t)(o->r0 * K) * ab;
+        char *yr = y + (size_t)(o->r0 * ldy + o->col) * ab;
+        rc |= d[2] ? chatserve_bq8((int)d[0], (const uint8_t *)d[1], d[2], nr, K, xr, o->M, bf16, x_bits, yr, ldy,
+                                   bf16, t)
+                   : chatserve_bq8_tiled((int)d[0], (const uint8_t *)d[1], nr, K, xr, o->M, bf16, x_bits, yr, ldy,
+                                         bf16, t);
     }
     return rc;
 }

@@ -1,6 +1,7 @@
 """A MoE layer's routed experts for decode rows in one C call on experts kept in their GGUF block format in
 place (cpu_moe_block.c, issue 32): every selected expert's gate_up, SiLU·up and down through cpu_blockq8's
-per-lane kernel over the expert's views of the mapped file, and the rank-order combine, with the expert ids
+per-lane kernel over the expert's views of the mapped file (or its tiled kernel over the experts' tiled decode
+copies, where the model made them), and the rank-order combine, with the expert ids
 and routing weights as arguments. `reference` is the plain-torch twin (block_q8's matmul, torch's SiLU·up and
 combine); the model's layer loop (models/moe.py over linear_backends.CpuBlockLinear) gives the same bits as
 the C call. Not the router (models/moe.py routes), not the shared expert (the model adds it), and not the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -49,20 +51,29 @@ def available(isa: str) -> bool:
     return library(isa) is not None
 
 
-def _table(bands: list[list[BlockWeight]]) -> torch.Tensor:
-    """[E, B, 4] int64: (GGUF type id, data pointer, row bytes, rows) per expert and band."""
-    return torch.tensor([[[b.fmt.type_id, b.data.data_ptr(), b.row_bytes, b.n] for b in e] for e in bands],
-                        dtype=torch.int64)
+Band = BlockWeight | cpu_blockq8.TiledWeight
+
+
+def _table(bands: Sequence[Sequence[Band]]) -> torch.Tensor:
+    """[E, B, 4] int64: (GGUF type id, data pointer, row bytes, rows) per expert and band; row bytes 0 for a
+    band in the tiled layout (cpu_moe_block.c runs it through chatserve_bq8_tiled)."""
+    return torch.tensor([[[b.fmt.type_id, b.data.data_ptr(),
+                           0 if isinstance(b, cpu_blockq8.TiledWeight) else b.row_bytes, b.n] for b in e]
+                         for e in bands], dtype=torch.int64)
 
 
 class BlockExperts:
     """E experts' SwiGLU weights as GGUF block bands for the C call: gate_up [2I, H] (its bands: the gate rows,
     then the up rows) and down [H, I] per expert, every band of a cpu_blockq8 format, the same band shapes and
     formats in every expert; the pointer tables are built once (the file's map never moves; the bands are held
-    here so it stays mapped). x_bits: the activation codes the loop's band_q8 calls use (8 or 15)."""
+    here so it stays mapped). x_bits: the activation codes the loop's band_q8 calls use (8 or 15).
+    calls: what the C call runs instead of the file's bands, per expert (gate_up's, down's): the experts'
+    CpuBlockLinear decode calls, runs of adjacent bands in the tiled layout (a TiledWeight, gate and up as one)
+    and any untiled band as it is; None: the file's bands (the per-lane kernel). A tiled run gives each column
+    the bits of block_q8.matmul_tiled over its file band (the twin, `reference`)."""
 
     def __init__(self, gate_up: list[list[BlockWeight]], down: list[list[BlockWeight]], isa: str,
-                 x_bits: int) -> None:
+                 x_bits: int, calls: tuple[list[list[Band]], list[list[Band]]] | None = None) -> None:
         assert len(gate_up) == len(down) > 0 and x_bits in (8, 15)
         self.gate_up, self.down, self.isa, self.x_bits = gate_up, down, isa, x_bits
         self.hidden, self.inter = gate_up[0][0].k, down[0][0].k
@@ -72,7 +83,15 @@ class BlockExperts:
             assert sum(b.n for b in gu) == 2 * self.inter and sum(b.n for b in d) == self.hidden
             assert all(b.k == self.hidden for b in gu) and all(b.k == self.inter for b in d)
             assert all(cpu_blockq8.handles(b) and b.data.is_contiguous() for b in gu + d)
-        self.gu_table, self.dn_table = _table(gate_up), _table(down)
+        self.calls = calls                      # held: the tables point into the tiled copies
+        if calls is not None:
+            for c, bands in zip(calls, (gate_up, down)):
+                assert len(c) == len(bands)
+                assert all(sum(w.n for w in ce) == sum(b.n for b in be) for ce, be in zip(c, bands))
+                assert all(len(ce) == len(c[0]) for ce in c)
+        self.tiled = calls is not None and any(isinstance(w, cpu_blockq8.TiledWeight) for c in calls
+                                               for ce in c for w in ce)
+        self.gu_table, self.dn_table = _table(calls[0] if calls else gate_up), _table(calls[1] if calls else down)
 
     def __len__(self) -> int:
         return len(self.gate_up)
@@ -97,9 +116,16 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Bloc
 def reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: BlockExperts) -> torch.Tensor:
     """The plain-torch twin, row by row and rank by rank: block_q8.matmul (the block kernel's twin, which joins
     the exact integer dots in float64) for every band, torch's SiLU·up and the rank-order combine in x's dtype.
-    It differs from the C call by the order of the float sums in the matmuls (and roundings that follow)."""
+    It differs from the C call by the order of the float sums in the matmuls (and roundings that follow).
+    Tiled experts (experts.tiled): block_q8.matmul_tiled for every band of a tiled format, the tiled kernel's
+    own order (bit for bit, so then only the SiLU and the combine can differ)."""
+    def matmul(v: torch.Tensor, p: BlockWeight) -> torch.Tensor:
+        if experts.tiled and p.fmt.name in cpu_blockq8.TILED_FORMATS:
+            return block_q8.matmul_tiled(v, p, torch.float32, experts.x_bits)
+        return block_q8.matmul(v, p, torch.float32, experts.x_bits)
+
     def bands(v: torch.Tensor, parts: list[BlockWeight]) -> torch.Tensor:
-        return torch.cat([block_q8.matmul(v, p, torch.float32, experts.x_bits) for p in parts], 1).to(v.dtype)
+        return torch.cat([matmul(v, p) for p in parts], 1).to(v.dtype)
 
     out = x.new_empty(x.shape)
     for t in range(x.shape[0]):

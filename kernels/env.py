@@ -14,11 +14,13 @@ CPU_KERNELS = "CHATSERVE_CPU_KERNELS"    # "0": never build or load the C kernel
 FORCE_TRITON = "CHATSERVE_FORCE_TRITON"  # "1": Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1)
 CACHE_DIR = "CHATSERVE_CACHE_DIR"        # the per-user cache root (compiled kernels live in <root>/kernels)
 MOE_KERNEL = "CHATSERVE_MOE_KERNEL"      # "0": MoE decode rows through the expert loop, not cpu_moe's one call
+MOE_TILED = "CHATSERVE_MOE_TILED"        # in-place MoE experts' tiled decode copies: "1" always, "0" never, else
+                                         # when they fit (moe_tiled())
 WEIGHT_CACHE = "CHATSERVE_WEIGHT_CACHE"  # "0": never read or write cpu_qmatmul's packed weights on disk
 WEIGHT_CACHE_DIR = "CHATSERVE_WEIGHT_CACHE_DIR"   # where they live (default <cache root>/qmatmul)
 AMX = "CHATSERVE_AMX"                    # "0": cpu_blockmm's AVX-512 level never uses the AMX tiles (bf16 x too on
                                          # its fp32 dot products; for A/B runs)
-NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, WEIGHT_CACHE, WEIGHT_CACHE_DIR, AMX)
+NAMES = (CPU_KERNELS, FORCE_TRITON, CACHE_DIR, MOE_KERNEL, MOE_TILED, WEIGHT_CACHE, WEIGHT_CACHE_DIR, AMX)
 # other programs' variables the kernels honour (config.FOREIGN_ENV declares them too)
 CC = "CC"                                # the C compiler for the CPU kernels
 TRITON_INTERPRET = "TRITON_INTERPRET"    # triton's own switch: "1" runs kernels in its CPU interpreter
@@ -33,6 +35,13 @@ def cpu_kernels_enabled() -> bool:
 def moe_kernel_enabled() -> bool:
     """cpu_moe's one call per MoE layer for decode rows (read when a model is built; "0" for A/B runs)."""
     return os.environ.get(MOE_KERNEL, "1") != "0"
+
+
+def moe_tiled() -> bool | None:
+    """GGUF-in-place MoE experts with a row-interleaved copy for decode rows: True ("1"), False ("0"), None
+    (unset or anything else: the model decides by the copy's size against the machine's memory)."""
+    v = os.environ.get(MOE_TILED, "")
+    return True if v == "1" else False if v == "0" else None
 
 
 def weight_cache_enabled() -> bool:

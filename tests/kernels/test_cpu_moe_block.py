@@ -23,22 +23,24 @@ MIXES = [("Q4_0", "Q4_0"), ("Q4_K", "Q6_K"), ("Q8_0", "Q5_1")]
 
 
 def make_moe(isa: str, mix: tuple[str, str], dtype: torch.dtype = torch.float32, top_k: int = 3,
-             seed: int = 0, shared: bool = False) -> MoE:
+             seed: int = 0, shared: bool = False, tile: bool = False) -> MoE:
     """A MoE layer on block-format experts (gate and up two bands, as a GGUF's stacked tensors give them) with
-    the C call's table (moe.packed a BlockExperts) on FusedCpuOps, as an in-place GGUF load builds it."""
+    the C call's table (moe.packed a BlockExperts) on FusedCpuOps, as an in-place GGUF load builds it; tile: the
+    experts' tiled decode copies (CHATSERVE_MOE_TILED), which the table then points at."""
     g = torch.Generator().manual_seed(seed)
     ops, cls = FusedCpuOps(1e-6), BACKENDS[isa]
 
     def mlp(s: int) -> GatedMLP:
         gate, up = make_weight(mix[0], I_, H_, seed=3 * s), make_weight(mix[0], I_, H_, seed=3 * s + 1)
         down = make_weight(mix[1], H_, I_, seed=3 * s + 2)
-        return GatedMLP(cls(lb.BlockMatrix([gate, up])), cls(lb.BlockMatrix([down])), "silu", ops)
+        return GatedMLP(cls(lb.BlockMatrix([gate, up]), None, tile), cls(lb.BlockMatrix([down]), None, tile), "silu",
+                        ops)
     experts = [mlp(seed * 100 + e) for e in range(E_)]
     sh, gate = (mlp(seed * 100 + 99), Linear((torch.randn(1, H_, generator=g) * 0.1).to(dtype))) if shared \
         else (None, None)
     router = Linear((torch.randn(E_, H_, generator=g) * 0.1).to(dtype))
     moe = MoE(router, experts, top_k, True, sh, gate, block_experts(experts, "silu", ops))
-    assert isinstance(moe.packed, cpu_moe_block.BlockExperts)
+    assert isinstance(moe.packed, cpu_moe_block.BlockExperts) and moe.packed.tiled == tile
     return moe
 
 
@@ -60,8 +62,11 @@ def table(moe: MoE) -> cpu_moe_block.BlockExperts:
 @pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 4])
-def test_one_call_gives_the_expert_loops_bits(isa, mix, dtype, top_k):
-    moe = make_moe(isa, mix, dtype, top_k)
+@pytest.mark.parametrize("tile", [False, True])
+def test_one_call_gives_the_expert_loops_bits(isa, mix, dtype, top_k, tile):
+    """tile: gate_up (and down where its format has a tiled layout; Q5_1 not) on the tiled copies, the loop's
+    CpuBlockLinear on the same copies."""
+    moe = make_moe(isa, mix, dtype, top_k, tile=tile)
     g = torch.Generator().manual_seed(1)
     for T in (1, 2, 5, 9, 16):                  # row tiles of 1/2/4/8 inside an expert's group, and mixes
         x = torch.randn(T, H_, generator=g).to(dtype)
@@ -73,11 +78,12 @@ def test_one_call_gives_the_expert_loops_bits(isa, mix, dtype, top_k):
 
 
 @pytest.mark.parametrize("isa", LEVELS)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(isa, monkeypatch):
+@pytest.mark.parametrize("tile", [False, True])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(isa, tile, monkeypatch):
     """Alone, in a batch, in another order, beside copies of itself (its experts then shared by several rows),
     with one thread or three, the threads taking whole band calls or (every call above the one-thread size)
-    splitting each call's columns: the same bits."""
-    moe = make_moe(isa, ("Q4_K", "Q6_K"), torch.bfloat16, top_k=4)
+    splitting each call's columns: the same bits (the per-lane kernel and the tiled copies alike)."""
+    moe = make_moe(isa, ("Q4_K", "Q6_K"), torch.bfloat16, top_k=4, tile=tile)
     x = torch.randn(12, H_, generator=torch.Generator().manual_seed(2)).bfloat16()
     w, idx = moe.route(x)
     batch = cpu_moe_block.moe(x, idx, w, table(moe))
@@ -97,9 +103,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(isa, monkeypatch):
 
 
 @pytest.mark.parametrize("mix", MIXES)
-def test_near_the_plain_torch_twin(mix):
-    """Against block_q8's matmul (the block kernel's twin, float64 joins) and torch's SiLU·up and combine."""
-    moe = make_moe(LEVELS[0], mix, torch.float32, top_k=3)
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("tile", [False, True])
+def test_near_the_plain_torch_twin(mix, isa, tile):
+    """Against block_q8's matmul (the block kernel's twin, float64 joins; for tiled bands matmul_tiled, the
+    tiled kernel's own order) and torch's SiLU·up and combine: within 1e-5 of the output's largest value."""
+    moe = make_moe(isa, mix, torch.float32, top_k=3, tile=tile)
     x = torch.randn(4, H_, generator=torch.Generator().manual_seed(5))
     w, idx = moe.route(x)
     got = cpu_moe_block.moe(x, idx, w, table(moe))
@@ -138,6 +147,7 @@ def test_no_table_where_the_call_would_not_give_the_loops_bits(monkeypatch):
     assert block_experts(mlps(TorchOps(1e-6)), "silu", TorchOps(1e-6)) is None     # torch's SiLU bits
     assert block_experts(mlps(fused, "F16"), "silu", fused) is None                # no codes: the float path
     assert block_experts(mlps(fused, bias=True), "silu", fused) is None
-    assert block_experts(mlps(fused, tile=True), "silu", fused) is None             # the tiled kernel's bits
+    tiled = block_experts(mlps(fused, tile=True), "silu", fused)                   # the tiled copies' table
+    assert tiled is not None and tiled.tiled and int(tiled.gu_table[0, 0, 2]) == 0
     monkeypatch.setenv("CHATSERVE_MOE_KERNEL", "0")
     assert block_experts(mlps(fused), "silu", fused) is None

@@ -41,11 +41,14 @@ def test_expert_views_are_the_files_bytes(tmp_path):
 
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe"])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
-def test_in_place_experts_take_one_c_call_with_the_loops_bits(tmp_path, name, qtype, monkeypatch):
+@pytest.mark.parametrize("tiled", ["1", "0"])
+def test_in_place_experts_take_one_c_call_with_the_loops_bits(tmp_path, name, qtype, tiled, monkeypatch):
     """On the CPU backend, every MoE layer of a GGUF loaded in place gets the cpu_moe_block table (its
-    experts' views of the file), its generated rows go through that one call (counted), and they come out
-    as the expert loop's, bit for bit (CHATSERVE_MOE_KERNEL=0: no table). The tiny Mixtral's expert width
-    (48) is no whole number of blocks: its down stays F32 (the float path), so it gets no table."""
+    experts' tiled decode copies with CHATSERVE_MOE_TILED=1, their views of the file with 0), its generated
+    rows go through that one call (counted), and they come out as the expert loop's, bit for bit
+    (CHATSERVE_MOE_KERNEL=0: no table). The tiny Mixtral's expert width (48) is no whole number of blocks: its
+    down stays F32 (the float path), so it gets no table."""
+    monkeypatch.setenv("CHATSERVE_MOE_TILED", tiled)
     from chatserve.runtime.models import build_model
     from chatserve.runtime.models.layers import ALL_GENERATED
     from chatserve.runtime.models.linear_backends import choose_block_backend
@@ -64,6 +67,7 @@ def test_in_place_experts_take_one_c_call_with_the_loops_bits(tmp_path, name, qt
         assert moes and all(moe.packed is None for moe in moes)
         return
     assert moes and all(isinstance(moe.packed, cpu_moe_block.BlockExperts) for moe in moes)
+    assert all(moe.packed.tiled == (tiled == "1") for moe in moes if isinstance(moe.packed, cpu_moe_block.BlockExperts))
     calls = []
     real = cpu_moe_block.moe
     monkeypatch.setattr(cpu_moe_block, "moe", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -83,3 +87,28 @@ def test_in_place_experts_take_one_c_call_with_the_loops_bits(tmp_path, name, qt
     monkeypatch.setenv("CHATSERVE_MOE_KERNEL", "0")
     off = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, block_backend=backend)
     assert all(layer.mlp.packed is None for layer in off.layers if isinstance(layer.mlp, MoE))
+
+
+def test_experts_get_tiled_copies_when_they_fit_a_quarter_of_memory(tmp_path, monkeypatch):
+    """CHATSERVE_MOE_TILED unset: a model's experts are tiled when every MoE layer's weights (a byte each) fit a
+    quarter of the machine's memory, not when they would not (a 30B-A3B's 29 G weights on a small box); 1 and 0
+    force it either way."""
+    from chatserve.runtime.models import build_model
+    from chatserve.runtime.models import decoder
+    from chatserve.runtime.models.linear_backends import choose_block_backend
+
+    path = H.save_gguf(H.hf_model("qwen3moe"), tmp_path / "m.gguf", "Q8_0")
+    w = load_weights(path, "bfloat16", progress=False, in_place=True)
+    m = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, block_backend=choose_block_backend(torch.device("cpu")))
+    spec = w.config.moe
+    assert spec is not None
+    weights = sum(spec.sparse_layers) * spec.num_experts * 3 * spec.expert_size * w.config.hidden_size
+    monkeypatch.delenv("CHATSERVE_MOE_TILED", raising=False)
+    page = decoder.os.sysconf("SC_PAGE_SIZE")
+    for pages, want in ((4 * weights // page + 1, True), (4 * weights // page - 1, False)):
+        monkeypatch.setattr(decoder.os, "sysconf", lambda name, p=pages: page if name == "SC_PAGE_SIZE" else p)
+        assert m.tile_experts() is want
+    monkeypatch.setenv("CHATSERVE_MOE_TILED", "1")
+    assert m.tile_experts() is True
+    monkeypatch.setenv("CHATSERVE_MOE_TILED", "0")
+    assert m.tile_experts() is False

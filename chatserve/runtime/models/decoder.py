@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, overload
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from chatserve.runtime.models.linear_backends import (DECODE_X_BITS, BlockLinear
 from chatserve.runtime.models.moe import MoE
 from chatserve.runtime.models.rope import rope_tables
 from chatserve.runtime.arch_config import ArchConfig, MoESpec, UnsupportedModelError
-from chatserve_kernels import AttentionMetadata, cpu_blockq8, cpu_decode, cpu_qmatmul
+from chatserve_kernels import AttentionMetadata, cpu_blockq8, cpu_decode, cpu_qmatmul, env
 from chatserve_kernels.attention_backend import AttentionBackend, pick_attention_backend
 
 # checkpoint tensors that carry nothing the model needs (buffers some exporters save)
@@ -283,6 +284,23 @@ class DecoderModel:
         if isinstance(w, BlockMatrix):
             return self.block_backend(w, b, tile)
         return Linear(w, b, self.weight_quant)
+
+    def _expert_lin(self, w: torch.Tensor | BlockMatrix, b: torch.Tensor | None = None) -> AnyLinear:
+        """A MoE expert's matrix as _lin makes it, its generated rows on a tiled copy when tile_experts()."""
+        return self._lin(w, b, tile=self.tile_experts())
+
+    def tile_experts(self) -> bool:
+        """Whether GGUF-in-place experts get the dense layers' row-interleaved decode copy (the per-lane kernel
+        on the file's blocks is bound by its per-lane float work at the 1-16 rows a decode step routes to an
+        expert): CHATSERVE_MOE_TILED 1 / 0, else when every MoE layer's copy, at most a byte per weight (Q4_K
+        4.5 bits → 6, Q6_K 6.6 → 7, Q8_0 8.5 → 9), fits a quarter of the machine's memory (a 2-layer test
+        shape yes, Qwen3-30B-A3B's 29 G weights on a 24 GiB box no: its experts then stay the file's only)."""
+        choice = env.moe_tiled()
+        if choice is not None or self.config.moe is None:
+            return bool(choice)
+        m = self.config.moe
+        weights = sum(m.sparse_layers) * m.num_experts * 3 * m.expert_size * self.config.hidden_size
+        return weights <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → embedding rows [T, H] in the model dtype."""

@@ -12,6 +12,6 @@ class MixtralModel(DecoderModel):
     def build_mlp(self, r: WeightReader, p: str, i: int) -> MoE | None:
         c = self.config
         if r.has(p + "mlp.gate.weight"):
-            return read_moe(r, p + "mlp.", self.moe_spec, self._lin, c.hidden_act, self.ops)
-        return read_moe(r, p + "block_sparse_moe.", self.moe_spec, self._lin, c.hidden_act, self.ops,
+            return read_moe(r, p + "mlp.", self.moe_spec, self._expert_lin, c.hidden_act, self.ops)
+        return read_moe(r, p + "block_sparse_moe.", self.moe_spec, self._expert_lin, c.hidden_act, self.ops,
                         names=("w1", "w3", "w2"))

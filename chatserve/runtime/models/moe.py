@@ -211,14 +211,15 @@ def build_moe(experts: ExpertWeights, router: torch.Tensor, spec: MoESpec,
 def block_experts(mlps: Sequence[GatedMLP], act: str, ops: TorchOps) -> cpu_moe_block.BlockExperts | None:
     """The experts' GGUF block bands (--gguf-in-place) as one cpu_moe_block table, when the C call gives their
     loop's bits: SiLU through cpu_ops (FusedCpuOps), plain GatedMLPs, every gate_up and down a CpuBlockLinear of
-    one level running cpu_blockq8's per-lane kernel for generated rows (no tiled copy, no bias, every band of a
-    cpu_blockq8 format, the same band formats and shapes in every expert), and CHATSERVE_MOE_KERNEL not 0.
-    None otherwise (the expert loop runs)."""
+    one level running cpu_blockq8's kernels for generated rows (no bias, every band of a cpu_blockq8 format, the
+    same band formats and shapes in every expert), and CHATSERVE_MOE_KERNEL not 0. Where the experts have tiled
+    decode copies the table points at them (the loop's CpuBlockLinear decode calls: tiled runs through the tiled
+    kernel, other bands through the per-lane one). None otherwise (the expert loop runs)."""
     if act != "silu" or not isinstance(ops, FusedCpuOps) or not env.moe_kernel_enabled() \
             or any(type(m) is not GatedMLP for m in mlps):      # a subclass (gpt-oss) has its own arithmetic
         return None
     lins = [a for m in mlps for a in (m.gate_up, m.down) if isinstance(a, CpuBlockLinear)]
-    if len(lins) != 2 * len(mlps) or not all(a.q8 and not a.tiled and a.b is None for a in lins):
+    if len(lins) != 2 * len(mlps) or not all(a.q8 and a.b is None for a in lins):
         return None
     isas = {a.isa for a in lins}
     isa = next(iter(isas))
@@ -229,7 +230,11 @@ def block_experts(mlps: Sequence[GatedMLP], act: str, ops: TorchOps) -> cpu_moe_
               for g, d in zip(gu, dn)}
     if len(shapes) != 1 or not cpu_moe_block.available(isa):
         return None
-    return cpu_moe_block.BlockExperts(gu, dn, isa, linear_backends.DECODE_X_BITS)
+    calls = None
+    if any(a.tiled for a in lins):     # tiled decode copies (DecoderModel.tile_experts): the loop's own calls
+        calls = ([[w for _, w in a.decode_calls] for a in lins[0::2]],
+                 [[w for _, w in a.decode_calls] for a in lins[1::2]])
+    return cpu_moe_block.BlockExperts(gu, dn, isa, linear_backends.DECODE_X_BITS, calls)
 
 
 def packed_experts(mlps: Sequence[GatedMLP], act: str, ops: TorchOps) -> cpu_moe.PackedExperts | None:

@@ -12,4 +12,4 @@ class OlmoeModel(DecoderModel):
     over whole rows (decoder._qk_norm picks by their size). Experts as Qwen-MoE names them."""
 
     def build_mlp(self, r: WeightReader, p: str, i: int) -> MoE | None:
-        return read_moe(r, p + "mlp.", self.moe_spec, self._lin, self.config.hidden_act, self.ops)
+        return read_moe(r, p + "mlp.", self.moe_spec, self._expert_lin, self.config.hidden_act, self.ops)

@@ -15,4 +15,4 @@ class QwenMoeModel(DecoderModel):
     def build_mlp(self, r: WeightReader, p: str, i: int) -> GatedMLP | MoE | None:
         if not self.moe_spec.sparse_layers[i]:
             return super().build_mlp(r, p, i)
-        return read_moe(r, p + "mlp.", self.moe_spec, self._lin, self.config.hidden_act, self.ops)
+        return read_moe(r, p + "mlp.", self.moe_spec, self._expert_lin, self.config.hidden_act, self.ops)
