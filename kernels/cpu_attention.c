@@ -622,6 +622,18 @@ static inline void raw_pairs(const job_t *j, int row, uint32_t *dst) {
                (size_t)j->D * 2);
 }
 
+/* The next block's K and V (every kv head: bs rows of hkv * D bf16), pulled into L1/L2 before this block's
+ * work (blocks are scattered, so the hardware prefetcher does not see them coming); nbase < 0: none */
+static inline void pull_block(const job_t *j, int64_t nbase) {
+    if (nbase < 0) return;
+    const int lines = (j->bs * j->hkv * j->D * 2 + 63) / 64;
+    const char *k = (const char *)j->k + nbase * 2, *v = (const char *)j->v + nbase * 2;
+    for (int l = 0; l < lines; l++) {
+        _mm_prefetch(k + l * 64, _MM_HINT_T0);
+        _mm_prefetch(v + l * 64, _MM_HINT_T0);
+    }
+}
+
 /* run_seg for a bf16 cache (a row alone): each block's tiles packed for its keys, then the row over them */
 static inline __attribute__((always_inline)) void run_seg_bf16(const job_t *j, work_t *w, const item_t *it,
                                                                int k0, int sl, const int G, const int NV) {
@@ -634,6 +646,7 @@ static inline __attribute__((always_inline)) void run_seg_bf16(const job_t *j, w
     for (int blk0 = (k0 / bs) * bs; blk0 < sl; blk0 += bs) {
         int a, z;
         const int64_t base = block_span(j, it, blk0, k0, sl, &a, &z);
+        pull_block(j, blk0 + bs < sl ? (int64_t)j->tables[(int64_t)it->b * j->bt_stride + blk0 / bs + 1] * j->c_sb : -1);
         for (int hk = 0; hk < hkv; hk++) {
             const uint32_t *q1[1] = {qp + hk * G * D / 2};
             float *acc1[1] = {w->acc + hk * G * D}, *mx1[1] = {w->mx + hk * G}, *den1[1] = {w->den + hk * G};
@@ -657,6 +670,7 @@ static inline __attribute__((always_inline)) void run_rows_bf16(const job_t *j, 
     for (int blk0 = (k0 / bs) * bs; blk0 < kmax; blk0 += bs) {
         const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
         const int a = k0 > blk0 ? k0 - blk0 : 0, zmax = kmax - blk0 < bs ? kmax - blk0 : bs;
+        pull_block(j, blk0 + bs < kmax ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1);
         for (int hk = 0; hk < hkv; hk++) {
             pack_block(j, base + hk * D, a, zmax, kt, vp, NV);
             for (int r = 0; r < n; r++) {
