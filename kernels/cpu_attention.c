@@ -4,7 +4,9 @@
  * Built at first use by cpu_attention.py (cc -O3 -march=native -fopenmp) and called through ctypes,
  * which releases the GIL (with CHATSERVE_AVX2_ONLY defined, the AVX2 body on an AVX-512 CPU too: the
  * tests' build). OpenMP resolves to the libgomp torch has already loaded, so this kernel and
- * torch's ops share one thread pool. fp32 arithmetic whatever the storage (fp32 or bf16).
+ * torch's ops share one thread pool. fp32 arithmetic whatever the storage (fp32 or bf16), except bf16 caches
+ * of head_dim 64 with 3 or 4 query heads per kv head on a build with AVX-512 BF16: their rows take the bf16
+ * body (vdpbf16ps dot products over keys-in-lanes tiles, issue 33), every row of them alike.
  *
  * Batch invariance: a query row's result depends on its own query and keys only. Its visible keys
  * [lo, p] are cut into segments at absolute multiples of SEG keys; each segment is one online softmax
@@ -463,10 +465,249 @@ static inline int avx512_shape(const job_t *j) {
     return 0;
 }
 
+#if defined(__AVX512BF16__)
+/* ---- bf16 caches on CPUs with AVX-512 BF16 (vdpbf16ps): their own arithmetic, for every row ----
+ * Per block and kv head, a 16-key tile's K is laid out keys-in-lanes ([head_dim / 2][16 keys][2]: a 64-byte
+ * load is one head_dim pair of 16 keys) and its V pairs-of-keys-interleaved ([8 key pairs][head_dim][2]).
+ * A query row then scores the tile's 16 keys at once: lane t = its key's raw bf16 dot product with the raw
+ * bf16 query, the head_dim pairs in four chains (pairs i ≡ c mod 4, each in order, vdpbf16ps), added as
+ * (c0 + c2) + (c1 + c3), then
+ * times scale; one online-softmax step per tile (exp_neg16); the tile's exp values rounded to bf16 (these are
+ * the weights: the denominator sums the rounded ones) and P·V as vdpbf16ps over key pairs in order. No
+ * horizontal sums per key, half the multiply instructions of the fp32 body. Every row of a bf16 cache on such
+ * a build goes through it (decode rows, rows alone, row groups): a row's bits depend on its query and its
+ * keys only (a key outside a row's range gets weight 0 and a zero or finite V: it adds ±0). */
+#define HAVE_BF16_DOT 1
+
+static inline int bf16_dots(const job_t *j) {
+    return j->dtype == 1 && j->D == 64 && (j->hq / j->hkv == 3 || j->hq / j->hkv == 4);
+}
+
+/* r[0..15] (16 x 16 32-bit elements) transposed in place */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {             /* u[4g + c]: lane L = column 4L + c of rows 4g .. 4g + 3 */
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* The 16-key tile at block offset c0 of one kv head (key t's D bf16 values at element offset off + t * st of
+ * the K and V caches), keys outside [a, z) as zeros: kt [D/2][16] pairs (keys in lanes), vp [8][D][2]. */
+static void pack_tile(const uint16_t *kc, const uint16_t *vc, int64_t off, int64_t st, int c0, int a, int z,
+                      uint32_t *kt, uint16_t *vp, const int NV) {
+    const int D = 16 * NV;
+    const __m512i zero = _mm512_setzero_si512();
+    for (int c = 0; c < D / 32; c++) {                     /* head_dim pairs 16c .. 16c + 15 */
+        __m512i r[16];
+        for (int t = 0; t < 16; t++) {
+            const int key = c0 + t;
+            r[t] = key >= a && key < z ? _mm512_loadu_si512(kc + off + (int64_t)key * st + 32 * c) : zero;
+        }
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (16 * c + i) * 16, r[i]);
+    }
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int p = 0; p < 8; p++) {                          /* keys c0 + 2p, c0 + 2p + 1 */
+        const int k0 = c0 + 2 * p, k1 = k0 + 1;
+        for (int c = 0; c < D / 32; c++) {
+            const __m512i x0 = k0 >= a && k0 < z ? _mm512_loadu_si512(vc + off + (int64_t)k0 * st + 32 * c) : zero;
+            const __m512i x1 = k1 >= a && k1 < z ? _mm512_loadu_si512(vc + off + (int64_t)k1 * st + 32 * c) : zero;
+            _mm512_storeu_si512(vp + (p * D + 32 * c) * 2, _mm512_permutex2var_epi16(x0, lo, x1));
+            _mm512_storeu_si512(vp + (p * D + 32 * c + 16) * 2, _mm512_permutex2var_epi16(x0, hi, x1));
+        }
+    }
+}
+
+/* Every tile of keys [a, z) of one block and kv head into kt / vp (tile i at kt + i * 8 * D, vp + i * 16 * D) */
+static void pack_block(const job_t *j, int64_t off, int a, int z, uint32_t *kt, uint16_t *vp, const int NV) {
+    const int D = 16 * NV;
+    for (int c0 = (a / 16) * 16; c0 < z; c0 += 16)
+        pack_tile((const uint16_t *)j->k, (const uint16_t *)j->v, off, (int64_t)j->hkv * D, c0, a, z,
+                  kt + (c0 / 16) * 8 * D, vp + (c0 / 16) * 16 * D, NV);
+}
+
+/* R rows' (1 or 2: a pair shares the tile's loads; each row's instructions are its own, the same as alone)
+ * G query heads (qp[r]: raw bf16 values as [G][D/2] pairs) over one packed tile, keys in m: scores, an
+ * online-softmax step (mx[r], den[r] [G]), av[r] [G][NV] += P·V. */
+static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, const uint32_t *kt, const uint16_t *vp,
+                                                            const uint32_t *const *qp, __m512 av[2][8][8],
+                                                            float *const *mx, float *const *den, __mmask16 m,
+                                                            const int R, const int G, const int NV) {
+    const int D = 16 * NV, P = D / 2;
+    __m512 sc[2][8][4];                                    /* row r, head g, chain c: pairs i ≡ c mod 4 */
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++) sc[r][g][c] = _mm512_setzero_ps();
+    for (int i = 0; i < P; i += 4)
+        for (int c = 0; c < 4; c++) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + (i + c) * 16);
+            for (int r = 0; r < R; r++)
+                for (int g = 0; g < G; g++)
+                    sc[r][g][c] = _mm512_dpbf16_ps(sc[r][g][c], (__m512bh)_mm512_set1_epi32((int)qp[r][g * P + i + c]), kv);
+        }
+    uint32_t pb[2][8][8];                                  /* each head's 16 weights as 8 bf16 key pairs */
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            __m512 s = _mm512_add_ps(_mm512_add_ps(sc[r][g][0], sc[r][g][2]), _mm512_add_ps(sc[r][g][1], sc[r][g][3]));
+            s = _mm512_mul_ps(s, _mm512_set1_ps(j->scale));
+            if (j->softcap > 0.0f) {
+                float t[16];
+                _mm512_storeu_ps(t, s);
+                for (int l = 0; l < 16; l++) t[l] = capped(j, t[l]);
+                s = _mm512_loadu_ps(t);
+            }
+            const float tmax = _mm512_reduce_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), m, s));
+            const float bmax = tmax > mx[r][g] ? tmax : mx[r][g];
+            const float alpha = exp_neg(mx[r][g] - bmax);
+            mx[r][g] = bmax;
+            const __m256i e = (__m256i)_mm512_cvtneps_pbh(
+                _mm512_maskz_mov_ps(m, exp_neg16(_mm512_sub_ps(s, _mm512_set1_ps(bmax)))));
+            _mm256_storeu_si256((__m256i *)pb[r][g], e);
+            const __m512 er = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16));
+            den[r][g] = den[r][g] * alpha + _mm512_reduce_add_ps(er);
+            const __m512 va = _mm512_set1_ps(alpha);
+            for (int v = 0; v < NV; v++) av[r][g][v] = _mm512_mul_ps(av[r][g][v], va);
+        }
+    for (int p = 0; p < 8; p++) {
+        __m512bh vv[8];
+        for (int v = 0; v < NV; v++) vv[v] = (__m512bh)_mm512_loadu_si512(vp + (p * D + 16 * v) * 2);
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) {
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pb[r][g][p]);
+                for (int v = 0; v < NV; v++) av[r][g][v] = _mm512_dpbf16_ps(av[r][g][v], pp, vv[v]);
+            }
+    }
+}
+
+/* R rows' (1 or 2, the same keys [a, z) of this block) kv head over the block's packed tiles: acc[r] [G, D]
+ * in and out */
+static inline __attribute__((always_inline)) void head_tiles(const job_t *j, const uint32_t *kt, const uint16_t *vp,
+                                                             const uint32_t *const *qp, float *const *acc,
+                                                             float *const *mx, float *const *den, int a, int z,
+                                                             const int R, const int G, const int NV) {
+    const int D = 16 * NV;
+    __m512 av[2][8][8];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < NV; v++) av[r][g][v] = _mm512_loadu_ps(acc[r] + g * D + v * 16);
+    for (int c0 = (a / 16) * 16; c0 < z; c0 += 16)
+        tile_bf16(j, kt + (c0 / 16) * 8 * D, vp + (c0 / 16) * 16 * D, qp, av, mx, den, tile_mask(c0, a, z), R, G, NV);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc[r] + g * D + v * 16, av[r][g][v]);
+}
+
+/* A row's raw bf16 query heads as pairs (hq x D/2 uint32) at dst */
+static inline void raw_pairs(const job_t *j, int row, uint32_t *dst) {
+    for (int h = 0; h < j->hq; h++)
+        memcpy(dst + (int64_t)h * j->D / 2, (const uint16_t *)j->q + (int64_t)row * j->q_st + (int64_t)h * j->q_sh,
+               (size_t)j->D * 2);
+}
+
+/* The next block's K and V (every kv head: bs rows of hkv * D bf16), pulled into L1/L2 before this block's
+ * work (blocks are scattered, so the hardware prefetcher does not see them coming); nbase < 0: none */
+static inline void pull_block(const job_t *j, int64_t nbase) {
+    if (nbase < 0) return;
+    const int lines = (j->bs * j->hkv * j->D * 2 + 63) / 64;
+    const char *k = (const char *)j->k + nbase * 2, *v = (const char *)j->v + nbase * 2;
+    for (int l = 0; l < lines; l++) {
+        _mm_prefetch(k + l * 64, _MM_HINT_T0);
+        _mm_prefetch(v + l * 64, _MM_HINT_T0);
+    }
+}
+
+/* run_seg for a bf16 cache (a row alone): each block's tiles packed for its keys, then the row over them */
+static inline __attribute__((always_inline)) void run_seg_bf16(const job_t *j, work_t *w, const item_t *it,
+                                                               int k0, int sl, const int G, const int NV) {
+    const int D = 16 * NV, bs = j->bs, hkv = j->hkv;
+    uint32_t *qp = (uint32_t *)w->q, *kt = (uint32_t *)w->kb;
+    uint16_t *vp = (uint16_t *)w->vb;
+    raw_pairs(j, it->row, qp);
+    memset(w->acc, 0, (size_t)G * hkv * D * sizeof(float));
+    for (int h = 0; h < G * hkv; h++) w->mx[h] = -1e30f, w->den[h] = 0.0f;
+    for (int blk0 = (k0 / bs) * bs; blk0 < sl; blk0 += bs) {
+        int a, z;
+        const int64_t base = block_span(j, it, blk0, k0, sl, &a, &z);
+        pull_block(j, blk0 + bs < sl ? (int64_t)j->tables[(int64_t)it->b * j->bt_stride + blk0 / bs + 1] * j->c_sb : -1);
+        for (int hk = 0; hk < hkv; hk++) {
+            const uint32_t *q1[1] = {qp + hk * G * D / 2};
+            float *acc1[1] = {w->acc + hk * G * D}, *mx1[1] = {w->mx + hk * G}, *den1[1] = {w->den + hk * G};
+            pack_block(j, base + hk * D, a, z, kt, vp, NV);
+            head_tiles(j, kt, vp, q1, acc1, mx1, den1, a, z, 1, G, NV);
+        }
+    }
+}
+
+/* run_rows for a bf16 cache: per block and kv head the tiles of the group's keys packed once, then each row
+ * over its own keys of them (rs[r].q: the row's raw pairs, see run_group) */
+static inline __attribute__((always_inline)) void run_rows_bf16(const job_t *j, work_t *w, int b, int k0,
+                                                                const rowseg_t *rs, int n, const int G,
+                                                                const int NV) {
+    const int D = 16 * NV, bs = j->bs, hkv = j->hkv;
+    const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
+    uint32_t *kt = (uint32_t *)w->kb;
+    uint16_t *vp = (uint16_t *)w->vb;
+    int kmax = k0;
+    for (int r = 0; r < n; r++) kmax = rs[r].k1 > kmax ? rs[r].k1 : kmax;
+    for (int blk0 = (k0 / bs) * bs; blk0 < kmax; blk0 += bs) {
+        const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
+        const int a = k0 > blk0 ? k0 - blk0 : 0, zmax = kmax - blk0 < bs ? kmax - blk0 : bs;
+        pull_block(j, blk0 + bs < kmax ? (int64_t)table[blk0 / bs + 1] * j->c_sb : -1);
+        for (int hk = 0; hk < hkv; hk++) {
+            pack_block(j, base + hk * D, a, zmax, kt, vp, NV);
+            for (int r = 0; r < n; r++) {
+                if (rs[r].k1 <= blk0) continue;
+                const int z = rs[r].k1 - blk0 < bs ? rs[r].k1 - blk0 : bs;
+                const int two = r + 1 < n && (rs[r + 1].k1 - blk0 < bs ? rs[r + 1].k1 - blk0 : bs) == z;
+                const uint32_t *q2[2] = {(const uint32_t *)rs[r].q + hk * G * D / 2,
+                                         two ? (const uint32_t *)rs[r + 1].q + hk * G * D / 2 : NULL};
+                float *acc2[2] = {rs[r].acc + hk * G * D, two ? rs[r + 1].acc + hk * G * D : NULL};
+                float *mx2[2] = {rs[r].mx + hk * G, two ? rs[r + 1].mx + hk * G : NULL};
+                float *den2[2] = {rs[r].den + hk * G, two ? rs[r + 1].den + hk * G : NULL};
+                if (two) {                             /* a pair over the same keys: one pass, each row as alone */
+                    head_tiles(j, kt, vp, q2, acc2, mx2, den2, a, z, 2, G, NV);
+                    r++;
+                } else {
+                    head_tiles(j, kt, vp, q2, acc2, mx2, den2, a, z, 1, G, NV);
+                }
+            }
+        }
+    }
+}
+/* the shapes the bf16 body is built for (build time: each is a register-blocked copy), head_dim 64 and 3 or 4
+ * query heads per kv head (SmolLM2-135M/360M, Llama 3.2 1B/3B); the others keep the fp32 body */
+#define BF16_SHAPE(g, nv) ((nv) == 4 && ((g) == 3 || (g) == 4))
+#define BF16_G(g) ((g) == 3 ? 3 : 4)
+#define RUN_SEG(g, nv) (BF16_SHAPE(g, nv) && bf16_dots(j) ? run_seg_bf16(j, w, it, k0, sl, BF16_G(g), 4) : run_seg_avx512(j, w, it, k0, sl, g, nv))
+#define RUN_ROWS(g, nv) (BF16_SHAPE(g, nv) && bf16_dots(j) ? run_rows_bf16(j, w, b, k0, rs, n, BF16_G(g), 4) : run_rows_avx512(j, w, b, k0, rs, n, g, nv))
+#else
+static inline int bf16_dots(const job_t *j) { (void)j; return 0; }
+#define RUN_SEG(g, nv) run_seg_avx512(j, w, it, k0, sl, g, nv)
+#define RUN_ROWS(g, nv) run_rows_avx512(j, w, b, k0, rs, n, g, nv)
+#endif
+
 /* n rows' segment through the AVX-512 body; 0 when it does not take these shapes */
 static int rows_body(const job_t *j, work_t *w, int b, int k0, const rowseg_t *rs, int n) {
     const int G = j->hq / j->hkv, NV = j->D / 16;
-#define ROWS_SHAPE(g, nv) if (G == g && NV == nv) { run_rows_avx512(j, w, b, k0, rs, n, g, nv); return 1; }
+#define ROWS_SHAPE(g, nv) if (G == g && NV == nv) { RUN_ROWS(g, nv); return 1; }
     if (j->D % 16 == 0) { AVX512_SHAPES(ROWS_SHAPE) }
 #undef ROWS_SHAPE
     return 0;
@@ -476,7 +717,7 @@ static int rows_body(const job_t *j, work_t *w, int b, int k0, const rowseg_t *r
 static inline int groupable(const job_t *j) { return avx512_shape(j); }
 
 #define HAVE_ROW_GROUP 1
-#define SPECIAL(g, nv) if (G == g && NV == nv) { run_seg_avx512(j, w, it, k0, sl, g, nv); return; }
+#define SPECIAL(g, nv) if (G == g && NV == nv) { RUN_SEG(g, nv); return; }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2_BODY 1
@@ -745,6 +986,11 @@ static int run_group(const job_t *j, work_t *w, const item_t *it) {
         w->gq_cap = w->gq ? need : 0;
         if (!w->gq) return 0;
     }
+#if defined(HAVE_BF16_DOT)
+    if (bf16_dots(j))                                    /* the bf16 body takes raw bf16 pairs (run_rows_bf16) */
+        for (int r = 0; r < n; r++) raw_pairs(j, it->row + r, (uint32_t *)(w->gq + (int64_t)r * hq * D));
+    else
+#endif
     for (int r = 0; r < n; r++)
         for (int h = 0; h < hq; h++) {
             const int64_t off = (int64_t)(it->row + r) * j->q_st + (int64_t)h * j->q_sh;
