@@ -51,19 +51,61 @@ class BlockWeight:
     k: int
 
     def __post_init__(self) -> None:
+        self._check(self.data)
+
+    def _check(self, data: torch.Tensor) -> None:
         if self.k % self.fmt.block:
             raise ValueError(f"{self.fmt.name} needs K to be a multiple of {self.fmt.block}, got {self.k}")
         row = self.k // self.fmt.block * self.fmt.nbytes
-        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (self.n, row):
+        if data.dtype != torch.uint8 or tuple(data.shape) != (self.n, row):
             raise ValueError(f"{self.fmt.name} [{self.n}, {self.k}] needs uint8 [{self.n}, {row}], "
-                             f"got {self.data.dtype} {list(self.data.shape)}")
+                             f"got {data.dtype} {list(data.shape)}")
 
     @property
     def row_bytes(self) -> int:
-        return self.data.shape[1]
+        return self.k // self.fmt.block * self.fmt.nbytes
 
     def nbytes(self) -> int:
-        return self.data.numel()
+        return self.n * self.row_bytes
+
+    def row(self, r: int) -> torch.Tensor:
+        """Row r's blocks, uint8 [row_bytes]."""
+        return self.data[r]
+
+    def release(self) -> None:
+        """Drop any copy this weight made of its source (a no-op here: data is the source)."""
+
+
+class RowOrderedWeight(BlockWeight):
+    """W [n, k] whose row r is source's row order[r] (a GGUF's Q/K rows read back in HF order). `data` copies the
+    rows on first read and keeps them until release(); row(), nbytes() and the shape read the source, so a band
+    whose tiled copy comes mapped from the cache file never makes the copy (0.37 GiB of an 8B model's load)."""
+
+    def __init__(self, source: torch.Tensor, order: torch.Tensor, fmt: BlockFormat, n: int, k: int) -> None:
+        # source: uint8 [n, row bytes] (a view of the file's map), order: int64 [n]
+        self.fmt, self.n, self.k = fmt, n, k
+        self._check(source)
+        self._source, self._order = source, order
+        self._copy: torch.Tensor | None = None
+
+    @property
+    def data(self) -> torch.Tensor:                   # the dataclass field, read through a copy made on demand
+        if self._copy is None:
+            self._copy = self._source.index_select(0, self._order)
+        return self._copy
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        raise AttributeError("a RowOrderedWeight's rows come from its source")
+
+    def row(self, r: int) -> torch.Tensor:
+        return self._source[int(self._order[r])]
+
+    def release(self) -> None:
+        self._copy = None
+
+    def __repr__(self) -> str:
+        return f"RowOrderedWeight({self.fmt.name}, n={self.n}, k={self.k})"
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

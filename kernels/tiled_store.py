@@ -62,7 +62,7 @@ def _view(m: mmap.mmap, offset: int, nbytes: int) -> torch.Tensor:
 def _band_sample(w: BlockWeight) -> bytes:
     """Three rows of W (first, middle, last): what a run's key reads of the weights."""
     rows = sorted({0, w.n // 2, w.n - 1})
-    return b"".join(w.data[r].numpy().tobytes() for r in rows)
+    return b"".join(w.row(r).numpy().tobytes() for r in rows)
 
 
 class TiledStore:

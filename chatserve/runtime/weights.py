@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from chatserve.runtime.models.linear_backends import BlockMatrix
-from chatserve_kernels.block_formats import FORMATS, BlockWeight
+from chatserve_kernels.block_formats import FORMATS, BlockWeight, RowOrderedWeight
 from chatserve_kernels.tiled_store import TiledStore
 
 # ArchConfig and UnsupportedModelError are also imported from here (models/, model_runner.py)
@@ -157,21 +157,27 @@ def gguf_reader(path: str | os.PathLike[str]) -> "ViewReader":
 
 
 def block_matrix(t: Any, n_heads: int | None = None) -> BlockMatrix:
-    """A 2-D GGUF tensor as raw blocks over the reader's memory map (no copy; Q/K rows permuted back to
-    HF order are a copy of those rows, still in blocks)."""
+    """A 2-D GGUF tensor as raw blocks over the reader's memory map (no copy). Q/K (n_heads given): its rows
+    read back in HF order through a RowOrderedWeight, copied only if a kernel reads the file's blocks (a band
+    tiled from the cache file never does)."""
     n, k = (int(x) for x in reversed(t.shape))
     raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
-    if n_heads:
-        raw = raw[unpermute_qk(np.arange(n), n_heads)]
-    return _blocks(raw, t.tensor_type.name, n, k)
+    if not n_heads:
+        return _blocks(raw, t.tensor_type.name, n, k)
+    order = torch.from_numpy(np.ascontiguousarray(unpermute_qk(np.arange(n), n_heads)))
+    return BlockMatrix([RowOrderedWeight(_readonly_tensor(raw), order, FORMATS[t.tensor_type.name], n, k)])
+
+
+def _readonly_tensor(raw: np.ndarray) -> torch.Tensor:
+    """A torch view of a read-only array of the reader's map (the kernels only read it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw)
 
 
 def _blocks(raw: np.ndarray, fmt: str, n: int, k: int) -> BlockMatrix:
     """raw uint8 [n, row bytes] (a view of the reader's map) as a one-band BlockMatrix, without a copy."""
-    with warnings.catch_warnings():             # the map is read-only; the kernels only read it
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(raw)
-    return BlockMatrix([BlockWeight(data, FORMATS[fmt], n, k)])
+    return BlockMatrix([BlockWeight(_readonly_tensor(raw), FORMATS[fmt], n, k)])
 
 
 def _file_map(data: np.ndarray) -> mmap.mmap | None:

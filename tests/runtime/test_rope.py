@@ -55,3 +55,18 @@ def test_longrope_short_factors_when_the_served_context_fits_the_original():
     cfg = config_from_hf(hf.to_dict())
     ang, _ = angles(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, 1024, cfg.max_position_embeddings)
     assert torch.allclose(ang[1], short.float(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tables_built_in_chunks_equal_one_pass_over_all_positions(dtype):
+    """rope_tables writes its tables chunk by chunk in their final dtype: the same bits as the whole-table
+    formula (cos·att and sin·att in float32, rounded once), across chunk edges."""
+    hf = transformers.LlamaConfig(**BASE, rope_scaling=dict(SCALINGS["yarn"]))      # att != 1
+    cfg = config_from_hf(hf.to_dict())
+    n = 2 * 4096 + 77
+    ang, att = angles(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, n, cfg.max_position_embeddings)
+    assert att != 1.0
+    c, s = (ang.cos() * att), (ang.sin() * att)
+    cos, sin = rope_tables(cfg, n, dtype=dtype)
+    assert cos.dtype == dtype and cos.shape == (n, cfg.head_dim)
+    assert torch.equal(cos, torch.cat([c, c], -1).to(dtype)) and torch.equal(sin, torch.cat([-s, s], -1).to(dtype))

@@ -12,6 +12,7 @@ from test_weights import GGUF_CFG, write_tiny_gguf
 
 from chatserve.runtime.tiny import random_weights, tiny_config
 from chatserve_kernels import cpu_blockq8, env, tiled_store
+from chatserve_kernels.block_formats import RowOrderedWeight
 
 pytestmark = pytest.mark.skipif(not TILED_ISAS, reason="no tiled kernel level on this CPU")
 
@@ -37,6 +38,11 @@ def _tiled(runner) -> list[cpu_blockq8.TiledWeight]:
     return [w for m in lins for _, w in m.decode_calls if isinstance(w, cpu_blockq8.TiledWeight)]
 
 
+def _qk_bands(runner) -> list[RowOrderedWeight]:
+    """The Q and K bands (the file's rows read in HF order) of every layer."""
+    return [p for ly in runner.model.layers for p in ly.qkv.w.parts if isinstance(p, RowOrderedWeight)]
+
+
 def _in(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
     return any(lo <= t.data_ptr() and t.data_ptr() + t.numel() <= hi for lo, hi in ranges)
 
@@ -54,7 +60,12 @@ def test_a_second_load_maps_the_cache_file_and_gives_the_same_bits(cache, gguf, 
     runs = _tiled(first)
     assert all(_in(w.data, mapped(str(files[0]))) for w in runs)      # tiled straight into the file's pages
     first_logits = _logits(first)
+    assert len(_qk_bands(first)) == 4 and all(p._copy is None for p in _qk_bands(first))  # tiled: copy dropped
+    copies: list[RowOrderedWeight] = []             # Q/K rows copied into HF order: none on a warm load
+    reorder = RowOrderedWeight.data.fget
+    monkeypatch.setattr(RowOrderedWeight, "data", property(lambda w: copies.append(w) or reorder(w)))
     second = _runner(gguf, in_place=True, isa=isa)
+    assert copies == [] and len(_qk_bands(second)) == 4
     store = second.model.lm_head.w.store
     assert store is not None and store.mapped and store.built == 0     # nothing tiled: the file is mapped
     again = _tiled(second)

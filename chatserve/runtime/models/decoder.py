@@ -155,8 +155,8 @@ class DecoderModel:
 
         def rotary(local: bool) -> Rotary:
             if local not in rotaries:
-                cos, sin = rope_tables(config, self.max_model_len, local=local)
-                rotaries[local] = Rotary(cos.to(self.device, dtype), sin.to(self.device, dtype), fused_ops)
+                cos, sin = rope_tables(config, self.max_model_len, local=local, dtype=dtype)
+                rotaries[local] = Rotary(cos.to(self.device), sin.to(self.device), fused_ops)
             return rotaries[local]
 
         self.layers: list[DecoderLayer] = [self._read_layer(r, i, scale, rotary) for i in range(config.num_layers)]

@@ -222,6 +222,8 @@ class CpuBlockLinear(BlockLinear):
         else:
             buf = cpu_blockq8.huge_page_buffer(sum(sizes))
             fill(buf)
+        for p in bands:            # tiled bands are read through their copy only: drop any row-order copy
+            p.release()
         return cpu_blockq8.TiledWeight(buf, bands[0].fmt, sum(p.n for p in bands), bands[0].k)
 
     def band(self, x: torch.Tensor, part: BlockWeight, out: torch.Tensor) -> None:

@@ -67,9 +67,12 @@ def _llama3(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 def angles(theta: float, dim: int, scaling: dict[str, Any] | None, max_len: int, max_position_embeddings: int,
-           freq_factors: tuple[float, ...] | None = None) -> tuple[torch.Tensor, float]:
-    """(angle per position and frequency [max_len, dim/2] float32, cos/sin scale)."""
-    pos = torch.arange(max_len, dtype=torch.int64).to(torch.float32)           # [L]
+           freq_factors: tuple[float, ...] | None = None, start: int = 0, count: int | None = None
+           ) -> tuple[torch.Tensor, float]:
+    """(angle per position and frequency [count, dim/2] float32 for positions [start, start + count) of a
+    max_len table (all of it by default), cos/sin scale)."""
+    count = max_len - start if count is None else count
+    pos = torch.arange(start, start + count, dtype=torch.int64).to(torch.float32)    # [L]
     s: dict[str, Any] = scaling or {"rope_type": "default"}
     kind = s["rope_type"]
     att: float = 1.0
@@ -108,16 +111,35 @@ def angles(theta: float, dim: int, scaling: dict[str, Any] | None, max_len: int,
     return torch.outer(pos, inv), float(att)
 
 
-def rope_tables(config: ArchConfig, max_len: int, local: bool = False
+# positions per chunk of rope_tables: its float32 temporaries stay a few MiB, so a 131,072-position table is one
+# pass of writes into its final dtype instead of ~10 full-size float32 intermediates (0.2-0.9 s of first-touch
+# page faults and copies at a load, docs/benchmarks.md)
+_CHUNK = 4096
+
+
+def rope_tables(config: ArchConfig, max_len: int, local: bool = False, dtype: torch.dtype = torch.float32
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, rotary_dim] float32 in rotate-half layout with the sign folded into sin:
+    """cos, sin [max_len, rotary_dim] in dtype, rotate-half layout with the sign folded into sin:
         rope(x) = x·cos + roll(x, rotary_dim/2)·sin,   sin = [-s, s]
-    local: Gemma 3's sliding layers (their own base, no scaling)."""
+    each element computed in float32 and rounded once to dtype. local: Gemma 3's sliding layers (their own
+    base, no scaling)."""
     dim = int(config.head_dim * config.partial_rotary_factor)
     if local and config.local_rope_theta is not None:
-        ang, att = angles(config.local_rope_theta, dim, None, max_len, config.max_position_embeddings)
+        theta, scaling, factors = config.local_rope_theta, None, None
     else:
-        ang, att = angles(config.rope_theta, dim, config.rope_scaling, max_len,
-                          config.max_position_embeddings, config.rope_freq_factors)
-    cos, sin = ang.cos() * att, ang.sin() * att                               # [L, dim/2]
-    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        theta, scaling, factors = config.rope_theta, config.rope_scaling, config.rope_freq_factors
+    cos = torch.empty(max_len, dim, dtype=dtype)
+    sin = torch.empty(max_len, dim, dtype=dtype)
+    half = dim // 2
+    for at in range(0, max_len, _CHUNK):
+        # angles of positions [at, at + n) (each position's row is independent of the table's length, except
+        # LongRoPE's choice of factors, which sees max_len)
+        ang, att = angles(theta, dim, scaling, max_len, config.max_position_embeddings, factors, start=at,
+                          count=min(_CHUNK, max_len - at))
+        c, s = ang.cos(), ang.sin()                                                     # [n, dim/2]
+        if att != 1.0:
+            c, s = c * att, s * att
+        rows = slice(at, at + ang.shape[0])
+        cos[rows, :half], cos[rows, half:] = c, c
+        sin[rows, :half], sin[rows, half:] = -s, s
+    return cos, sin
