@@ -72,6 +72,10 @@ class BlockWeight:
         """Row r's blocks, uint8 [row_bytes]."""
         return self.data[r]
 
+    def source(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the blocks W's rows are read from, their order: None where row r is the source's row r)."""
+        return self.data, None
+
     def release(self) -> None:
         """Drop any copy this weight made of its source (a no-op here: data is the source)."""
 
@@ -100,6 +104,9 @@ class RowOrderedWeight(BlockWeight):
 
     def row(self, r: int) -> torch.Tensor:
         return self._source[int(self._order[r])]
+
+    def source(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._source, self._order
 
     def release(self) -> None:
         self._copy = None

@@ -64,8 +64,11 @@ def test_a_second_load_maps_the_cache_file_and_gives_the_same_bits(cache, gguf, 
     copies: list[RowOrderedWeight] = []             # Q/K rows copied into HF order: none on a warm load
     reorder = RowOrderedWeight.data.fget
     monkeypatch.setattr(RowOrderedWeight, "data", property(lambda w: copies.append(w) or reorder(w)))
+    sampled: list[object] = []                      # nor a row of the GGUF read for a run's key
+    sample = tiled_store._band_sample
+    monkeypatch.setattr(tiled_store, "_band_sample", lambda w: sampled.append(w) or sample(w))
     second = _runner(gguf, in_place=True, isa=isa)
-    assert copies == [] and len(_qk_bands(second)) == 4
+    assert copies == [] and sampled == [] and len(_qk_bands(second)) == 4
     store = second.model.lm_head.w.store
     assert store is not None and store.mapped and store.built == 0     # nothing tiled: the file is mapped
     again = _tiled(second)
@@ -177,3 +180,22 @@ def test_a_second_model_from_the_same_loaded_weights_maps_the_published_file(cac
     store = weights.tiled_store
     assert store is not None and store.mapped and not store.stale and len(list(cache.glob("tiled-*.bin"))) == 1
     assert all(torch.equal(a, b) for a, b in zip(*(_logits(r) for r in runners)))
+
+
+def test_a_run_key_names_the_bands_place_in_the_file_and_its_row_order(cache, gguf):
+    """Bands over the GGUF's map are keyed by offset and row order, not by sampled rows: a head permutation
+    keeps a Q matrix's first, middle and last rows where they were, so sampled rows could not tell the file's
+    order from HF's; the key can."""
+    from chatserve.runtime.weights import block_matrix, gguf_reader
+    reader = gguf_reader(gguf)
+    q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    heads = GGUF_CFG["num_attention_heads"]
+    as_file, as_hf = block_matrix(q).parts[0], block_matrix(q, heads).parts[0]
+    assert [torch.equal(as_file.row(r), as_hf.row(r)) for r in (0, q.shape[1] // 2, q.shape[1] - 1)] == [True] * 3
+    store = tiled_store.TiledStore.for_file(gguf)
+    assert store is not None
+    store.file_span = (int(reader.data.ctypes.data), int(reader.data.nbytes))
+    keys = {store._key([w]) for w in (as_file, as_hf)}
+    assert len(keys) == 2
+    store.file_span = None                          # keyed by sampled rows: the two orders collide
+    assert len({store._key([w]) for w in (as_file, as_hf)}) == 1
