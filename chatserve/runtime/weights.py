@@ -228,7 +228,9 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         hf = gguf_to_hf_name(t.name, cfg.arch)
         if in_place and hf and len(t.shape) == 3 and cfg.arch in _PER_EXPERT_ARCHS \
                 and t.tensor_type.name in FORMATS and ".experts." in hf:
-            tensors.update(expert_block_matrices(t, hf))       # experts are never tiled: no store
+            for name, bm in expert_block_matrices(t, hf).items():
+                bm.store = store        # where their tiled decode copies live, if the model tiles experts
+                tensors[name] = bm
             continue
         if in_place and hf and len(t.shape) == 2 and t.tensor_type.name in FORMATS:
             qk = permuted and (".attn_q." in t.name or ".attn_k." in t.name)

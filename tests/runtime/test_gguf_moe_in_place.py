@@ -112,3 +112,49 @@ def test_experts_get_tiled_copies_when_they_fit_a_quarter_of_memory(tmp_path, mo
     assert m.tile_experts() is True
     monkeypatch.setenv("CHATSERVE_MOE_TILED", "0")
     assert m.tile_experts() is False
+
+
+def test_tiled_experts_are_kept_in_the_cache_file_and_mapped_by_a_second_load(tmp_path, monkeypatch):
+    """CHATSERVE_MOE_TILED=1: the experts' tiled copies go to the GGUF's tiled cache file like the dense layers'
+    (a first load writes them, a second maps them and tiles nothing: its load does not redo that work), with
+    the same bits."""
+    from chatserve.runtime.models import build_model
+    from chatserve.runtime.models.layers import ALL_GENERATED
+    from chatserve.runtime.models.linear_backends import choose_block_backend
+    from chatserve.runtime.models.moe import MoE
+    from chatserve_kernels import cpu_blockq8, env
+
+    backend = choose_block_backend(torch.device("cpu"))
+    if not getattr(backend, "isa", "") or not cpu_blockq8.available(backend.isa):
+        pytest.skip("tiled copies need a cpu_blockq8 level")
+    monkeypatch.setenv("CHATSERVE_MOE_TILED", "1")
+    monkeypatch.setenv(env.WEIGHT_CACHE, "1")
+    monkeypatch.setenv(env.WEIGHT_CACHE_DIR, str(tmp_path / "cache"))
+    path = H.save_gguf(H.hf_model("qwen3moe"), tmp_path / "m.gguf", "Q8_0")
+    x = torch.randn(3, H.hf_model("qwen3moe").config.hidden_size, generator=torch.Generator().manual_seed(1))
+    outs, stores = [], []
+    for _ in range(2):
+        w = load_weights(path, "bfloat16", progress=False, in_place=True)
+        m = build_model(w.config, w.tensors, torch.bfloat16, "cpu", 64, block_backend=backend)
+        assert w.tiled_store is not None
+        w.tiled_store.finish()
+        moes = [layer.mlp for layer in m.layers if isinstance(layer.mlp, MoE)]
+        assert moes
+        outs.append([moe(x.bfloat16(), ALL_GENERATED) for moe in moes])
+        stores.append(w.tiled_store)
+        tiles = [t for moe in moes for e in moe.experts for lin in (e.gate_up, e.down)
+                 for _, t in lin.decode_calls if isinstance(t, cpu_blockq8.TiledWeight)]
+        assert len(tiles) == 2 * sum(len(moe.experts) for moe in moes)
+        span = mapped_span(w.tiled_store.path)
+        assert all(span[0] <= t.data.data_ptr() < span[1] for t in tiles)       # in the cache file's pages
+    first, second = stores
+    assert first.built > 0 and second.mapped and second.built == 0 and not second.stale
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def mapped_span(path) -> tuple[int, int]:
+    """The lowest and highest address of this process's maps of `path` (/proc/self/maps)."""
+    spans = [tuple(int(a, 16) for a in line.split()[0].split("-")) for line in open("/proc/self/maps")
+             if line.rstrip().endswith(str(path))]
+    assert spans
+    return min(a for a, _ in spans), max(b for _, b in spans)
