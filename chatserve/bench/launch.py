@@ -109,12 +109,16 @@ def chatserve_child(a: dict) -> dict:
         num_blocks=per_seq * max(a["batches"])), progress=False)
     load_s, load_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     rss_load = peak_rss_mib()
+    # a warm load maps the tiled cache file, a cold one builds it: say which, the load times differ 10-100×
+    store = getattr(getattr(runner.model.lm_head, "w", None), "store", None)
+    tiled_cache = None if not in_place else "off" if store is None else "built" if store.built else "mapped"
     results = []
     for b in a["batches"]:
         d = _decode(runner, b, a["context"], a["steps"], warmup=a["warmup"])
         d["weight_bytes_per_step"] = runner.model.decode_weight_bytes(b)
         results.append(d)
-    return {"variant": a["variant"], "load_s": load_s, "load_cpu_s": load_cpu_s, "peak_rss_mib_load": rss_load,
+    return {"variant": a["variant"], "load_s": load_s, "load_cpu_s": load_cpu_s, "tiled_cache": tiled_cache,
+            "peak_rss_mib_load": rss_load,
             "peak_rss_mib": peak_rss_mib(), "decode": results, "backends": runner.model.describe_backends()}
 
 
@@ -156,7 +160,8 @@ def format_row(r: dict, file_gib: float) -> str:
     la = "load average {:.1f}→{:.1f}".format(*r["load_average"])
     if "error" in r:
         return f"  {r['variant']:10s} FAILED: {r['error'][0]} ({la})"
-    rows = [f"  {r['variant']:10s} load {r['load_s']:.1f} s, peak RSS {r['peak_rss_mib_load'] / 1024:.2f} GiB "
+    cache = f" (tiled cache {r['tiled_cache']})" if r.get("tiled_cache") else ""
+    rows = [f"  {r['variant']:10s} load {r['load_s']:.1f} s{cache}, peak RSS {r['peak_rss_mib_load'] / 1024:.2f} GiB "
             f"after load, {r['peak_rss_mib'] / 1024:.2f} GiB after decode ({r['peak_rss_mib'] / 1024 / file_gib:.2f}× "
             f"the file) ({la})"]
     for d in r["decode"]:

@@ -34,6 +34,19 @@ def test_in_place_and_default_rows(small_gguf, capsys):
     assert "file's blocks" in rows[0]["backends"]
 
 
+def test_an_in_place_row_says_whether_its_load_built_or_mapped_the_tiled_cache(small_gguf, tmp_path, monkeypatch,
+                                                                                 capsys):
+    from chatserve_kernels import env
+    monkeypatch.setenv(env.WEIGHT_CACHE, "1")
+    monkeypatch.setenv(env.WEIGHT_CACHE_DIR, str(tmp_path / "cache"))      # a fresh cache: the first load builds it
+    assert launch.main(["--model", str(small_gguf), "--variants", "in-place,default", "--repeats", "2",
+                        "--batches", "1", "--steps", "1", "--warmup", "0", "--context", "8", "--bandwidth-mib", "0",
+                        "--json"]) == 0
+    rounds = json.loads(capsys.readouterr().out)["rounds"]
+    assert [[r.get("tiled_cache") for r in rows] for rows in rounds] == [["built", None], ["mapped", None]]
+    assert "(tiled cache mapped)" in launch.format_row(rounds[1][0], 0.001)
+
+
 def test_llama_cpp_rows_take_the_in_place_byte_count():
     r = {"variant": "llama.cpp", "decode": [{"batch": 1, "step_ms_median": 20.0}]}
     launch.add_floor(r, 10e9, {1: 100_000_000})
