@@ -56,7 +56,7 @@ class BlockWeight:
     def _check(self, data: torch.Tensor) -> None:
         if self.k % self.fmt.block:
             raise ValueError(f"{self.fmt.name} needs K to be a multiple of {self.fmt.block}, got {self.k}")
-        row = self.k // self.fmt.block * self.fmt.nbytes
+        row = self.row_bytes
         if data.dtype != torch.uint8 or tuple(data.shape) != (self.n, row):
             raise ValueError(f"{self.fmt.name} [{self.n}, {self.k}] needs uint8 [{self.n}, {row}], "
                              f"got {data.dtype} {list(data.shape)}")

@@ -8,7 +8,7 @@ Keys read no weight pages: the file is named by the GGUF's path and (st_dev, st_
 layout version; inside it a run is found by its place in the load order, its format and shape, and each band's
 offset in the GGUF with the order its rows are read in (a GGUF's Q/K rows are read back in HF order), so a warm
 load touches no page of the GGUF (touching three rows per band cost an 8B model's warm load 0.4 s of page faults).
-A band not over the GGUF's map (`file_span` unset, tests) is keyed by three of its rows (first, middle, last)
+A band not over the GGUF's map (no `file_span` given, tests) is keyed by three of its rows (first, middle, last)
 instead. The layout is the same at every tiled ISA level (chatserve_bq8_tile: one copy serves AVX2 and AVX-512),
 so the level is not part of the key.
 
@@ -73,7 +73,7 @@ def _band_id(w: BlockWeight, span: tuple[int, int] | None) -> bytes:
     band not over the file's map (span: its address and length), three of its rows."""
     src, order = w.source()
     at = src.data_ptr() - span[0] if span is not None else -1
-    if span is None or not src.is_contiguous() or at < 0 or at + src.numel() > span[1]:
+    if not (src.is_contiguous() and span is not None and 0 <= at and at + src.numel() <= span[1]):
         return _band_sample(w)
     rows = b"" if order is None else xxhash.xxh3_64_digest(order.numpy().tobytes())
     return f"@{at}".encode() + rows
@@ -84,7 +84,7 @@ class TiledStore:
     file, or a fresh region of the file being built for the caller to tile into); `finish()` once the model is
     built publishes a new file."""
 
-    def __init__(self, path: Path, source: list[int]) -> None:
+    def __init__(self, path: Path, source: list[int], file_span: tuple[int, int] | None = None) -> None:
         self.path, self.source = path, source
         self.seq = 0                               # runs asked so far: the load order is part of a run's key
         self.index: dict[str, list[int]] = {}      # key → [offset, nbytes]
@@ -95,12 +95,13 @@ class TiledStore:
         self._tmp: Path | None = None
         self._size = 0
         self._off = False                          # writing failed once: the rest of this load tiles in memory
-        self.file_span: tuple[int, int] | None = None  # the GGUF map (address, length): bands on it keyed by offset
+        self.file_span = file_span                 # the GGUF's map (address, length): bands on it keyed by offset
         self._open()
 
     @classmethod
-    def for_file(cls, gguf: str | os.PathLike[str]) -> TiledStore | None:
-        """The store of a GGUF file, or None where the weight cache is off."""
+    def for_file(cls, gguf: str | os.PathLike[str], file_span: tuple[int, int] | None = None) -> TiledStore | None:
+        """The store of a GGUF file, or None where the weight cache is off. file_span: the address and length of
+        the file's map, so that bands over it are keyed by their offset (no page read)."""
         if not env.weight_cache_enabled():
             return None
         real = os.path.realpath(gguf)
@@ -108,7 +109,7 @@ class TiledStore:
         source = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
         ident = xxhash.xxh3_64_hexdigest(json.dumps([source, LAYOUT_VERSION]).encode())
         where = xxhash.xxh3_64_hexdigest(real.encode())
-        return cls(env.weight_cache_dir() / f"tiled-{where}-{ident}-v{LAYOUT_VERSION}.bin", source)
+        return cls(env.weight_cache_dir() / f"tiled-{where}-{ident}-v{LAYOUT_VERSION}.bin", source, file_span)
 
     @property
     def mapped(self) -> bool:

@@ -209,9 +209,8 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
-    store = TiledStore.for_file(path) if in_place else None
-    if store is not None:                # bands over the file's map are keyed by offset: a warm load reads none
-        store.file_span = (int(reader.data.ctypes.data), int(reader.data.nbytes))
+    # bands over the file's map are keyed by their offset: a warm load reads none of its pages
+    store = TiledStore.for_file(path, (int(reader.data.ctypes.data), int(reader.data.nbytes))) if in_place else None
     # numpy shapes (row-major, i.e. GGUF ne reversed) after dequantization
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
     cfg = gguf_config(reader, shapes)

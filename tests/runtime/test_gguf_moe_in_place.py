@@ -7,6 +7,7 @@ import hf_checkpoints as H
 import numpy as np
 import pytest
 import torch
+from test_gguf_in_place import mapped
 
 from chatserve.runtime.models.linear_backends import BlockMatrix
 from chatserve.runtime.weights import load_weights
@@ -145,16 +146,10 @@ def test_tiled_experts_are_kept_in_the_cache_file_and_mapped_by_a_second_load(tm
         tiles = [t for moe in moes for e in moe.experts for lin in (e.gate_up, e.down)
                  for _, t in lin.decode_calls if isinstance(t, cpu_blockq8.TiledWeight)]
         assert len(tiles) == 2 * sum(len(moe.experts) for moe in moes)
-        span = mapped_span(w.tiled_store.path)
-        assert all(span[0] <= t.data.data_ptr() < span[1] for t in tiles)       # in the cache file's pages
+        ranges = mapped(str(w.tiled_store.path))                             # in the cache file's pages
+        assert ranges and all(any(lo <= t.data.data_ptr() and t.data.data_ptr() + t.data.numel() <= hi
+                                  for lo, hi in ranges) for t in tiles)
     first, second = stores
     assert first.built > 0 and second.mapped and second.built == 0 and not second.stale
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
-
-def mapped_span(path) -> tuple[int, int]:
-    """The lowest and highest address of this process's maps of `path` (/proc/self/maps)."""
-    spans = [tuple(int(a, 16) for a in line.split()[0].split("-")) for line in open("/proc/self/maps")
-             if line.rstrip().endswith(str(path))]
-    assert spans
-    return min(a for a, _ in spans), max(b for _, b in spans)

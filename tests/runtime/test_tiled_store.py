@@ -192,9 +192,8 @@ def test_a_run_key_names_the_bands_place_in_the_file_and_its_row_order(cache, gg
     heads = GGUF_CFG["num_attention_heads"]
     as_file, as_hf = block_matrix(q).parts[0], block_matrix(q, heads).parts[0]
     assert [torch.equal(as_file.row(r), as_hf.row(r)) for r in (0, q.shape[1] // 2, q.shape[1] - 1)] == [True] * 3
-    store = tiled_store.TiledStore.for_file(gguf)
+    store = tiled_store.TiledStore.for_file(gguf, (int(reader.data.ctypes.data), int(reader.data.nbytes)))
     assert store is not None
-    store.file_span = (int(reader.data.ctypes.data), int(reader.data.nbytes))
     keys = {store._key([w]) for w in (as_file, as_hf)}
     assert len(keys) == 2
     store.file_span = None                          # keyed by sampled rows: the two orders collide
