@@ -125,40 +125,40 @@ TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 
 def _tile_k(w: BlockWeight) -> torch.Tensor:
-    """Q4_K / Q6_K → the tiled order from the unpacking (u, ws, mn; the file's codes and exactly its scales):
-    per (tile, block) 4 chunks of nibbles (byte 64·c + 4·r + i: element 4c + i low, 16 + 4c + i high), Q6_K's
-    high 2 bits in 2 chunks (chunk h, byte 4·r + i, bits 2c: element 16·h + 4c + i), then fp32 ws of the 16 rows
-    and their mn (Q4_K), or (Q6_K) the file's bytes of the rows' fp16 d, their int8 sc of elements 0-15 and of
-    16-31 (the kernel forms ws = d · sc, unpack's product)."""
-    t, nb = (w.n + 15) // 16, w.k // BLOCK
-    u, _, ws, mn = unpack(w)
+    """Q4_K / Q6_K → the tiled order from the unpacking (u; the file's codes) and the file's scale bytes: per
+    (tile, block) 4 chunks of nibbles (byte 64·c + 4·r + i: element 4c + i low, 16 + 4c + i high), Q6_K's high 2
+    bits in 2 chunks (chunk h, byte 4·r + i, bits 2c: element 16·h + 4c + i), then (Q6_K) the file's bytes of the
+    rows' fp16 d, their int8 sc of elements 0-15 and of 16-31, or (Q4_K) the rows' 6-bit sc, then their 6-bit
+    min, a byte each, and after a super-block's 8 blocks the file's bytes of the rows' fp16 d, then of their dmin
+    (the kernel forms ws = d · sc and mn = −(dmin · min), unpack's products). [t, nb, 448] (Q6_K) or
+    [t, nb / 8, 2368] (Q4_K)."""
+    t, nb, bb = (w.n + 15) // 16, w.k // BLOCK, w.fmt.nbytes
+    u, _, _, _ = unpack(w)
     up = torch.zeros(t * 16, w.k, dtype=torch.uint8)
     up[:w.n] = u
-    wsp, mnp = torch.zeros(t * 16, w.k // 16), torch.zeros(t * 16, nb)
-    wsp[:w.n], mnp[:w.n] = ws, mn
+    b = torch.zeros(t * 16, w.k // 256, bb, dtype=torch.uint8)                   # the file's super-blocks
+    b[:w.n] = w.data.reshape(w.n, -1, bb)
     u5 = up.reshape(t, 16, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)           # [t, nb, half, chunk c, row, i]
     nib = (u5[:, :, 0] & 15) | ((u5[:, :, 1] & 15) << 4)                    # [t, nb, c, 16, 4]
     parts = [nib.reshape(t, nb, 256)]
-    wsp = wsp.reshape(t, 16, nb, 2).permute(0, 2, 3, 1)                     # [t, nb, half, 16]
     if w.fmt.name == "Q6_K":
         sh = (2 * torch.arange(4, dtype=torch.uint8)).reshape(1, 1, 1, 4, 1, 1)
         hb = (((u5 >> 4) & 3) << sh).sum(3, dtype=torch.uint8)                # [t, nb, half, 16, 4]
-        b = torch.zeros(t * 16, w.k // 256, 210, dtype=torch.uint8)
-        b[:w.n] = w.data.reshape(w.n, -1, 210)
         d = b[:, :, 208:210].repeat_interleave(8, 1).reshape(t, 16, nb, 2).transpose(1, 2)          # [t, nb, 16, 2]
         sc = b[:, :, 192:208].reshape(t, 16, nb, 2).permute(0, 2, 3, 1)                            # [t, nb, half, 16]
         parts += [hb.reshape(t, nb, 128), d.reshape(t, nb, 32), sc.reshape(t, nb, 32)]
-    else:
-        mnp = mnp.reshape(t, 16, nb).transpose(1, 2)                         # [t, nb, 16]
-        parts += [wsp[:, :, 0].contiguous().view(torch.uint8).reshape(t, nb, 64),
-                  mnp.contiguous().view(torch.uint8).reshape(t, nb, 64)]
-    return torch.cat(parts, -1).contiguous()
+        return torch.cat(parts, -1).contiguous()
+    sc, mn = _scale_min_k4(b[..., 4:16].reshape(-1, 12))                        # [t·16·nb/8, 8]
+    parts += [x.reshape(t, 16, nb).transpose(1, 2) for x in (sc, mn)]            # [t, nb, 16]
+    blocks = torch.cat(parts, -1).reshape(t, nb // 8, 8 * 288)
+    dm = b[..., 0:4].reshape(t, 16, nb // 8, 2, 2).permute(0, 2, 3, 1, 4)         # [t, nb / 8, d | dmin, 16, 2]
+    return torch.cat([blocks, dm.reshape(t, nb // 8, 64)], -1).contiguous()
 
 
 def tile(w: BlockWeight) -> torch.Tensor:
     """W's blocks in cpu_blockq8's tiled order (the layout's check): uint8 [ceil(n / 16), k / 32, bytes],
     per (tile, block) the 16 rows' codes in 4-byte groups (byte 64·c + 4·r + i = row r's code byte 4c + i),
-    then their d, then (Q4_1) their m; the K-quants as _tile_k lays them."""
+    then their d, then (Q4_1) their m; the K-quants as _tile_k lays them (Q4_K per super-block of 256)."""
     name, nbytes = w.fmt.name, w.fmt.nbytes
     assert name in TILED_FORMATS
     if name in ("Q4_K", "Q6_K"):
@@ -181,11 +181,15 @@ def unpack_tiled(data: torch.Tensor, name: str, n: int, k: int) -> tuple[torch.T
     when they read the decode rows' copy (cpu_blockmm's tiled source)."""
     assert name in TILED_FORMATS
     t, nb = (n + 15) // 16, k // BLOCK
-    b = data.reshape(t, nb, -1)
+    if name == "Q4_K":                               # per super-block: 8 blocks of 288 bytes, then d and dmin
+        s = data.reshape(t, nb // 8, -1)
+        b, dm = s[..., :8 * 288].reshape(t, nb, 288), s[..., 8 * 288:]
+    else:
+        b = data.reshape(t, nb, -1)
 
-    def rows(x: torch.Tensor) -> torch.Tensor:       # [t, nb, 16, ...] → [n, nb, ...]
+    def rows(x: torch.Tensor) -> torch.Tensor:       # [t, blocks, 16, ...] → [n, blocks, ...]
         x = x.transpose(1, 2)
-        return x.reshape(t * 16, nb, *x.shape[3:])[:n]
+        return x.reshape(t * 16, *x.shape[2:])[:n]
 
     chunks = 8 if name == "Q8_0" else 4
     codes = rows(b[..., :64 * chunks].reshape(t, nb, chunks, 16, 4).transpose(2, 3)).reshape(n, nb, 4 * chunks)
@@ -203,9 +207,11 @@ def unpack_tiled(data: torch.Tensor, name: str, n: int, k: int) -> tuple[torch.T
         ws = _f16(rows(b[..., at:at + 32].reshape(t, nb, 16, 2))).expand(n, nb, 2)
         if name == "Q4_1":
             mn = _f16(rows(b[..., at + 32:at + 64].reshape(t, nb, 16, 2))).reshape(n, nb)
-    elif name == "Q4_K":
-        f = b[..., 256:384].contiguous().view(torch.float32).reshape(t, nb, 2, 16).permute(0, 1, 3, 2)
-        ws, mn = rows(f[..., :1]).expand(n, nb, 2), rows(f[..., 1])
+    elif name == "Q4_K":                             # unpack's d · sc and −(dmin · min)
+        d, dmin = (_f16(rows(dm[..., o:o + 32].reshape(t, nb // 8, 16, 2))).repeat_interleave(8, 1)
+                   for o in (0, 32))                                                   # [n, nb, 1]
+        sc, mins = (rows(b[..., o:o + 16]).float().unsqueeze(-1) for o in (256, 272))  # [n, nb, 1]
+        ws, mn = (d * sc).expand(n, nb, 2), -(dmin * mins)
     else:
         d = _f16(rows(b[..., 384:416].reshape(t, nb, 16, 2)))                          # [n, nb, 1]
         sc = rows(b[..., 416:448].reshape(t, nb, 2, 16).transpose(2, 3)).contiguous().view(torch.int8)

@@ -155,18 +155,25 @@ static inline __attribute__((always_inline)) void dq_iq4_xs(const uint8_t *b, fl
 }
 
 /* ---- a tiled source (cpu_blockq8's row-interleaved layout, chatserve_bq8_tile): prompt rows read the decode
- * rows' copy instead of the file. fmt | TILED; row_bytes is one tile's bytes (k / 32 blocks of tiled_bytes), and
+ * rows' copy instead of the file. fmt | TILED; row_bytes is one tile's bytes (tiled_at(fmt, k / 32)), and
  * a row's address is its tile's + its lane (row_at: tile bases are 16-byte aligned, chatserve_bmm checks). Each
  * block of 32 gathers the row's codes (4 bytes from each 64-byte chunk) and scales and emits them as the file's
  * dq_* do, same operations in the same order, so a tiled source gives the file's values bit for bit:
- * Q4_K ws = d·sc and mn = −dmin·min were rounded at tiling exactly as dq_qk rounds them; Q6_K keeps d and sc. ---- */
+ * Q4_K and Q6_K keep the file's d (and dmin) and their 6-bit sc (and min) / int8 sc, products formed as dq_qk
+ * and dq_q6_k form them. ---- */
 #define TILED 0x100
+/* bytes of one (tile, block of 32) in cpu_blockq8's tiled layout: Q4_K's without its super-block's d and dmin */
 static inline int64_t tiled_bytes(int fmt) {
     switch (fmt) {
-    case Q4_0: return 288; case Q4_1: return 320; case Q8_0: return 544; case Q4_K: return 384; case Q6_K: return 448;
+    case Q4_0: return 288; case Q4_1: return 320; case Q8_0: return 544; case Q4_K: return 288; case Q6_K: return 448;
     default: return 0;
     }
 }
+/* Q4_K: a tile's super-block (8 blocks, then the 16 rows' fp16 d and dmin at K4_DM) */
+#define K4_SUPER 2368
+#define K4_DM 2304
+/* offset of block j in a tile */
+static inline int64_t tiled_at(int fmt, int64_t j) { return j * tiled_bytes(fmt) + (fmt == Q4_K ? (j >> 3) * 64 : 0); }
 static inline const uint8_t *row_at(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r) {
     return fmt & TILED ? w + (r >> 4) * row_bytes + (r & 15) : w + r * row_bytes;
 }
@@ -183,7 +190,7 @@ static inline __m128i gather4(const uint8_t *o, int lane, int c0) {
 /* block j (32 elements) of lane `lane` of a tile at t → o (fp32, or bf16 at hb) */
 static inline __attribute__((always_inline)) void dq_tiled(int fmt, const uint8_t *t, int lane, int64_t j, float *o,
                                                            uint16_t *hb) {
-    const uint8_t *b = t + j * tiled_bytes(fmt);
+    const uint8_t *b = t + tiled_at(fmt, j);
     switch (fmt) {
     case Q4_0: case Q4_1: {
         const __m128i q = gather4(b, lane, 0);
@@ -201,11 +208,11 @@ static inline __attribute__((always_inline)) void dq_tiled(int fmt, const uint8_
     }
     case Q4_K: {
         const __m128i q = gather4(b, lane, 0);
-        float ws, mn;
-        memcpy(&ws, b + 256 + 4 * lane, 4);
-        memcpy(&mn, b + 320 + 4 * lane, 4);
-        emit16(o, hb, lo4(q), ws, -mn, 2);
-        emit16(o + 16, AT(hb + 16), hi4(q), ws, -mn, 2);
+        const uint8_t *dm = t + (j >> 3) * K4_SUPER + K4_DM;
+        const float ds = h2f(dm + 2 * lane) * (float)b[256 + lane];          /* d · sc, dmin · min as dq_qk */
+        const float m = h2f(dm + 32 + 2 * lane) * (float)b[272 + lane];
+        emit16(o, hb, lo4(q), ds, m, 2);
+        emit16(o + 16, AT(hb + 16), hi4(q), ds, m, 2);
         break;
     }
     case Q6_K: {

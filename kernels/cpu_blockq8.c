@@ -608,10 +608,13 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
  *          4c + i, high: 16 + 4c + i); Q8_0 8 chunks, byte 4·r + i of chunk c = row r's qs[4c + i];
  *   then the 16 rows' d (fp16), then (Q4_1) their m (fp16).
  * A (tile, block) is 16 · the block's bytes, so the tiled copy is exactly the file's size. The K-quants keep the
- * same codes with their super-block scales unpacked per block of 32 (what unpack() gives, the twin's exact
- * w = ws · (u − z) + mn; no second quantization):
- *   Q4_K: 4 chunks of nibbles as Q4_x (low: element 4c + i, high: 16 + 4c + i), then the 16 rows' ws = d·sc
- *         (fp32), then their mn = −dmin·min (fp32): 384 bytes, 4/3 of the file's 16 · 18;
+ * same codes and the file's scales (no second quantization), the kernel forming unpack()'s ws and mn from them
+ * (the twin's exact w = ws · (u − z) + mn):
+ *   Q4_K: per super-block of 256 (2368 bytes), its 8 blocks of 32 (288 bytes each: 4 chunks of nibbles as Q4_x,
+ *         low: element 4c + i, high: 16 + 4c + i, then the 16 rows' 6-bit sc, then their 6-bit min, a byte
+ *         each), then the 16 rows' fp16 d, then their fp16 dmin (64 bytes; the kernels convert them once per
+ *         super-block and form ws = d · sc, mn = −(dmin · min) as unpack() does, both exact): 296 bytes a block
+ *         on average, 1.03 times the file's 16 · 18 (block j of a tile at tiled_at());
  *   Q6_K: 4 chunks of the codes' low nibbles as Q4_x, then 2 chunks of their high 2 bits (chunk h, byte 4·r + i:
  *         bits 2c..2c+1 = element 16·h + 4c + i), then the rows' fp16 d (the super-block's), then their int8 sc
  *         of elements 0-15, then of 16-31 (the file's bytes; the kernel forms ws = float(d) · sc as unpack()
@@ -624,23 +627,30 @@ int chatserve_bq8(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64
  *   15 bits), acc = fma(float(I), ws · d, acc), then with a min acc = fma(mn, d · Σq, acc); y = acc. */
 static int tiled_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q4_K || fmt == Q6_K; }
 
-/* bytes of one (tile, block of 32) in the tiled layout */
+/* bytes of one (tile, block of 32) in the tiled layout: Q4_K's without its super-block's d and dmin */
 static inline int64_t tiled_bytes(int fmt) {
     switch (fmt) {
-    case Q4_0: return 288; case Q4_1: return 320; case Q8_0: return 544; case Q4_K: return 384; case Q6_K: return 448;
+    case Q4_0: return 288; case Q4_1: return 320; case Q8_0: return 544; case Q4_K: return 288; case Q6_K: return 448;
     default: return 0;
     }
 }
+/* Q4_K: a tile's super-block (8 blocks, then the 16 rows' fp16 d and dmin at K4_DM) */
+#define K4_SUPER 2368
+#define K4_DM 2304
+/* offset of block j in a tile; tiled_at(fmt, k / 32): a tile's bytes */
+static inline int64_t tiled_at(int fmt, int64_t j) { return j * tiled_bytes(fmt) + (fmt == Q4_K ? (j >> 3) * 64 : 0); }
 
-/* W [n, k] (file layout, row stride row_bytes) → dst [ceil(n / 16), k / 32, 16 · block bytes] */
+/* W [n, k] (file layout, row stride row_bytes) → dst [ceil(n / 16), tiled_at(fmt, k / 32)] */
 int chatserve_bq8_tile(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *dst) {
     if (!tiled_fmt(fmt) || k % 32 || k % block_elems(fmt)) return 1;
     if (fmt == Q4_K || fmt == Q6_K) {
-        const int64_t nb = k / 32, tiles = (n + 15) / 16, tb = tiled_bytes(fmt);
+        const int64_t nb = k / 32, tiles = (n + 15) / 16, tb = tiled_bytes(fmt), tile_bytes = tiled_at(fmt, nb);
         for (int64_t t = 0; t < tiles; t++)
             for (int64_t j = 0; j < nb; j++) {
-                uint8_t *o = dst + (t * nb + j) * tb;
+                uint8_t *o = dst + t * tile_bytes + tiled_at(fmt, j);
+                uint8_t *dm = fmt == Q4_K ? dst + t * tile_bytes + (j >> 3) * K4_SUPER + K4_DM : NULL;  /* d, dmin */
                 memset(o, 0, (size_t)tb);
+                if (dm && !(j & 7)) memset(dm, 0, 64);
                 for (int r = 0; r < 16 && t * 16 + r < n; r++) {
                     const blk32 b = unpack(fmt, w + (t * 16 + r) * row_bytes, j);
                     uint8_t lo[16], hi[16];
@@ -662,9 +672,12 @@ int chatserve_bq8_tile(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n, 
                         o[432 + r] = sb[192 + 2 * (j & 7) + 1];
                         continue;
                     }
-                    float *f = (float *)(o + 256);
-                    f[r] = b.ws0;
-                    f[16 + r] = b.mn;
+                    const uint8_t *sb = w + (t * 16 + r) * row_bytes + (j >> 3) * 144;   /* the file's bytes */
+                    int sc, mn;
+                    scale_min_k4(sb + 4, (int)(j & 7), &sc, &mn);
+                    o[256 + r] = (uint8_t)sc;
+                    o[272 + r] = (uint8_t)mn;
+                    if (!(j & 7)) { memcpy(dm + 2 * r, sb, 2); memcpy(dm + 32 + 2 * r, sb + 2, 2); }
                 }
             }
         return 0;
@@ -695,18 +708,25 @@ static inline __m512i bc4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return
 /* x rows [m0, m0 + MB) against one tile of 16 W rows → res [MB] (lane r = W row 16·t + r) */
 static inline __attribute__((always_inline)) void tile16(const int fmt, const int MB, const int P,
                                                          const uint8_t *wt, const xnat *X, int64_t m0, __m512 *res) {
-    const int64_t nb = X->nb, k = X->k, tb = tiled_bytes(fmt);
+    const int64_t nb = X->nb, k = X->k;
     const int q8 = fmt == Q8_0, six = fmt == Q6_K, codes = q8 ? 512 : 256, NC = MB <= 2 ? 2 : 1;
-    __m512 acc[8];
+    __m512 acc[8], kd = _mm512_setzero_ps(), kdm = kd;      /* Q4_K: the super-block's 16 rows' d and dmin */
     for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nb; j++) {
-        const uint8_t *wb = wt + j * tb;
+        const uint8_t *wb = wt + tiled_at(fmt, j);
+        if (fmt == Q4_K && !(j & 7)) {
+            const uint8_t *dm = wt + (j >> 3) * K4_SUPER + K4_DM;
+            kd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dm));
+            kdm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + 32)));
+        }
         const __m512 d6 = six ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 384))) : _mm512_setzero_ps();
-        const __m512 ws = fmt == Q4_K ? _mm512_loadu_ps(wb + 256)       /* Q6_K: d · sc, unpack()'s float product */
+        /* the K-quants: d · sc, unpack()'s float product (Q4_K's mn: −(dmin · min)) */
+        const __m512 ws = fmt == Q4_K ? _mm512_mul_ps(kd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ld16(wb + 256))))
                         : six ? _mm512_mul_ps(d6, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld16(wb + 416))))
                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes)));
         const __m512 mn = fmt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + codes + 32)))
-                        : fmt == Q4_K ? _mm512_loadu_ps(wb + 320)
+                        : fmt == Q4_K ? _mm512_xor_ps(_mm512_mul_ps(kdm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                          ld16(wb + 272)))), _mm512_set1_ps(-0.f))
                         : six ? _mm512_mul_ps(d6, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld16(wb + 432))))  /* ws₁ */
                         : _mm512_setzero_ps();
         if (six) {          /* one half of 16 at a time (its own scale): 2 · MB integer accumulators live */
@@ -788,7 +808,7 @@ static inline void store16(void *y, int y_bf16, int64_t off, __m512 v, __mmask16
 #define TILED_RUN(F, MB, P)                                                                               \
     static void tiled_##F##_##MB##_##P(const uint8_t *w, int64_t n, int64_t t0, int64_t t1, const xnat *X,  \
                                        int64_t m0, void *y, int64_t ldy, int yb) {                       \
-        const int64_t tb = X->nb * tiled_bytes(F);                                                        \
+        const int64_t tb = tiled_at(F, X->nb);                                                            \
         __m512 res[MB];                                                                                   \
         for (int64_t t = t0; t < t1; t++) {                                                               \
             tile16(F, MB, P, w + t * tb, X, m0, res);                                                     \
@@ -809,6 +829,9 @@ static inline __m256i bc4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return
 static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(ld16(p)); }
 static inline __m256 s8x8(const uint8_t *p) {              /* 8 int8 → float */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 u8x8(const uint8_t *p) {              /* 8 uint8 → float */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 static inline __m256i ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
@@ -832,19 +855,21 @@ static inline __attribute__((always_inline)) __m256i iwide(__m256i s) {      /* 
 #define FLUSH_Q8 (BQ8_VNNI ? 8 : 1)
 #define Q8_SIGNED (!BQ8_VNNI)           /* Q8_0 as |w| × sign(x, w): no zero, no −z·Σq */
 
-/* block j of half hf of a tile (W rows 8·hf .. 8·hf + 7 of it) for x rows [m0, m0 + MB) → acc[MB] */
+/* block j of half hf of a tile (W rows 8·hf .. 8·hf + 7 of it) for x rows [m0, m0 + MB) → acc[MB]; kd, kdm:
+ * Q4_K's d and dmin of these rows (the super-block's) */
 static inline __attribute__((always_inline)) void block8(const int fmt, const int MB, const int P, const uint8_t *wb,
                                                          const int hf, const xnat *X, int64_t m0, int64_t j,
-                                                         __m256 *acc) {
+                                                         __m256 kd, __m256 kdm, __m256 *acc) {
     const int64_t nb = X->nb, k = X->k;
     const int q8 = fmt == Q8_0, six = fmt == Q6_K, codes = q8 ? 512 : 256;
     const uint8_t *wc = wb + 32 * hf;                      /* this half's 32 bytes of every 64-byte chunk */
     const __m256 d6 = six ? f16x8(wb + 384 + 16 * hf) : _mm256_setzero_ps();
-    const __m256 ws = fmt == Q4_K ? _mm256_loadu_ps((const float *)(wb + 256) + 8 * hf)
-                    : six ? _mm256_mul_ps(d6, s8x8(wb + 416 + 8 * hf))        /* Q6_K: d · sc, unpack()'s product */
+    /* the K-quants: d · sc, unpack()'s float product (Q4_K's mn: −(dmin · min)) */
+    const __m256 ws = fmt == Q4_K ? _mm256_mul_ps(kd, u8x8(wb + 256 + 8 * hf))
+                    : six ? _mm256_mul_ps(d6, s8x8(wb + 416 + 8 * hf))
                     : f16x8(wb + codes + 16 * hf);
     const __m256 mn = fmt == Q4_1 ? f16x8(wb + codes + 32 + 16 * hf)
-                    : fmt == Q4_K ? _mm256_loadu_ps((const float *)(wb + 320) + 8 * hf)
+                    : fmt == Q4_K ? _mm256_xor_ps(_mm256_mul_ps(kdm, u8x8(wb + 272 + 8 * hf)), _mm256_set1_ps(-0.f))
                     : six ? _mm256_mul_ps(d6, s8x8(wb + 432 + 8 * hf))        /* Q6_K's ws₁ */
                     : _mm256_setzero_ps();
     const __m256i nib = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
@@ -929,13 +954,21 @@ static inline __attribute__((always_inline)) void block8(const int fmt, const in
 static inline __attribute__((always_inline)) void tile16(const int fmt, const int MB, const int P,
                                                          const uint8_t *wt, const xnat *X, int64_t m0,
                                                          __m256 (*res)[2]) {
-    const int64_t tb = tiled_bytes(fmt);
-    __m256 acc[2][8];
+    __m256 acc[2][8], kd[2], kdm[2];                       /* Q4_K: the super-block's d and dmin, per half */
+    kd[0] = kd[1] = kdm[0] = kdm[1] = _mm256_setzero_ps();
     for (int i = 0; i < MB; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < X->nb; j++) {
+        const uint8_t *wb = wt + tiled_at(fmt, j);
+        const int64_t span = tiled_at(fmt, j + 1) - tiled_at(fmt, j);        /* Q4_K's 8th block: + d, dmin */
         if (m0 == 0)        /* the first x rows of a chunk stream it from memory: every line TILED_PF ahead */
-            for (int64_t o = 0; o < tb; o += 64) __builtin_prefetch(wt + j * tb + o + TILED_PF);
-        for (int hf = 0; hf < 2; hf++) block8(fmt, MB, P, wt + j * tb, hf, X, m0, j, acc[hf]);
+            for (int64_t o = 0; o < span; o += 64) __builtin_prefetch(wb + o + TILED_PF);
+        if (fmt == Q4_K && !(j & 7))
+            for (int hf = 0; hf < 2; hf++) {
+                const uint8_t *dm = wt + (j >> 3) * K4_SUPER + K4_DM + 16 * hf;
+                kd[hf] = f16x8(dm);
+                kdm[hf] = f16x8(dm + 32);
+            }
+        for (int hf = 0; hf < 2; hf++) block8(fmt, MB, P, wb, hf, X, m0, j, kd[hf], kdm[hf], acc[hf]);
     }
     for (int i = 0; i < MB; i++) { res[i][0] = acc[0][i]; res[i][1] = acc[1][i]; }
 }
@@ -961,7 +994,7 @@ static inline void store8(void *y, int y_bf16, int64_t off, __m256 v, int64_t le
 #define TILED_RUN(F, MB, P)                                                                               \
     static void tiled_##F##_##MB##_##P(const uint8_t *w, int64_t n, int64_t t0, int64_t t1, const xnat *X,  \
                                        int64_t m0, void *y, int64_t ldy, int yb) {                       \
-        const int64_t tb = X->nb * tiled_bytes(F);                                                        \
+        const int64_t tb = tiled_at(F, X->nb);                                                            \
         __m256 res[MB][2];                                                                                \
         for (int64_t t = t0; t < t1; t++) {                                                               \
             tile16(F, MB, P, w + t * tb, X, m0, res);                                                     \
@@ -1095,7 +1128,7 @@ int chatserve_bq8_tiled(int fmt, const uint8_t *w, int64_t n, int64_t k, const v
     if (!tiled_fmt(fmt) || k % 32 || k % block_elems(fmt) || (x_bits != 8 && x_bits != 15)) return 1;
     if (nt < 1) nt = 1;
     const int P = x_bits == 15 ? 2 : 1;
-    const int64_t nb = k / 32, tiles = (n + 15) / 16, tile_bytes = nb * tiled_bytes(fmt);
+    const int64_t nb = k / 32, tiles = (n + 15) / 16, tile_bytes = tiled_at(fmt, nb);
     /* the call's x scratch, kept per calling thread between calls (grown as needed): no allocation per call */
     static __thread int8_t *xp;
     static __thread float *d, *dsq;

@@ -132,17 +132,24 @@ def matmul(x: torch.Tensor, w: BlockWeight, isa: str, out_dtype: torch.dtype | N
 TILED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 TILED_ISAS = ("avx512", "avx2", "avx2-maddubs")
 # bytes of one (tile of 16 rows, block of 32) in the tiled layout: 16 · the file's block for Q4_0/Q4_1/Q8_0;
-# the K-quants' codes plus their scales per block of 32 (Q4_K: ws and mn as fp32; Q6_K: the file's d and sc)
-TILED_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "Q4_K": 384, "Q6_K": 448}
+# Q6_K's codes with the file's d and sc per block of 32. Q4_K per super-block of 256 instead: 8 blocks of codes
+# and the rows' 6-bit sc and min (288 bytes each), then the rows' fp16 d and dmin (64), 1.03 × the file's
+BLOCK_TILED_BYTES = {"Q4_0": 288, "Q4_1": 320, "Q8_0": 544, "Q6_K": 448}
+Q4_K_SUPER_TILED_BYTES = 8 * 288 + 64
+
+
+def tile_row_bytes(name: str, k: int) -> int:
+    """Bytes of one tile (16 W rows of k columns) in the tiled layout: the kernels' tile stride."""
+    return k // 256 * Q4_K_SUPER_TILED_BYTES if name == "Q4_K" else k // 32 * BLOCK_TILED_BYTES[name]
 
 
 @dataclass(frozen=True)
 class TiledWeight:
     """W [n, k] of a TILED_FORMATS format as chatserve_bq8_tile lays it out: the file's blocks (same codes, same
-    scales and mins, no second quantization), reordered to [ceil(n / 16), k / 32, TILED_BYTES] so that the 16
+    scales and mins, no second quantization), reordered to [ceil(n / 16), tile_row_bytes(k)] so that the 16
     rows of a tile share each k-block's 64-byte chunks (one vector lane per output row). data is uint8 of
-    16 · ceil(n / 16) / n times the file's bytes (Q4_0/Q4_1/Q8_0), times 4/3 (Q4_K: scales and mins as fp32
-    per 32) or 1.07 (Q6_K: the file's fp16 d repeated per 32 beside its int8 scales per 16)."""
+    16 · ceil(n / 16) / n times the file's bytes (Q4_0/Q4_1/Q8_0), times 1.03 (Q4_K: its 6-bit scales and mins
+    a byte each) or 1.07 (Q6_K: the file's fp16 d repeated per 32 beside its int8 scales per 16)."""
     data: torch.Tensor
     fmt: BlockFormat
     n: int
@@ -177,8 +184,8 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
 
 
 def tiled_nbytes(w: BlockWeight) -> int:
-    """Bytes of W's tiled copy: ceil(n / 16) tiles of k / 32 blocks of TILED_BYTES."""
-    return (w.n + 15) // 16 * (w.k // 32) * TILED_BYTES[w.fmt.name]
+    """Bytes of W's tiled copy: ceil(n / 16) tiles of tile_row_bytes."""
+    return (w.n + 15) // 16 * tile_row_bytes(w.fmt.name, w.k)
 
 
 def tile_into(w: BlockWeight, out: torch.Tensor, isa: str = "avx512") -> None:

@@ -37,7 +37,7 @@ from chatserve_kernels.block_formats import BlockWeight
 from chatserve_kernels.cpu_blockq8 import huge_page_buffer
 
 log = logging.getLogger(__name__)
-LAYOUT_VERSION = 2          # bump when chatserve_bq8_tile would lay out other bytes for the same blocks, or keys change
+LAYOUT_VERSION = 3          # bump when chatserve_bq8_tile would lay out other bytes for the same blocks, or keys change
 MAGIC = b"CSTILED1"
 _FOOTER = struct.Struct("<8sQQ")
 # each run starts 2 MiB into the file: the page cache holds its pages as large folios (written with pwrite, or read

@@ -164,7 +164,11 @@ def tiled_shapes(name: str) -> list[tuple[int, int]]:
 def untile_k(data: torch.Tensor, name: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A K-quant tiled copy → codes u [n, k], ws [n, k / 16], mn [n, k / 32], read back from its bytes."""
     t, nb = (n + 15) // 16, k // 32
-    b = data.reshape(t, nb, -1)
+    if name == "Q4_K":                       # per super-block: 8 blocks of 288 bytes, then the rows' fp16 d, dmin
+        s = data.reshape(t, nb // 8, 2368)
+        b, dm = s[..., :2304].reshape(t, nb, 288), s[..., 2304:].contiguous().view(torch.float16).float()
+    else:
+        b = data.reshape(t, nb, -1)
     nib = b[..., :256].reshape(t, nb, 4, 16, 4)                              # [t, nb, c, row, i]
     u = torch.stack([nib & 15, nib >> 4], 2)                                 # [t, nb, half, c, row, i]
     if name == "Q6_K":
@@ -175,8 +179,9 @@ def untile_k(data: torch.Tensor, name: str, n: int, k: int) -> tuple[torch.Tenso
         ws = d * b[..., 416:448].contiguous().view(torch.int8).float().reshape(t, nb, 2, 16)
         mn = torch.zeros(t, nb, 16)
     else:
-        f = b[..., 256:384].contiguous().view(torch.float32).reshape(t, nb, 2, 16)
-        ws, mn = f[:, :, 0:1].expand(t, nb, 2, 16), f[:, :, 1]
+        d, dmin = dm.reshape(t, nb // 8, 1, 2, 16).repeat_interleave(8, 1).unbind(3)     # [t, nb, 1, 16]
+        ws = (d * b[..., 256:272].float().reshape(t, nb, 1, 16)).expand(t, nb, 2, 16)
+        mn = -(dmin.squeeze(2) * b[..., 272:288].float())
     u = u.permute(0, 4, 1, 2, 3, 5).reshape(t * 16, k)[:n]
     return (u, ws.permute(0, 3, 1, 2).reshape(t * 16, 2 * nb)[:n], mn.permute(0, 2, 1).reshape(t * 16, nb)[:n])
 
@@ -185,15 +190,16 @@ def untile_k(data: torch.Tensor, name: str, n: int, k: int) -> tuple[torch.Tenso
 @pytest.mark.parametrize("name", cpu_blockq8.TILED_FORMATS)
 def test_tiled_layout_is_the_files_bytes_reordered(isa, name):
     """Same codes, same scales and mins (no second quantization), the twin's order; the file's size (Q4_0, Q4_1,
-    Q8_0: its very bytes), or (Q4_K, Q6_K) the file's codes with its scales unpacked per 32 / 16 as fp32, from
-    which ws · (u − z) + mn rebuilds block_formats' dequantization bit for bit."""
+    Q8_0: its very bytes), or (Q4_K, Q6_K) the file's codes with its scales per 32 / 16 (Q4_K: 6-bit sc and min
+    beside the super-block's fp16 d and dmin; Q6_K: fp16 d and int8 sc), from which ws · (u − z) + mn rebuilds
+    block_formats' dequantization bit for bit."""
     assert block_q8.TILED_FORMATS == cpu_blockq8.TILED_FORMATS
     for n, k in tiled_shapes(name):
         w = make_weight(name, n, k, seed=n + k, random_bytes=True)
         t = cpu_blockq8.tile(w, isa)
         assert cpu_blockq8.tiles(isa, w) and (t.n, t.k, t.fmt) == (w.n, w.k, w.fmt)
         assert torch.equal(t.data, block_q8.tile(w).reshape(-1)), (name, n, k)
-        assert t.nbytes() == (n + 15) // 16 * (k // 32) * cpu_blockq8.TILED_BYTES[name]
+        assert t.nbytes() == (n + 15) // 16 * cpu_blockq8.tile_row_bytes(name, k)
         if name in K_TILED:
             u, ws, mn = untile_k(t.data, name, n, k)
             cu, cws, cmn = cpu_blockq8.unpack(w, isa)
@@ -228,6 +234,27 @@ def test_tiled_matmul_is_the_twins_bit_for_bit(isa, name, dtype, x_bits):
             assert bool(((y - block_q8.matmul(x, w, torch.float32, x_bits)).abs() <= mag * 1e-5 + 1e-30).all())
             assert torch.equal(cpu_blockq8.matmul_tiled(x, t, isa, out_dtype=torch.bfloat16, x_bits=x_bits),
                                y.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", TILED)
+def test_a_q4_k_tiled_copy_is_1_03_of_the_file_and_multiplies_as_the_file(isa):
+    """Q4_K tiles per super-block of 256: 8 blocks of codes with the rows' 6-bit sc and min, then their fp16 d and
+    dmin, ceil(n / 16) · (k / 256) · 2368 bytes (2368 / (16 · 144) = 1.03 of the file's). Two super-blocks and a
+    padded last tile: the decode kernel gives the twin's bits on the file's blocks, and prompt rows read from the
+    copy give the file's results bit for bit."""
+    n, k, level = 20, 512, isa.removesuffix("-maddubs")                     # level: cpu_blockmm's
+    w = make_weight("Q4_K", n, k, seed=21, random_bytes=True)
+    t = cpu_blockq8.tile(w, isa)
+    assert t.nbytes() == cpu_blockq8.tiled_nbytes(w) == (n + 15) // 16 * (k // 256) * 2368      # 2 · 2 · 2368
+    assert 2368 / (16 * w.fmt.nbytes) < 1.03
+    assert torch.equal(t.data, block_q8.tile(w).reshape(-1))
+    assert torch.equal(cpu_blockmm.dequantize_tiled(t, level), bf.dequantize(w))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(6))
+    for x_bits in (8, 15):
+        y = cpu_blockq8.matmul_tiled(x, t, isa, out_dtype=torch.float32, x_bits=x_bits)
+        assert y.abs().sum() > 0
+        assert torch.equal(y, block_q8.matmul_tiled(x, w, torch.float32, x_bits))
+    assert torch.equal(cpu_blockmm.matmul_tiled(x, t, level), cpu_blockmm.matmul(x, w, level))
 
 
 # the code bytes of each format's block (from, to) and the byte that makes every code its largest |u − z| or u
@@ -308,7 +335,7 @@ def test_the_avx2_levels_vnni_branch_is_the_twins(name):
     for n, k in tiled_shapes(name):
         for extreme in (False, True):
             w = extreme_weight(name, n, k) if extreme else make_weight(name, n, k, seed=n * k)
-            t = torch.empty((n + 15) // 16 * (k // 32) * cpu_blockq8.TILED_BYTES[name], dtype=torch.uint8)
+            t = torch.empty((n + 15) // 16 * cpu_blockq8.tile_row_bytes(name, k), dtype=torch.uint8)
             assert lib.chatserve_bq8_tile(w.fmt.type_id, w.data.data_ptr(), w.row_bytes, n, k, t.data_ptr()) == 0
             for m, threads in ((1, 1), (4, 2), (9, 1), (17, 2)):
                 x = extreme_x(m, k) if extreme else torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)

@@ -187,7 +187,7 @@ class CpuBlockLinear(BlockLinear):
         self.q8 = cpu_blockq8.available(self.isa)
         # and, where this level has one (AVX2, AVX-512: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), the bands' blocks re-laid
         # row-interleaved for the generated rows (same codes and scales in another order, a copy the size of
-        # the band, 4/3 or 1.07 of it for Q4_K / Q6_K whose scales are unpacked: the mapped pages are then
+        # the band, 1.03 or 1.07 of it for Q4_K / Q6_K whose scales are re-laid: the mapped pages are then
         # read only by prompt rows). The decode rows' calls: runs of adjacent bands of one tiled
         # format (each but the last a whole number of 16-row tiles, so their tiled copies end to end are the
         # tiled copy of the stacked rows: q, k and v in one call, gate and up in one) as (first column, the
