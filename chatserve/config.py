@@ -37,8 +37,8 @@ PROCESS_ENV = {
     "CHATSERVE_CPU_KERNELS": "0: never build or load the C kernels; the torch path runs",
     "CHATSERVE_MOE_KERNEL": "0: a MoE layer's decode rows run the expert loop, not cpu_moe's one C call "
                             "(same results; for before/after benchmarks)",
-    "CHATSERVE_MOE_TILED": "1: a GGUF kept in place gives its MoE experts a row-interleaved copy for decode rows (4/3 "
-                           "of a Q4_K expert's bytes; much faster at 1-16 rows an expert); 0: never (they run on "
+    "CHATSERVE_MOE_TILED": "1: a GGUF kept in place gives its MoE experts a row-interleaved copy for decode rows (1.03× "
+                           "a Q4_K expert's bytes; much faster at 1-16 rows an expert); 0: never (they run on "
                            "the file's blocks); unset: when the copies of every MoE layer fit a quarter of RAM",
     "CHATSERVE_WEIGHT_CACHE": "0: quantize a model's decode weights at every load instead of mapping the packed "
                               "copy an earlier load left in <cache root>/qmatmul",
@@ -342,6 +342,10 @@ class SchedulerConfig:
         0, "prompt tokens a step may compute while other requests decode, so a long prompt does not "
         "stretch their inter-token latency (alone it gets the whole budget); 0 = the whole budget. "
         "A cap trades TTFT for ITL: docs/benchmarks.md")
+    prefill_time_while_decoding: float = option(
+        2.0, "while requests decode, a step's prompt chunks are sized (from the steps timed so far) to add "
+        "at most this many decode steps' time, so a long prompt stretches their inter-token latency by at "
+        "most about 1 + this; 0 = no limit (alone a prompt gets the whole budget): docs/benchmarks.md")
     admission_window_ms: float = option(
         3.0, "an idle engine waits this long after the first new request before its first step, so "
         "requests sent together share that step instead of queueing behind it; 0 = off. It adds this "

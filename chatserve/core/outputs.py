@@ -84,6 +84,9 @@ class RunnerOutput:
     # seqs with draft_token_ids: the drafts the model agrees with, then its own next token (1..k+1
     # tokens; sampled[request_id] holds that last one too)
     accepted: dict[str, list[int]] = field(default_factory=dict)
+    # the runner's own wall time for the step (None: not timed, e.g. a scripted runner); the scheduler
+    # learns what prompt tokens cost from it (step_cost.py)
+    elapsed_s: float | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from chatserve.core.prompt_logprobs import PromptLogprobs
 from chatserve.core.request import FinishReason, Request, RequestStatus
 from chatserve.core.request_queues import RequestQueues
 from chatserve.core.speculator import Speculator
+from chatserve.core.step_cost import StepCost
 
 if TYPE_CHECKING:  # the manager is only used through its methods
     from chatserve.core.kv_cache_manager import KVCacheManager
@@ -40,8 +41,11 @@ class Scheduler:
     Per step:
       1. running requests, in key order: decoders get 1 token, requests still prefilling get a chunk
          of what is left of the budget after one token is kept for each later decoder; while any
-         request decodes, the step's prompt chunks add at most `prefill_tokens_while_decoding`
-         tokens in all (admissions included), so a long prompt does not stretch their ITL. If
+         request decodes, the step's prompt chunks (admissions included) add at most
+         `prefill_tokens_while_decoding` tokens and, while a prompt longer than the budget is in
+         progress or next, at most `prefill_time_while_decoding` decode steps' time (StepCost,
+         learned from the runner's timings; at least one block of tokens), so a long prompt does not
+         stretch their ITL. If
          `allocate_slots` fails, the chunk shrinks to what fits, else the last running request is
          preempted (repeatedly; finally the request itself).
       2. if nothing was preempted: waiting requests are admitted in key order (head-of-line; never by
@@ -84,6 +88,7 @@ class Scheduler:
         self._t_schedule: float | None = None
         self._tokens_per_s: float | None = None     # EMA, for Retry-After estimates
         self._speculator = Speculator(config, kv)   # speculative decoding (--speculative-ngram)
+        self.step_cost = StepCost()                 # what decode steps and prompt chunks take
 
     # ------------------------------------------------------------------ queries
     @property
@@ -210,7 +215,7 @@ class Scheduler:
                 if decoders_left < 0:
                     k = running.index(e)
                     decoders_left = sum(1 for x in running[k + 1:] if self._remaining(x) == 1)
-                    prefill_left = self._prefill_allowance(budget)
+                    prefill_left = self._prefill_allowance(budget, start)
                 n_new = min(rem, budget - decoders_left, prefill_left)
                 if n_new <= 0:   # the budget is spoken for by later decoders (or the prefill cap)
                     continue
@@ -258,13 +263,37 @@ class Scheduler:
             ops, granted = allocate(rid, start + n_new), n_new
         return ops, granted, decoders_left, preempted
 
-    def _prefill_allowance(self, budget: int) -> int:
-        """Prompt tokens one step may compute: `prefill_tokens_while_decoding` while a running request
-        decodes (a long prompt's chunk must not stretch their inter-token latency), else the budget."""
-        cap = self.config.prefill_tokens_while_decoding
-        if 0 < cap < budget and any(self._remaining(x) == 1 for x in self._running):
-            return cap
-        return budget
+    def _prefill_allowance(self, budget: int, start: int = 0) -> int:
+        """Prompt tokens one step may compute (its first chunk from position `start`): the budget, but
+        while a running request decodes (a long prompt's chunks must not stretch their inter-token
+        latency) at most `prefill_tokens_while_decoding`, and, while a prompt longer than a step's budget
+        is being computed or is next in line, what fits in `prefill_time_while_decoding` decode steps (at
+        least a block; 0 when the decode estimate is stale: this step times the decoders alone). Prompts
+        within one budget still go in one step: one pause for the decoders,
+        where slicing them would cost a mixed step's fixed part (a read of the weights) every slice."""
+        cfg = self.config
+        cap, share, cost = cfg.prefill_tokens_while_decoding, cfg.prefill_time_while_decoding, self.step_cost
+        capped = 0 < cap < budget
+        timed = share > 0 and cost.ready
+        if not (capped or timed) or not any(self._remaining(x) == 1 for x in self._running):
+            return budget
+        allow = cap if capped else budget
+        if timed and self._long_prompt_pending():
+            if cost.decode_stale:
+                return 0            # a decode-only step first, to time what the decoders take now
+            assert cost.decode_s is not None
+            fits = cost.prompt_tokens_within(share * cost.decode_s, start)
+            allow = min(allow, max(fits, self.kv.block_size))
+        return allow
+
+    def _long_prompt_pending(self) -> bool:
+        """A prompt longer than one step's budget is being computed (to its end: its last slice must not
+        come back as one long step), or is next in the waiting queue."""
+        full = self.config.max_num_batched_tokens
+        if any(len(x.tokens) > full and self._remaining(x) > 1 for x in self._running):
+            return True
+        w = self._waiting
+        return bool(w) and len(w[0].tokens) > full
 
     def _remaining(self, e: LiveRequest) -> int:
         """Tokens e still has to compute before its next sample (or, for a leader, its fork)."""
@@ -399,6 +428,8 @@ class Scheduler:
         if res.step_id != out.step_id:
             raise ValueError(f"runner output for step {res.step_id}, expected {out.step_id}")
         self._measure_rate(out)
+        if res.elapsed_s is not None:
+            self.step_cost.observe(out, res.elapsed_s)
         commit = self.kv.commit
         entries = self._entries
         prompt_lps = self._prompt_lps if len(self._prompt_lps) else None   # (none are added meanwhile)

@@ -179,6 +179,13 @@ class ModelRunner:
     SMALL_STEP_TOKENS = 8
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step; the result carries its wall time (the scheduler sizes prompt chunks by it)."""
+        t0 = time.perf_counter()
+        res = self._execute(out)
+        res.elapsed_s = time.perf_counter() - t0
+        return res
+
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         res = RunnerOutput(step_id=out.step_id)
         big, few = self._threads_big, self._threads_small
         if big is not None and few is not None and few != big:
