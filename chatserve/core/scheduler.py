@@ -43,9 +43,9 @@ class Scheduler:
          of what is left of the budget after one token is kept for each later decoder; while any
          request decodes, the step's prompt chunks (admissions included) add at most
          `prefill_tokens_while_decoding` tokens and, while a prompt longer than the budget is in
-         progress or next, at most `prefill_time_while_decoding` decode steps' time (StepCost,
-         learned from the runner's timings; at least one block of tokens), so a long prompt does not
-         stretch their ITL. If
+         progress or next and decoders are at least as many as prompts, at most
+         `prefill_time_while_decoding` decode steps' time (StepCost, learned from the runner's
+         timings; at least one block of tokens), so a long prompt does not stretch their ITL. If
          `allocate_slots` fails, the chunk shrinks to what fits, else the last running request is
          preempted (repeatedly; finally the request itself).
       2. if nothing was preempted: waiting requests are admitted in key order (head-of-line; never by
@@ -266,19 +266,24 @@ class Scheduler:
     def _prefill_allowance(self, budget: int, start: int = 0) -> int:
         """Prompt tokens one step may compute (its first chunk from position `start`): the budget, but
         while a running request decodes (a long prompt's chunks must not stretch their inter-token
-        latency) at most `prefill_tokens_while_decoding`, and, while a prompt longer than a step's budget
-        is being computed or is next in line, what fits in `prefill_time_while_decoding` decode steps (at
-        least a block; 0 when the decode estimate is stale: this step times the decoders alone). Prompts
-        within one budget still go in one step: one pause for the decoders,
-        where slicing them would cost a mixed step's fixed part (a read of the weights) every slice."""
+        latency) at most `prefill_tokens_while_decoding`, and what fits in `prefill_time_while_decoding`
+        decode steps (at least a block; 0 when the decode estimate is stale: this step times the
+        decoders alone) when a prompt longer than a step's budget is being computed or is next in line
+        and the decoders are at least as many as the prompts. Prompts within one budget still go in one
+        step (one pause for the decoders; slices would each pay a mixed step's fixed part, a read of the
+        weights); so do long ones while most requests wait on their prompts (the step's time goes where
+        most requests are: slicing then halves the prompts' throughput, docs/benchmarks.md)."""
         cfg = self.config
         cap, share, cost = cfg.prefill_tokens_while_decoding, cfg.prefill_time_while_decoding, self.step_cost
         capped = 0 < cap < budget
         timed = share > 0 and cost.ready
-        if not (capped or timed) or not any(self._remaining(x) == 1 for x in self._running):
+        if not (capped or timed):
+            return budget
+        decoding, prompts, long = self._phases()
+        if not decoding:
             return budget
         allow = cap if capped else budget
-        if timed and self._long_prompt_pending():
+        if timed and long and decoding >= prompts:
             if cost.decode_stale:
                 return 0            # a decode-only step first, to time what the decoders take now
             assert cost.decode_s is not None
@@ -286,14 +291,21 @@ class Scheduler:
             allow = min(allow, max(fits, self.kv.block_size))
         return allow
 
-    def _long_prompt_pending(self) -> bool:
-        """A prompt longer than one step's budget is being computed (to its end: its last slice must not
-        come back as one long step), or is next in the waiting queue."""
+    def _phases(self) -> tuple[int, int, bool]:
+        """(running requests that decode, requests with prompt tokens to compute (running or waiting),
+        whether one of those is longer than a step's budget: running, to its end — its last slice must
+        not come back as one long step — or next in the waiting queue)."""
         full = self.config.max_num_batched_tokens
-        if any(len(x.tokens) > full and self._remaining(x) > 1 for x in self._running):
-            return True
+        decoding = prompts = 0
+        long = False
+        for x in self._running:
+            if self._remaining(x) == 1:
+                decoding += 1
+            else:
+                prompts += 1
+                long = long or len(x.tokens) > full
         w = self._waiting
-        return bool(w) and len(w[0].tokens) > full
+        return decoding, prompts + len(w), long or (bool(w) and len(w[0].tokens) > full)
 
     def _remaining(self, e: LiveRequest) -> int:
         """Tokens e still has to compute before its next sample (or, for a leader, its fork)."""

@@ -173,6 +173,26 @@ def test_a_prompt_within_one_budget_goes_in_one_step_beside_decoders():
     assert chunk and 16 <= chunk[0] < 300
 
 
+def test_long_prompts_outnumbering_the_decoders_go_at_full_speed():
+    """One decoder beside two long prompts: the step's time goes to the prompts (slices would halve their
+    throughput for one stream's ITL); once decoders are as many as prompts, the slices come back."""
+    s = make(num_blocks=2048, block_size=16, budget=512, max_model_len=8192)
+    d = TimedDriver(s)
+    s.add_request(req("warm", list(range(1, 600)), max_tokens=2))
+    d.run()
+    s.add_request(req("D0", [5, 6, 7], max_tokens=400))
+    d.step()
+    d.step()                                                          # a decode-only step, timed
+    s.add_request(req("A", list(range(1000, 2500)), max_tokens=3))    # two 1,500-token prompts
+    s.add_request(req("B", list(range(3000, 4500)), max_tokens=3))
+    plans = [[(x.request_id, x.num_tokens) for x in d.step().seqs] for _ in range(3)]
+    assert plans[0] == [("D0", 1), ("A", 511)] and plans[1] == [("D0", 1), ("A", 511)]
+    # A decodes from here: two decoders, one prompt (B), and B is sliced
+    assert plans[2] == [("D0", 1), ("A", 478), ("B", 33)]
+    b = [x.num_tokens for x in d.step().seqs if x.request_id == "B"]
+    assert b and 16 <= b[0] < 300
+
+
 def test_time_limit_zero_keeps_the_whole_budget():
     _, outs = _long_prompt_beside_decoders(0.0)
     chunks = [x.num_tokens for out in outs for x in out.seqs if x.request_id == "L"]
