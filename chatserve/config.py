@@ -37,8 +37,8 @@ PROCESS_ENV = {
     "CHATSERVE_CPU_KERNELS": "0: never build or load the C kernels; the torch path runs",
     "CHATSERVE_MOE_KERNEL": "0: a MoE layer's decode rows run the expert loop, not cpu_moe's one C call "
                             "(same results; for before/after benchmarks)",
-    "CHATSERVE_MOE_TILED": "1: a GGUF kept in place gives its MoE experts a row-interleaved copy for decode rows (1.03× "
-                           "a Q4_K expert's bytes; much faster at 1-16 rows an expert); 0: never (they run on "
+    "CHATSERVE_MOE_TILED": "1: a GGUF kept in place gives its MoE experts a row-interleaved copy for decode rows "
+                           "(1.03× a Q4_K expert's bytes; much faster at 1-16 rows an expert); 0: never (they run on "
                            "the file's blocks); unset: when the copies of every MoE layer fit a quarter of RAM",
     "CHATSERVE_WEIGHT_CACHE": "0: quantize a model's decode weights at every load instead of mapping the packed "
                               "copy an earlier load left in <cache root>/qmatmul",

@@ -7,10 +7,9 @@ starts at position s):
     prompt seconds(n, s) ≈ c_fixed + c_tok · n + c_attn · n · (s + n / 2)
 
 (c_fixed: what a prompt chunk costs whatever its length, e.g. the second read of the weights that a
-batch-invariant mixed step does). The decoders' step is an EMA of the recent decode-only steps (when there has been none for a while,
-the scheduler runs one); the three
-c are a least-squares fit, with exponential forgetting, of every step with prompt tokens (its time less
-the decoders' estimate). The
+batch-invariant mixed step does). The decoders' step is an EMA of the recent decode-only steps (when there
+has been none for a while, the scheduler runs one); the three c are a least-squares fit, with exponential
+forgetting, of every step with prompt tokens (its time less the decoders' estimate). The
 scheduler asks `prompt_tokens_within(seconds, s)` to size a chunk beside decoders by time instead of by a
 token count: a 4,000-token prompt's last chunks cost several times its first ones per token, so a fixed
 token cap is either too loose late or too tight early (docs/benchmarks.md, "A long prompt beside decoding
