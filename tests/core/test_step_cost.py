@@ -10,7 +10,6 @@ from chatserve.core.outputs import ScheduledSeq, SchedulerOutput
 from chatserve.core.request import FinishReason, SamplingParams
 from chatserve.core.step_cost import StepCost, prompt_work
 
-import scripted_model
 from test_scheduler import Driver, make, plan, reference, req
 
 PARAMS = SamplingParams(max_tokens=1)
@@ -110,15 +109,16 @@ def test_decode_estimate_follows_recent_steps_and_untimed_steps_are_ignored():
 class TimedDriver(Driver):
     """Driver whose runner reports the scripted step time (true_seconds) as its wall time."""
 
-    def step(self, errors=None) -> SchedulerOutput:
-        out = self.s.schedule()
-        res = self.model.step(out, errors)
-        res.elapsed_s = true_seconds(out)
-        for ev in self.s.update(out, res):
-            self.record(ev)
-        self.s.kv.check_integrity()
-        self.steps += 1
-        return out
+    def __init__(self, sched) -> None:
+        super().__init__(sched)
+        run = self.model.step
+
+        def timed(out: SchedulerOutput, errors=None):
+            res = run(out, errors)
+            res.elapsed_s = true_seconds(out)
+            return res
+
+        self.model.step = timed
 
 
 def _long_prompt_beside_decoders(share: float) -> tuple[TimedDriver, list[SchedulerOutput]]:
@@ -209,5 +209,3 @@ def test_untimed_runner_keeps_the_token_schedule():
     assert not s.step_cost.ready
     assert plan(d.step()) == [("A", 5, 1, True), ("B", 3, 3, True)]
 
-
-scripted_model  # noqa: B018  (the Driver's model)
