@@ -74,7 +74,7 @@ def _variants(tl) -> list[tuple[str, str, dict, dict, int, int]]:
     out.append(("extend merge d=128", "extend_attention._extend_merge_kernel",
                 dict(out_ptr="bf16", part_o_ptr="f32", part_lse_ptr="f32", qsl_ptr="pi32", num_splits="i32",
                      stride_ot="i32", stride_oh="i32"),
-                dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=32, SKIP_DECODE=True), 4, 2))
+                dict(NUM_Q_HEADS=32, HEAD_DIM=128, D_PAD=128, S_PAD=64, SKIP_DECODE=True), 4, 2))
     # store: (key dtype, cache dtype, scale mode)
     for k, c, mode in [("bf16", "bf16", 0), ("f32", "f16", 0), ("f16", "i8", 1), ("bf16", "fp8", 1),
                        ("f32", "fp8", 2)]:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chatserve_kernels.dispatch import cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl
+from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, merge_pad, next_pow2,
+                                        tl)
 from chatserve_kernels.quant import SCALE_TOKEN, dequantize_torch, scale_mode
 
 LOG2E = 1.4426950408889634
 
 
 # --------------------------------------------------------------------------- Triton kernels
-@jit
+@jit(do_not_specialize=("window", "tokens_per_split", "num_splits", "stride_bt"))
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                    block_tables_ptr, seq_lens_ptr, qsl_ptr,
                    sm_scale_log2, window, tokens_per_split, num_splits,
@@ -129,7 +130,7 @@ def merge_splits(part_o_ptr, part_lse_ptr, row, s_ok, D_PAD: tl.constexpr):
     return tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
 
 
-@jit
+@jit(do_not_specialize=("num_splits",))
 def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride_ot, stride_oh,
                   NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   S_PAD: tl.constexpr):
@@ -254,7 +255,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if split:
         _merge_kernel[(B, hq)](
             out, *partials, query_start_loc, splits, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=next_pow2(splits), num_warps=4,
+            NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=merge_pad(splits), num_warps=4,
         )
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any
 
 import torch
 
@@ -30,9 +31,27 @@ except ImportError:  # pragma: no cover - exercised only without triton
 FORCE_ENV = env.FORCE_TRITON
 
 
-def jit(fn):
-    """`triton.jit` when triton is installed; otherwise the plain function (never launched)."""
-    return triton.jit(fn) if HAS_TRITON else fn
+def jit(fn: Any = None, *, do_not_specialize: tuple[str, ...] = ()) -> Any:
+    """`triton.jit` when triton is installed; otherwise the plain function (never launched).
+
+    do_not_specialize: integer arguments that change from step to step (split sizes, the block table's
+    width). Triton otherwise compiles a new variant whenever such a value turns 1 or a multiple of 16,
+    and a server would compile in the middle of a user's request (measured on an H200: 6 kernels
+    compiled during the first requests after the warm-up, TTFT p90 3.0 s against 0.17 s warm)."""
+    if fn is None:
+        return functools.partial(jit, do_not_specialize=do_not_specialize)
+    if not HAS_TRITON:
+        return fn
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize else triton.jit(fn)
+
+
+def merge_pad(splits: int) -> int:
+    """The split-merge kernels' S_PAD for `splits` partials, in three widths (4, 16, 64) so a server
+    compiles three merge variants at its warm-up rather than one per power of two as contexts grow."""
+    for pad in (4, 16, 64):
+        if splits <= pad:
+            return pad
+    return next_pow2(splits)
 
 
 def interpreting() -> bool:

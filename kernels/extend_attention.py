@@ -9,11 +9,12 @@ import torch
 
 from chatserve_kernels.decode_attention import (attend_blocks, check_paged_args, gather_dequant, merge_splits,
                                                 paged_kernel_args, sink_softmax, softcap, take_blocks)
-from chatserve_kernels.dispatch import cdiv, compute_dtype, device_sms, dot_precision, jit, next_pow2, tl
+from chatserve_kernels.dispatch import (cdiv, compute_dtype, device_sms, dot_precision, jit, merge_pad, next_pow2,
+                                        tl)
 
 
 # --------------------------------------------------------------------------- Triton kernel
-@jit
+@jit(do_not_specialize=("window", "tokens_per_split", "num_splits", "stride_bt"))
 def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                    block_tables_ptr, seq_lens_ptr, qsl_ptr,
                    sm_scale_log2, window, tokens_per_split, num_splits,
@@ -77,7 +78,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_o_ptr, par
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@jit
+@jit(do_not_specialize=("num_splits",))
 def _extend_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, num_splits, stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                          S_PAD: tl.constexpr, SKIP_DECODE: tl.constexpr):
@@ -176,7 +177,7 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if split:
         _extend_merge_kernel[(B, hq, max_query_len)](
             out, *partials, query_start_loc, num_splits, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=next_pow2(num_splits), SKIP_DECODE=skip_decode,
+            NUM_Q_HEADS=hq, HEAD_DIM=D, D_PAD=d_pad, S_PAD=merge_pad(num_splits), SKIP_DECODE=skip_decode,
             num_warps=4,
         )
     return out

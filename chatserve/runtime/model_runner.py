@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 import chatserve_kernels
+from chatserve_kernels.triton_warm_up import warm_up_attention
 from chatserve.config import CacheConfig, EngineConfig, ModelConfig
 from chatserve.core.ngram_proposer import can_draft
 from chatserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprob
@@ -140,7 +141,8 @@ class ModelRunner:
 
     def warm_up(self) -> float:
         """One dummy prefill and one decode step over KV blocks no request owns yet, so kernels
-        compile (C at first use, Triton on CUDA) before the first user request; seconds taken."""
+        compile (C at first use, Triton on CUDA) before the first user request; on the Triton backend
+        also every split and tile variant of the attention kernels (triton_warm_up); seconds taken."""
         t0 = time.perf_counter()
         prompt_len = max(1, min(self.block_size, self.max_model_len - 1))
         blocks_needed = -(-(prompt_len + 1) // self.block_size)
@@ -157,6 +159,10 @@ class ModelRunner:
             if out.errors:
                 raise RuntimeError(f"warm-up step failed: {out.errors[WARM_UP_ID]}")
         self.sampler.drop([WARM_UP_ID])
+        if getattr(getattr(self.model, "attention_backend", None), "name", None) == "triton":
+            c = self.config                       # the split and narrow-tile variants, before any request
+            warm_up_attention(self.kv_caches[0], c.num_heads, self.dtype,
+                              {c.layer_window(i) for i in range(c.num_layers)})
         return time.perf_counter() - t0
 
     @property
