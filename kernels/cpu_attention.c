@@ -165,7 +165,7 @@ static inline int64_t block_span(const job_t *j, const item_t *it, int blk0, int
 static inline float softmax_block(float *s, int a, int z, float *mx, float *den) {
     float bmax = *mx;
     for (int t = a; t < z; t++) bmax = s[t] > bmax ? s[t] : bmax;
-    const float alpha = exp_neg(*mx - bmax);
+    const float alpha = bmax == *mx ? 1.0f : exp_neg(*mx - bmax);   /* exp_neg(0) is exactly 1 */
     *mx = bmax;
     float sum = 0.0f;
     for (int t = a; t < z; t++) {
@@ -254,7 +254,7 @@ static inline float softmax_block16(float *s, int a, int z, float *mx, float *de
         vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + c0));
     }
     const float bmax = _mm512_reduce_max_ps(vmax);
-    const float alpha = exp_neg(*mx - bmax);
+    const float alpha = bmax == *mx ? 1.0f : exp_neg(*mx - bmax);   /* exp_neg(0) is exactly 1 */
     *mx = bmax;
     float sum = 0.0f;
     for (int c0 = (a / 16) * 16; c0 < z; c0 += 16) {
@@ -576,15 +576,18 @@ static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, cons
             }
             const float tmax = _mm512_reduce_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), m, s));
             const float bmax = tmax > mx[r][g] ? tmax : mx[r][g];
-            const float alpha = exp_neg(mx[r][g] - bmax);
+            const int same = bmax == mx[r][g];          /* the max held: alpha is exactly 1, nothing to scale */
+            const float alpha = same ? 1.0f : exp_neg(mx[r][g] - bmax);
             mx[r][g] = bmax;
             const __m256i e = (__m256i)_mm512_cvtneps_pbh(
                 _mm512_maskz_mov_ps(m, exp_neg16(_mm512_sub_ps(s, _mm512_set1_ps(bmax)))));
             _mm256_storeu_si256((__m256i *)pb[r][g], e);
             const __m512 er = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16));
             den[r][g] = den[r][g] * alpha + _mm512_reduce_add_ps(er);
-            const __m512 va = _mm512_set1_ps(alpha);
-            for (int v = 0; v < NV; v++) av[r][g][v] = _mm512_mul_ps(av[r][g][v], va);
+            if (!same) {
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int v = 0; v < NV; v++) av[r][g][v] = _mm512_mul_ps(av[r][g][v], va);
+            }
         }
     for (int p = 0; p < 8; p++) {
         __m512bh vv[8];
@@ -769,7 +772,7 @@ static inline float softmax_block8(float *s, int a, int z, float *mx, float *den
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     const float bmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const float alpha = exp_neg(*mx - bmax);
+    const float alpha = bmax == *mx ? 1.0f : exp_neg(*mx - bmax);   /* exp_neg(0) is exactly 1 */
     *mx = bmax;
     float sum = 0.0f;
     for (int c0 = (a / 8) * 8; c0 < z; c0 += 8) {
