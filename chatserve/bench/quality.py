@@ -129,7 +129,13 @@ def llama_cpp_logits(python: str, path: str, tokens: list[int], threads: int | N
     import torch
 
     script = (
-        "import json, sys, numpy as np, llama_cpp\n"
+        "import json, sys, numpy as np, llama_cpp, llama_cpp.llama_cpp as C\n"
+        "default = C.llama_model_default_params\n"
+        "def plain():  # no extra buffer types (AMX, repacked weights), as bench launch: 0.3.36's AMX path\n"
+        "    p = default()  # segfaults on the Sapphire Rapids VMs here\n"
+        "    p.use_extra_bufts = False\n"
+        "    return p\n"
+        "C.llama_model_default_params = plain\n"
         "a = json.load(open(sys.argv[1]))\n"
         "m = llama_cpp.Llama(a['path'], n_ctx=len(a['tokens']) + 16, logits_all=True, verbose=False,\n"
         "                    n_threads=a['threads'] or None, n_batch=512)\n"
