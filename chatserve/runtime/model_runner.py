@@ -49,6 +49,9 @@ def gpu_kv_budget(free_bytes: int, total_bytes: int, utilization: float) -> int:
 
 
 WARM_UP_ID = "__warm_up__"
+# without batch invariance, prompt chunks of at least this many rows take torch's flash kernel (AMX on
+# CPUs with it): below it the C kernel is as fast (docs/benchmarks.md, "The AMX box, quiet")
+FLASH_PROMPT_ROWS = 256
 
 
 class ModelRunner:
@@ -93,6 +96,8 @@ class ModelRunner:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
                                  weight_quant=weight_quant, block_backend=self.block_backend)
+        if not self.batch_invariant and hasattr(self.model, "flash_rows"):
+            self.model.flash_rows = FLASH_PROMPT_ROWS      # long prompt chunks through torch's flash kernel
         if weights.tiled_store is not None:       # every tiled run is in: publish the cache file
             weights.tiled_store.finish()
         weights.release_pages()                   # in place: the GGUF pages read while loading leave the RSS

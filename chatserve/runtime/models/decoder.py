@@ -129,6 +129,7 @@ class DecoderModel:
         self.ops = pick_ops(config.rms_norm_eps, dtype, self.device, fused)
         fused_ops = self.ops.name == "cpu_fused"
         self.fused = fused
+        self.flash_rows = 0          # CpuAttention's flash_rows: set by a runner without batch invariance
         self.attention_backend: AttentionBackend | None = None     # picked for the caches at their first forward
         self._backend_caches: KVCaches | None = None
         r = WeightReader(tensors, dtype, self.device)
@@ -323,7 +324,7 @@ class DecoderModel:
             x = x * self.normalizer
         if kv_caches is not self._backend_caches:          # new caches (a runner's are one list for life)
             self.attention_backend = pick_attention_backend(self.dtype, c.num_heads, kv_caches[0],
-                                                            oracle=not self.fused)
+                                                            oracle=not self.fused, flash_rows=self.flash_rows)
             self._backend_caches = kv_caches
         assert self.attention_backend is not None
         if (self.chain is not None and (rows is None or rows.all_gen) and self.attention_backend.name == "cpu-c"
