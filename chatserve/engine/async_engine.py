@@ -1,8 +1,7 @@
 """AsyncEngine: the one asyncio step loop between the HTTP layer and the model.
 
 schedule → runner.execute in a worker thread → update → events to request_streams.py (detokenize, deltas
-on per-request channels) → the next step started before the streams run. Not the scheduler
-(core/scheduler.py), not the model (runtime/), not HTTP (server/).
+on per-request channels). Not the scheduler (core/scheduler.py), not the model (runtime/), not HTTP (server/).
 """
 from __future__ import annotations
 
@@ -225,51 +224,38 @@ class AsyncEngine:
 
     # ---- the step loop ------------------------------------------------------------------------
     async def _loop(self) -> None:
-        """Steps back to back. Once a step's results are applied (update, then dispatch: detokenize, stop
-        strings, deltas), the next step is scheduled and started before the loop yields, so the streams'
-        work (SSE framing, socket writes) runs while the model computes, not between steps. Requests that
-        arrive meanwhile join the step after."""
         assert self._wake is not None
-        out: SchedulerOutput | None = None              # the step in flight, and its future
-        fut: asyncio.Future[RunnerOutput] | None = None
-        while not self._stopping or fut is not None:
+        while not self._stopping:
             try:
-                if fut is None:
-                    if not self._sched.has_unfinished:
-                        self._wake.clear()
-                        if not self._sched.has_unfinished and not self._stopping:
-                            await self._wake.wait()
-                            await self._admission_window()
-                        continue
-                    out = self._sched.schedule()
-                    if out.is_empty and not out.finished_ids:
-                        # nothing runnable right now: wait for a new request or an abort, briefly
-                        self._wake.clear()
-                        try:
-                            await asyncio.wait_for(self._wake.wait(), 0.05)
-                        except TimeoutError:
-                            pass
-                        continue
-                    fut = self._launch(out)
-                assert out is not None
-                res = await self._result(out, fut)
-                done, out, fut = out, None, None
-                events = self._sched.update(done, res)
+                if not self._sched.has_unfinished:
+                    self._wake.clear()
+                    if not self._sched.has_unfinished and not self._stopping:
+                        await self._wake.wait()
+                        await self._admission_window()
+                    continue
+                out: SchedulerOutput = self._sched.schedule()
+                if out.is_empty and not out.finished_ids:
+                    # nothing runnable right now: wait for a new request or an abort, briefly
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+                    except TimeoutError:
+                        pass
+                    continue
+                res = await self._execute(out)
+                events = self._sched.update(out, res)
                 self._stats.steps += 1
-                self._streams.observe("iteration_tokens", done.num_batched_tokens)
+                self._streams.observe("iteration_tokens", out.num_batched_tokens)
                 self.last_step_time = time.monotonic()
                 self._apply_pending_aborts()
                 self._streams.dispatch(events)
-                if not self._stopping and self._sched.has_unfinished:
-                    nxt = self._sched.schedule()
-                    if not nxt.is_empty or nxt.finished_ids:
-                        out, fut = nxt, self._launch(nxt)
-                await asyncio.sleep(0)   # let streams and new requests run (beside the next step)
+                await asyncio.sleep(0)   # let streams and new requests run between steps
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a bug in bookkeeping: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 self._stats.step_errors += 1
+                self._in_step = False
                 self._streams.fail_all(f"engine error: {type(e).__name__}: {e}")
                 await asyncio.sleep(0.01)
 
@@ -282,15 +268,11 @@ class AsyncEngine:
         if window > 0 and not self._stopping:
             await asyncio.sleep(window)
 
-    def _launch(self, out: SchedulerOutput) -> asyncio.Future[RunnerOutput]:
-        """Start `out` on the step thread now (not at the next loop turn)."""
+    async def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._in_step = True
-        return asyncio.get_running_loop().run_in_executor(self._step_pool, self._runner.execute, out)
-
-    async def _result(self, out: SchedulerOutput, fut: asyncio.Future[RunnerOutput]) -> RunnerOutput:
-        """The step's output; a runner that raised fails that step's requests (the engine keeps serving)."""
         try:
-            return await fut
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._step_pool, self._runner.execute, out)
         except Exception as e:
             log.exception("model step failed")
             self._stats.step_errors += 1
