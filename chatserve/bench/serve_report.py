@@ -45,7 +45,8 @@ class Record:
 
 def interference_summary(records: list[Record]) -> dict[str, Any]:
     """The interference workload's figures: the streams' ITLs while the "long" prompt is being
-    prefilled (sent → first token) against their ITLs outside that window, and its TTFT."""
+    prefilled (sent → first token) against their ITLs outside that window, its TTFT, and whether every
+    stream was still decoding when that window closed (streams that end first measure less of it)."""
     long = next((r for r in records if r.job == "long" and r.ok and r.ttft_s is not None), None)
     if long is None:
         return {"long_ttft_ms": None, "itl_during_ms": _stats_ms([]), "itl_outside_ms": _stats_ms([])}
@@ -58,8 +59,10 @@ def interference_summary(records: list[Record]) -> dict[str, Any]:
         if r.job.startswith("stream"):
             for a, b in zip(r.token_times, r.token_times[1:]):
                 (during if b > lo and a < hi else outside).append(b - a)
+    streams = [r for r in records if r.job.startswith("stream")]
     res: dict[str, Any] = {"long_ttft_ms": ttft * 1e3, "itl_during_ms": _stats_ms(during),
-           "itl_outside_ms": _stats_ms(outside)}
+                           "itl_outside_ms": _stats_ms(outside),
+                           "streams_span_prefill": all(r.token_times and r.token_times[-1] >= hi for r in streams)}
     base, hit = res["itl_outside_ms"]["p99"], res["itl_during_ms"]["p99"]
     res["itl_p99_ratio"] = hit / base if base and hit is not None else None
     return res
@@ -207,8 +210,13 @@ def format_report(res: dict[str, Any]) -> str:
         it = r.get("interference")
         if it and it["long_ttft_ms"] is not None:
             d, o = it["itl_during_ms"], it["itl_outside_ms"]
-            lines.append(f"long prompt TTFT {it['long_ttft_ms']:.1f} ms; streams' ITL p50/p99 during its "
-                         f"prefill {d['p50'] or 0:.1f}/{d['p99'] or 0:.1f} ms, outside "
+            if d["p50"] is None:
+                during = "none arrived during its prefill (the streams ended first: raise --output-len)"
+            else:
+                during = f"ITL p50/p99 during its prefill {d['p50']:.1f}/{d['p99']:.1f} ms"
+                if not it.get("streams_span_prefill", True):
+                    during += " (some streams ended before its first token: raise --output-len)"
+            lines.append(f"long prompt TTFT {it['long_ttft_ms']:.1f} ms; streams' {during}, outside "
                          f"{o['p50'] or 0:.1f}/{o['p99'] or 0:.1f} ms")
         if r.get("json_parsed") is not None:
             lines.append(f"replies that parse as JSON: {r['json_parsed']}/{r['completed']}")

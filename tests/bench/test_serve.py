@@ -143,6 +143,30 @@ def test_interference_workload_splits_the_streams_itls_at_the_long_prompt(capsys
     assert it["itl_p99_ratio"] > 0
 
 
+def test_interference_says_when_the_streams_end_before_the_long_prefill():
+    """Streams that finish before the long prompt's first token measure none (or part) of its prefill: the
+    report says so instead of printing 0.0 ms (seen on a fast box with 128-token streams)."""
+    from chatserve.bench.serve_report import Record, format_report, interference_summary, summarize
+
+    def rec(job: str, start: float, times: list[float], ttft: float | None = None) -> Record:
+        return Record(job, 0, True, ttft, None, None, [], len(times), 8, None, start_s=start, token_times=times)
+
+    long = rec("long", 1.0, [3.0], ttft=2.0)                                  # prefilled from 1.0 s to 3.0 s
+    ended = interference_summary([rec("stream0", 0.0, [0.1, 0.2, 0.3]), long])
+    assert ended["itl_during_ms"]["p50"] is None and not ended["streams_span_prefill"]
+    partly = interference_summary([rec("stream0", 0.0, [0.5, 1.5, 2.0]), rec("stream1", 0.0, [0.5, 2.5, 3.5]),
+                                   long])
+    assert partly["itl_during_ms"]["p50"] is not None and not partly["streams_span_prefill"]
+    whole = interference_summary([rec("stream0", 0.0, [0.5, 2.5, 3.5]), long])
+    assert whole["streams_span_prefill"]
+    base = {**summarize([long], 4.0), "workload": "interference", "model": "m", "concurrency": None,
+            "request_rate": None}
+    text = format_report({**base, "interference": ended})
+    assert "none arrived during its prefill" in text and "0.0/0.0" not in text
+    assert "some streams ended before its first token" in format_report({**base, "interference": partly})
+    assert "raise --output-len" not in format_report({**base, "interference": whole})
+
+
 def test_interference_jobs_delay_only_the_long_prompt():
     import random
 
