@@ -148,10 +148,9 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     compute = compute_dtype(q.dtype, q.device)
     cfg = extend_config(D, group_pad, q.device, fp32=compute == tl.float32)
     if block_m is None:
-        block_m = cfg["block_m"]
         # few programs (one long chunk, few kv heads): smaller query tiles, so every SM gets work
-        while block_m * group_pad > 16 and B * hkv * cdiv(max_query_len, block_m) < device_sms(q.device):
-            block_m //= 2
+        sizes = extend_tiles(cfg["block_m"], group_pad)
+        block_m = next((m for m in sizes if B * hkv * cdiv(max_query_len, m) >= device_sms(q.device)), sizes[-1])
     block_n = block_n or cfg["block_n"]
     assert block_m * group_pad >= 16, "tl.dot needs at least 16 rows"
     tiles = cdiv(max_query_len, block_m)
@@ -181,6 +180,15 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             num_warps=4,
         )
     return out
+
+
+def extend_tiles(block_m: int, group_pad: int) -> list[int]:
+    """The query tiles extend_attention_triton may pick (the warm-up compiles each): the config's, then
+    halved while the tile holds more than 16 rows (few programs: one short chunk over few kv heads)."""
+    tiles = [block_m]
+    while tiles[-1] * group_pad > 16:
+        tiles.append(tiles[-1] // 2)
+    return tiles
 
 
 def choose_extend_splits(programs: int, max_seq_len: int, max_query_len: int, device: torch.device,

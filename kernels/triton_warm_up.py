@@ -14,19 +14,10 @@ import torch
 
 from chatserve_kernels.decode_attention import decode_attention_triton, decode_config
 from chatserve_kernels.dispatch import compute_dtype, next_pow2, tl
-from chatserve_kernels.extend_attention import extend_attention_triton, extend_config
+from chatserve_kernels.extend_attention import extend_attention_triton, extend_config, extend_tiles
 from chatserve_kernels.metadata import AttentionMetadata
 
 SPLITS = (1, 2, 5, 17)      # unsplit, then one split count per merge width (dispatch.merge_pad: 4, 16, 64)
-
-
-def extend_tiles(block_m: int, group_pad: int) -> list[int]:
-    """The query tiles extend_attention_triton may pick: its default, halved while the tile holds more
-    than 16 rows (few programs: one short chunk over few kv heads)."""
-    tiles = [block_m]
-    while tiles[-1] * group_pad > 16:
-        tiles.append(tiles[-1] // 2)
-    return tiles
 
 
 def warm_up_attention(cache: tuple[torch.Tensor, ...], q_heads: int, q_dtype: torch.dtype,

@@ -7,7 +7,8 @@ import torch
 
 from chatserve_kernels.dispatch import merge_pad
 from chatserve_kernels.quant import allocate_kv_cache
-from chatserve_kernels.triton_warm_up import extend_tiles, warm_up_attention
+from chatserve_kernels.extend_attention import extend_tiles
+from chatserve_kernels.triton_warm_up import warm_up_attention
 from kernel_cases import needs_interpreter
 
 
