@@ -11,6 +11,7 @@ Each backend's step path calls its kernels directly: no capability probe runs pe
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -47,15 +48,16 @@ class CpuAttention(TorchAttention):
 
     flash_rows > 0 (servers without batch invariance only): prompt chunks of at least that many rows go
     through torch's flash kernel instead (oneDNN brgemm: AMX tiles where the CPU has them; a 4,000-token
-    layer of the default model in 29 ms against ~145 ms on the AMX box). A row's bits then depend on the
-    chunk it came in, which is why the batch-invariant default never takes it."""
+    layer of the default model in 29 ms on the AMX box, ~5x less than the C kernel by the turn profile).
+    A row's bits then depend on the chunk it came in, which is why the batch-invariant default never
+    takes it."""
 
     name = "cpu-c"
 
     def __init__(self, flash_rows: int = 0) -> None:
         self.fn = cpu_attention.c_paged_attention()
         self.flash_rows = flash_rows
-        self._split: tuple[AttentionMetadata, AttentionMetadata | None, torch.Tensor, list[int]] | None = None
+        self._cut: _FlashCut | None = None       # the current step's split (flash_rows > 0)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: Cache, slots: torch.Tensor, all_valid: bool) -> None:
         """k, v: [T, kv_heads, d] into the plain cache through cpu_ops' row copy (the decode chain's), else
@@ -83,35 +85,43 @@ class CpuAttention(TorchAttention):
                     window: int | None, softcap: float | None, out: torch.Tensor) -> torch.Tensor:
         # q, out: [T, hq, d]. The long chunks through torch's flash kernel, one by one; every other row
         # through the C kernel, with the step's metadata cut to those sequences once (layers share it).
-        if self._split is None or self._split[0] is not meta:
-            self._split = self._cut(meta, cache[0].shape[1])
-        _, rest, rest_rows, long = self._split
-        bs = cache[0].shape[1]
-        starts = meta.query_start_loc.tolist()
-        for b in long:
-            rows = slice(starts[b], starts[b + 1])
-            sl = meta.seq_lens_list[b]
-            table = meta.block_tables[b, :(sl + bs - 1) // bs].long()
-            out[rows] = extend_attention_flash(q[rows], cache[0], cache[1], table, sl, scale, *_scales(cache))
-        if rest is not None:
-            part = torch.empty((rest_rows.shape[0], *q.shape[1:]), dtype=q.dtype)
-            self._c(q.index_select(0, rest_rows), cache, rest, scale, window, softcap, None, part)
-            out.index_copy_(0, rest_rows, part)
+        if self._cut is None or self._cut.meta is not meta:
+            self._cut = _FlashCut.of(meta, cache[0].shape[1], self.flash_rows)
+        cut = self._cut
+        for rows, seq_len, table in cut.long:
+            out[rows] = extend_attention_flash(q[rows], cache[0], cache[1], table, seq_len, scale, *_scales(cache))
+        if cut.rest is not None:
+            part = torch.empty((cut.rest_rows.shape[0], *q.shape[1:]), dtype=q.dtype)
+            self._c(q.index_select(0, cut.rest_rows), cache, cut.rest, scale, window, softcap, None, part)
+            out.index_copy_(0, cut.rest_rows, part)
         return out
 
-    def _cut(self, meta: AttentionMetadata, bs: int) -> tuple[AttentionMetadata, AttentionMetadata | None, torch.Tensor,
-                                                      list[int]]:
-        """(meta, the metadata of the sequences that stay on the C kernel or None, their rows, the long ones)"""
-        long = [b for b, ql in enumerate(meta.query_lens) if ql >= self.flash_rows]
-        keep = [b for b in range(len(meta.query_lens)) if b not in set(long)]
+
+@dataclass
+class _FlashCut:
+    """One step split for CpuAttention's flash route: the long chunks (their rows of q, seq_len, block table)
+    and the metadata of the sequences left on the C kernel (None if none) with their rows."""
+
+    meta: AttentionMetadata
+    long: list[tuple[slice, int, torch.Tensor]]
+    rest: AttentionMetadata | None
+    rest_rows: torch.Tensor
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, bs: int, flash_rows: int) -> "_FlashCut":
         starts = meta.query_start_loc.tolist()
-        rows = [r for b in keep for r in range(starts[b], starts[b + 1])]
-        if not keep:
-            return meta, None, torch.empty(0, dtype=torch.long), long
-        tables = [meta.block_tables[b, :(meta.seq_lens_list[b] + bs - 1) // bs].tolist() for b in keep]
-        rest = AttentionMetadata.build([meta.query_lens[b] for b in keep], [meta.seq_lens_list[b] for b in keep],
-                                       tables, bs, meta.block_tables.device)
-        return meta, rest, torch.tensor(rows, dtype=torch.long), long
+        long, keep = [], []
+        for b, (ql, sl) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
+            table = meta.block_tables[b, :(sl + bs - 1) // bs]
+            if ql >= flash_rows:
+                long.append((slice(starts[b], starts[b + 1]), sl, table.long()))
+            else:
+                keep.append((b, table.tolist()))
+        rows = torch.tensor([r for b, _ in keep for r in range(starts[b], starts[b + 1])], dtype=torch.long)
+        rest = None if not keep else AttentionMetadata.build(
+            [meta.query_lens[b] for b, _ in keep], [meta.seq_lens_list[b] for b, _ in keep], [t for _, t in keep],
+            bs, meta.block_tables.device)
+        return cls(meta, long, rest, rows)
 
 
 class TritonAttention:

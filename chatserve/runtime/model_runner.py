@@ -50,7 +50,8 @@ def gpu_kv_budget(free_bytes: int, total_bytes: int, utilization: float) -> int:
 
 WARM_UP_ID = "__warm_up__"
 # without batch invariance, prompt chunks of at least this many rows take torch's flash kernel (AMX on
-# CPUs with it): below it the C kernel is as fast (docs/benchmarks.md, "The AMX box, quiet")
+# CPUs with it). Not tuned: measured only on 4,000-token prompts (docs/benchmarks.md, "The AMX box, quiet");
+# short chunks stay on the C kernel, which also runs their decode rows
 FLASH_PROMPT_ROWS = 256
 
 
