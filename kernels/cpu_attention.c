@@ -60,6 +60,7 @@ typedef struct {                        /* per-thread workspace */
     float *gq;                          /* a row group's scaled queries, gq_cap floats */
     int64_t gq_cap;
     float mx[MAX_HQ], den[MAX_HQ];
+    float dv[16 * MAX_HQ * 16];          /* the bf16 body's lane denominators: up to 16 rows (GROUP) x hq x 16 */
     parts_t own;                        /* a whole row's segment partials */
     int64_t own_cap;                    /* floats each of own.acc, own.mx, own.den holds */
 } work_t;
@@ -472,9 +473,11 @@ static inline int avx512_shape(const job_t *j) {
  * A query row then scores the tile's 16 keys at once: lane t = its key's raw bf16 dot product with the raw
  * bf16 query, the head_dim pairs in four chains (pairs i ≡ c mod 4, each in order, vdpbf16ps), added as
  * (c0 + c2) + (c1 + c3), then
- * times scale; one online-softmax step per tile (exp_neg16); the tile's exp values rounded to bf16 (these are
- * the weights: the denominator sums the rounded ones) and P·V as vdpbf16ps over key pairs in order. No
- * horizontal sums per key, half the multiply instructions of the fp32 body. Every row of a bf16 cache on such
+ * times scale; one online-softmax step per tile (exp_neg16; the max moves, with a horizontal max and a
+ * rescale, only on a tile with a key above it); the tile's exp values rounded to bf16 (these are the weights:
+ * the denominator sums the rounded ones, lane by lane over the segment, its 16 lanes added at the end) and P·V
+ * as vdpbf16ps over key pairs in order. No horizontal sums per key or per tile, half the multiply
+ * instructions of the fp32 body. Every row of a bf16 cache on such
  * a build goes through it (decode rows, rows alone, row groups): a row's bits depend on its query and its
  * keys only (a key outside a row's range gets weight 0 and a zero or finite V: it adds ±0). */
 #define HAVE_BF16_DOT 1
@@ -546,10 +549,13 @@ static void pack_block(const job_t *j, int64_t off, int a, int z, uint32_t *kt, 
 
 /* R rows' (1 or 2: a pair shares the tile's loads; each row's instructions are its own, the same as alone)
  * G query heads (qp[r]: raw bf16 values as [G][D/2] pairs) over one packed tile, keys in m: scores, an
- * online-softmax step (mx[r], den[r] [G]), av[r] [G][NV] += P·V. */
+ * online-softmax step (mx[r] [G]; dv[r] [G][16]: each head's denominator as 16 lane sums, added up once at
+ * the segment's end), acc[r] [G][D] += P·V. The max moves only when a key scores above it (a compare; the
+ * horizontal max and the rescale run then only), so most tiles take no horizontal reduction at all. The
+ * accumulators live in memory between the score and P·V phases (each phase has the registers to itself). */
 static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, const uint32_t *kt, const uint16_t *vp,
-                                                            const uint32_t *const *qp, __m512 av[2][8][8],
-                                                            float *const *mx, float *const *den, __mmask16 m,
+                                                            const uint32_t *const *qp, float *const *acc,
+                                                            float *const *mx, float *const *dv, __mmask16 m,
                                                             const int R, const int G, const int NV) {
     const int D = 16 * NV, P = D / 2;
     __m512 sc[2][8][4];                                    /* row r, head g, chain c: pairs i ≡ c mod 4 */
@@ -561,9 +567,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, cons
             const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + (i + c) * 16);
             for (int r = 0; r < R; r++)
                 for (int g = 0; g < G; g++)
-                    sc[r][g][c] = _mm512_dpbf16_ps(sc[r][g][c], (__m512bh)_mm512_set1_epi32((int)qp[r][g * P + i + c]), kv);
+                    sc[r][g][c] = _mm512_dpbf16_ps(sc[r][g][c], kv, (__m512bh)_mm512_set1_epi32((int)qp[r][g * P + i + c]));
         }
     uint32_t pb[2][8][8];                                  /* each head's 16 weights as 8 bf16 key pairs */
+    float alpha[2][8];                                     /* each head's rescale of acc (1: none) */
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             __m512 s = _mm512_add_ps(_mm512_add_ps(sc[r][g][0], sc[r][g][2]), _mm512_add_ps(sc[r][g][1], sc[r][g][3]));
@@ -574,19 +581,27 @@ static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, cons
                 for (int l = 0; l < 16; l++) t[l] = capped(j, t[l]);
                 s = _mm512_loadu_ps(t);
             }
-            const float tmax = _mm512_reduce_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), m, s));
-            const float bmax = tmax > mx[r][g] ? tmax : mx[r][g];
-            const int same = bmax == mx[r][g];          /* the max held: alpha is exactly 1, nothing to scale */
-            const float alpha = same ? 1.0f : exp_neg(mx[r][g] - bmax);
-            mx[r][g] = bmax;
+            __m512 d = _mm512_loadu_ps(dv[r] + g * 16);
+            alpha[r][g] = 1.0f;
+            if (_mm512_mask_cmp_ps_mask(m, s, _mm512_set1_ps(mx[r][g]), _CMP_GT_OQ)) {   /* a key above the max */
+                const float bmax = _mm512_reduce_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), m, s));
+                alpha[r][g] = exp_neg(mx[r][g] - bmax);
+                mx[r][g] = bmax;
+                d = _mm512_mul_ps(d, _mm512_set1_ps(alpha[r][g]));
+            }
             const __m256i e = (__m256i)_mm512_cvtneps_pbh(
-                _mm512_maskz_mov_ps(m, exp_neg16(_mm512_sub_ps(s, _mm512_set1_ps(bmax)))));
+                _mm512_maskz_mov_ps(m, exp_neg16(_mm512_sub_ps(s, _mm512_set1_ps(mx[r][g])))));
             _mm256_storeu_si256((__m256i *)pb[r][g], e);
-            const __m512 er = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16));
-            den[r][g] = den[r][g] * alpha + _mm512_reduce_add_ps(er);
-            if (!same) {
-                const __m512 va = _mm512_set1_ps(alpha);
-                for (int v = 0; v < NV; v++) av[r][g][v] = _mm512_mul_ps(av[r][g][v], va);
+            d = _mm512_add_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16)));
+            _mm512_storeu_ps(dv[r] + g * 16, d);
+        }
+    __m512 av[2][8][8];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const __m512 va = _mm512_set1_ps(alpha[r][g]);
+            for (int v = 0; v < NV; v++) {
+                av[r][g][v] = _mm512_loadu_ps(acc[r] + g * D + v * 16);
+                if (alpha[r][g] != 1.0f) av[r][g][v] = _mm512_mul_ps(av[r][g][v], va);
             }
         }
     for (int p = 0; p < 8; p++) {
@@ -598,24 +613,26 @@ static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, cons
                 for (int v = 0; v < NV; v++) av[r][g][v] = _mm512_dpbf16_ps(av[r][g][v], pp, vv[v]);
             }
     }
-}
-
-/* R rows' (1 or 2, the same keys [a, z) of this block) kv head over the block's packed tiles: acc[r] [G, D]
- * in and out */
-static inline __attribute__((always_inline)) void head_tiles(const job_t *j, const uint32_t *kt, const uint16_t *vp,
-                                                             const uint32_t *const *qp, float *const *acc,
-                                                             float *const *mx, float *const *den, int a, int z,
-                                                             const int R, const int G, const int NV) {
-    const int D = 16 * NV;
-    __m512 av[2][8][8];
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++)
-            for (int v = 0; v < NV; v++) av[r][g][v] = _mm512_loadu_ps(acc[r] + g * D + v * 16);
-    for (int c0 = (a / 16) * 16; c0 < z; c0 += 16)
-        tile_bf16(j, kt + (c0 / 16) * 8 * D, vp + (c0 / 16) * 16 * D, qp, av, mx, den, tile_mask(c0, a, z), R, G, NV);
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++)
             for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc[r] + g * D + v * 16, av[r][g][v]);
+}
+
+/* R rows' (1 or 2, the same keys [a, z) of this block) kv head over the block's packed tiles: acc[r] [G, D],
+ * mx[r] [G] and the lane denominators dv[r] [G, 16] in and out */
+static inline __attribute__((always_inline)) void head_tiles(const job_t *j, const uint32_t *kt, const uint16_t *vp,
+                                                             const uint32_t *const *qp, float *const *acc,
+                                                             float *const *mx, float *const *dv, int a, int z,
+                                                             const int R, const int G, const int NV) {
+    const int D = 16 * NV;
+    for (int c0 = (a / 16) * 16; c0 < z; c0 += 16)
+        tile_bf16(j, kt + (c0 / 16) * 8 * D, vp + (c0 / 16) * 16 * D, qp, acc, mx, dv, tile_mask(c0, a, z), R, G, NV);
+}
+
+/* A segment's lane denominators (hq x 16, all zero) begun, or added up into den [hq] at its end */
+static inline void lanes_begin(float *dv, int hq) { memset(dv, 0, (size_t)hq * 16 * sizeof(float)); }
+static inline void lanes_end(const float *dv, float *den, int hq) {
+    for (int h = 0; h < hq; h++) den[h] = _mm512_reduce_add_ps(_mm512_loadu_ps(dv + h * 16));
 }
 
 /* A row's raw bf16 query heads as pairs (hq x D/2 uint32) at dst */
@@ -645,18 +662,20 @@ static inline __attribute__((always_inline)) void run_seg_bf16(const job_t *j, w
     uint16_t *vp = (uint16_t *)w->vb;
     raw_pairs(j, it->row, qp);
     memset(w->acc, 0, (size_t)G * hkv * D * sizeof(float));
-    for (int h = 0; h < G * hkv; h++) w->mx[h] = -1e30f, w->den[h] = 0.0f;
+    for (int h = 0; h < G * hkv; h++) w->mx[h] = -1e30f;
+    lanes_begin(w->dv, G * hkv);
     for (int blk0 = (k0 / bs) * bs; blk0 < sl; blk0 += bs) {
         int a, z;
         const int64_t base = block_span(j, it, blk0, k0, sl, &a, &z);
         pull_block(j, blk0 + bs < sl ? (int64_t)j->tables[(int64_t)it->b * j->bt_stride + blk0 / bs + 1] * j->c_sb : -1);
         for (int hk = 0; hk < hkv; hk++) {
             const uint32_t *q1[1] = {qp + hk * G * D / 2};
-            float *acc1[1] = {w->acc + hk * G * D}, *mx1[1] = {w->mx + hk * G}, *den1[1] = {w->den + hk * G};
+            float *acc1[1] = {w->acc + hk * G * D}, *mx1[1] = {w->mx + hk * G}, *dv1[1] = {w->dv + hk * G * 16};
             pack_block(j, base + hk * D, a, z, kt, vp, NV);
-            head_tiles(j, kt, vp, q1, acc1, mx1, den1, a, z, 1, G, NV);
+            head_tiles(j, kt, vp, q1, acc1, mx1, dv1, a, z, 1, G, NV);
         }
     }
+    lanes_end(w->dv, w->den, G * hkv);
 }
 
 /* run_rows for a bf16 cache: per block and kv head the tiles of the group's keys packed once, then each row
@@ -668,8 +687,10 @@ static inline __attribute__((always_inline)) void run_rows_bf16(const job_t *j, 
     const int32_t *table = j->tables + (int64_t)b * j->bt_stride;
     uint32_t *kt = (uint32_t *)w->kb;
     uint16_t *vp = (uint16_t *)w->vb;
+    const int hq = G * hkv;
     int kmax = k0;
     for (int r = 0; r < n; r++) kmax = rs[r].k1 > kmax ? rs[r].k1 : kmax;
+    lanes_begin(w->dv, n * hq);                /* row r's lane denominators: w->dv + r * hq * 16 */
     for (int blk0 = (k0 / bs) * bs; blk0 < kmax; blk0 += bs) {
         const int64_t base = (int64_t)table[blk0 / bs] * j->c_sb;
         const int a = k0 > blk0 ? k0 - blk0 : 0, zmax = kmax - blk0 < bs ? kmax - blk0 : bs;
@@ -684,16 +705,18 @@ static inline __attribute__((always_inline)) void run_rows_bf16(const job_t *j, 
                                          two ? (const uint32_t *)rs[r + 1].q + hk * G * D / 2 : NULL};
                 float *acc2[2] = {rs[r].acc + hk * G * D, two ? rs[r + 1].acc + hk * G * D : NULL};
                 float *mx2[2] = {rs[r].mx + hk * G, two ? rs[r + 1].mx + hk * G : NULL};
-                float *den2[2] = {rs[r].den + hk * G, two ? rs[r + 1].den + hk * G : NULL};
+                float *dv2[2] = {w->dv + ((int64_t)r * hq + hk * G) * 16,
+                                 two ? w->dv + ((int64_t)(r + 1) * hq + hk * G) * 16 : NULL};
                 if (two) {                             /* a pair over the same keys: one pass, each row as alone */
-                    head_tiles(j, kt, vp, q2, acc2, mx2, den2, a, z, 2, G, NV);
+                    head_tiles(j, kt, vp, q2, acc2, mx2, dv2, a, z, 2, G, NV);
                     r++;
                 } else {
-                    head_tiles(j, kt, vp, q2, acc2, mx2, den2, a, z, 1, G, NV);
+                    head_tiles(j, kt, vp, q2, acc2, mx2, dv2, a, z, 1, G, NV);
                 }
             }
         }
     }
+    for (int r = 0; r < n; r++) lanes_end(w->dv + (int64_t)r * hq * 16, rs[r].den, hq);
 }
 /* the shapes the bf16 body is built for (build time: each is a register-blocked copy), head_dim 64 and 3 or 4
  * query heads per kv head (SmolLM2-135M/360M, Llama 3.2 1B/3B); the others keep the fp32 body */
@@ -973,6 +996,7 @@ static int own_slots(work_t *w, int n, int hq, int D) {
 
 #if defined(HAVE_ROW_GROUP)
 #define GROUP 16                        /* most rows of one sequence that pass over its keys together */
+_Static_assert(GROUP <= 16, "work_t.dv holds the lane denominators of 16 rows");
 
 /* n = it->n consecutive rows of sequence it->b (rows it->row.., positions it->p..) that see the same first
  * key: segment after segment, the rows that reach it pass over its blocks together (rows_body), each
