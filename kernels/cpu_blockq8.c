@@ -71,10 +71,11 @@ int chatserve_bq8_quantize(const void *x, int x_bf16, int64_t m, int64_t k, floa
             float amax = 0.f;
             for (int i = 0; i < 32; i++) {
                 v[i] = x_bf16 ? bf2f(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
-                amax = fmaxf(amax, fabsf(v[i]));
+                const float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;           /* inline, not fmaxf/lrintf calls: the same values */
             }
             const float inv = amax > 0.f ? top / amax : 0.f;
-            for (int i = 0; i < 32; i++) q[base + i] = (int16_t)lrintf(v[i] * inv);
+            for (int i = 0; i < 32; i++) q[base + i] = (int16_t)__builtin_rintf(v[i] * inv);
             d[r * (k / 32) + b] = amax / top;
         }
     return 0;

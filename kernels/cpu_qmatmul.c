@@ -70,21 +70,26 @@ static inline float bf16_to_f32(uint16_t x) {
  * codes in xh; top = 32639: 15-bit codes split into two int8 planes, code = 256 · xh + xl with xl in
  * [-128, 127] (32639 = 127 · 256 + 127 keeps xh in int8). */
 static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, float top, int8_t *xh, int8_t *xl,
-                          float *sx, float *xs) {
+                          float *sx, float *xs, int nthreads) {
     const int64_t G = K / GROUP;
-    float v[GROUP];
+    /* rows split over threads (each row's arithmetic is its own); the max and the rounding inline, not as
+     * fmaxf/lrintf calls (the same values: NaN is skipped by both maxes, rintf rounds as lrintf does): 16 rows
+     * of a 1,536-wide x took 137 µs through the calls, most of a decode step's matmul at that width */
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && M > 1 && M * K >= 8192)
     for (int64_t m = 0; m < M; m++) {
+        float v[GROUP];
         for (int64_t g = 0; g < G; g++) {
             const int64_t base = m * K + g * GROUP;
             float amax = 0.f, sum = 0.f;
             for (int i = 0; i < GROUP; i++) {
                 v[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i]) : ((const float *)x)[base + i];
-                amax = fmaxf(amax, fabsf(v[i]));
+                const float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
                 sum += v[i];
             }
             const float inv = amax > 0.f ? top / amax : 0.f;
             for (int i = 0; i < GROUP; i++) {
-                const int32_t q = (int32_t)lrintf(v[i] * inv);
+                const int32_t q = (int32_t)__builtin_rintf(v[i] * inv);
                 if (!xl) {
                     xh[base + i] = (int8_t)q;
                     continue;
@@ -410,7 +415,8 @@ int chatserve_qmm(const uint8_t *w, const uint16_t *sl, int bits, int64_t N, int
         free(xq); free(sx); free(xs);
         return -1;
     }
-    quantize_rows(x, bf16, M, K, planes == 2 ? 32639.f : 127.f, xq, planes == 2 ? xq + M * K : NULL, sx, xs);
+    quantize_rows(x, bf16, M, K, planes == 2 ? 32639.f : 127.f, xq, planes == 2 ? xq + M * K : NULL, sx, xs,
+                  nthreads);
     const int nt = nthreads > 1 && tiles >= 8 ? nthreads : 1;
     /* More than 8 rows: each thread's tiles in chunks of ~CHUNK_BYTES of codes and scales, every row block
      * over a chunk before the next, so the weights stream from memory once and the later blocks read them
