@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 import chatserve_kernels
+from chatserve_kernels import cpu_build
 from chatserve_kernels.triton_warm_up import warm_up_attention
 from chatserve.config import CacheConfig, EngineConfig, ModelConfig
 from chatserve.core.ngram_proposer import can_draft
@@ -49,10 +50,17 @@ def gpu_kv_budget(free_bytes: int, total_bytes: int, utilization: float) -> int:
 
 
 WARM_UP_ID = "__warm_up__"
-# without batch invariance, prompt chunks of at least this many rows take torch's flash kernel (AMX on
-# CPUs with it). Not tuned: measured only on 4,000-token prompts (docs/benchmarks.md, "The AMX box, quiet");
-# short chunks stay on the C kernel, which also runs their decode rows
+# without batch invariance, prompt chunks of at least this many rows take torch's flash kernel, on CPUs with
+# AMX only: there it does a 4,000-token layer 5x faster than the C kernel; on AVX-512 BF16 without AMX (Zen 5)
+# it is 1.8-2.8x slower in bf16 and no faster in float32 (docs/benchmarks.md, "Zen 5, quiet"). Not tuned:
+# measured only on 4,000-token prompts; short chunks stay on the C kernel, which also runs their decode rows
 FLASH_PROMPT_ROWS = 256
+
+
+def flash_prompt_rows(cpu_flags: set[str]) -> int:
+    """The flash route's threshold for a CPU with these /proc/cpuinfo flags: FLASH_PROMPT_ROWS with AMX, else 0
+    (off)."""
+    return FLASH_PROMPT_ROWS if "amx_bf16" in cpu_flags else 0
 
 
 class ModelRunner:
@@ -97,8 +105,8 @@ class ModelRunner:
             log.info("repacking the weights as %s for the decode matmuls", weight_quant)
         self.model = build_model(self.config, weights.tensors, self.dtype, self.device, self.max_model_len,
                                  weight_quant=weight_quant, block_backend=self.block_backend)
-        if not self.batch_invariant and hasattr(self.model, "flash_rows"):
-            self.model.flash_rows = FLASH_PROMPT_ROWS      # long prompt chunks through torch's flash kernel
+        if not self.batch_invariant and hasattr(self.model, "flash_rows"):    # long prompt chunks through
+            self.model.flash_rows = flash_prompt_rows(cpu_build.cpu_flags())   # torch's flash kernel (AMX)
         if weights.tiled_store is not None:       # every tiled run is in: publish the cache file
             weights.tiled_store.finish()
         weights.release_pages()                   # in place: the GGUF pages read while loading leave the RSS

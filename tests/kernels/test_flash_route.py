@@ -38,3 +38,14 @@ def test_long_chunks_take_flash_and_the_rest_the_c_kernel(dtype, monkeypatch):
     assert flashed == [37, 33, 37, 33]                # flash_rows 0: the C kernel for every row
     short = [0, 38, 72, 73, 74, 75, 76]               # rows of the decode and short-chunk sequences
     assert torch.equal(got[short], plain[short])      # the rows left on the C kernel keep its bits
+
+
+def test_the_route_is_taken_on_amx_cpus_only():
+    """torch's flash kernel is 5x faster than the C kernel on a long bf16 prompt with AMX, and slower without it
+    (AVX-512 BF16 on Zen 5, and in float32): a server without batch invariance routes long chunks to it on AMX
+    CPUs only."""
+    from chatserve.runtime.model_runner import FLASH_PROMPT_ROWS, flash_prompt_rows
+
+    assert flash_prompt_rows({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}) == FLASH_PROMPT_ROWS > 0
+    assert flash_prompt_rows({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}) == 0
+    assert flash_prompt_rows(set()) == 0
