@@ -100,7 +100,8 @@ int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H,
         free(next);
     }
     const float top = planes == 2 ? 32639.f : 127.f;
-    quantize_rows(x, bf16, T, H, top, xq, planes == 2 ? xq + T * H : NULL, xsx, xsx + T * GH);
+    quantize_rows(x, bf16, T, H, top, xq, planes == 2 ? xq + T * H : NULL, xsx, xsx + T * GH,
+                  nthreads > 1 ? nthreads : 1);
     for (int64_t s = 0; s < S; s++) {                 /* the slot's row of quantized x, at its grouped place */
         const int64_t t = s / k, p = pos[s];
         memcpy(gq + p * H, xq + t * H, (size_t)H);
@@ -125,7 +126,7 @@ int chatserve_moe(const int64_t *gu_w, const int64_t *dn_w, int bits, int64_t H,
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < S; p++)             /* h quantized per slot as the down matmul's input */
             quantize_rows(hh + (size_t)(p * I) * ab, bf16, 1, I, top, hq + p * I,
-                          planes == 2 ? hq + S * I + p * I : NULL, hsx + p * GI, hsx + S * GI + p * GI);
+                          planes == 2 ? hq + S * I + p * I : NULL, hsx + p * GI, hsx + S * GI + p * GI, 1);
         #pragma omp for schedule(static)
         for (int64_t j = 0; j < n2; j++) {          /* down of every group: yd [S, H] */
             const int64_t g = jobs2[j].g, r0 = gstart[g], M = gstart[g + 1] - r0, e = gexp[g];
