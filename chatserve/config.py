@@ -300,8 +300,8 @@ class ModelConfig:
         True, "a request's tokens and logprobs do not depend on the requests that share its steps: "
         "generated-token rows always take the quantized matmuls and prompt rows the dense ones "
         "(docs/kernels.md); off (--no-batch-invariant): by step size, a few %% more throughput when "
-        "prefills share steps with decodes, and prompts of 256+ tokens attended by torch's flash kernel "
-        "(2.4x faster 4,000-token prefills on AMX CPUs; docs/benchmarks.md)")
+        "prefills share steps with decodes, and on AMX CPUs prompts of 256+ tokens attended by torch's flash "
+        "kernel (2.4x faster 4,000-token prefills there; docs/benchmarks.md)")
     seed: int | None = option(None, "seed of the sampler's random generator for requests without a seed",
                               shown_default="random per process")
 
